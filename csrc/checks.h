@@ -1,0 +1,106 @@
+// Argument validation shared by the CPU (csrc/) and CUDA (cuda/) bindings. Every check runs
+// before a kernel writes anything, and raises ValueError / TypeError naming the argument,
+// with the same wording as hetero_comm/reference.py.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <initializer_list>
+#include <string>
+
+#include "kernels/common.h"
+
+namespace hetero_comm {
+
+constexpr int64_t kMaxBlockSize = int64_t{1} << 16;
+
+inline std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
+
+inline void check_tensor(const at::Tensor& t, const char* name,
+                         std::initializer_list<at::ScalarType> dtypes, int64_t ndim,
+                         bool writable = false) {
+  bool dtype_ok = false;
+  std::string allowed;
+  for (auto d : dtypes) {
+    dtype_ok = dtype_ok || t.scalar_type() == d;
+    allowed += (allowed.empty() ? "" : ", ") + dtype_name(d);
+  }
+  TORCH_CHECK_TYPE(dtype_ok, name, " must have dtype ", allowed, "; got ",
+                   dtype_name(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.dim() == ndim, name, " must be ", ndim, "-D; got a tensor of shape ",
+                    t.sizes());
+  TORCH_CHECK_VALUE(!writable || t.is_contiguous(), name,
+                    " is written in place and must be contiguous");
+}
+
+inline void check_same_device(const at::Tensor& a, const char* a_name, const at::Tensor& b,
+                              const char* b_name) {
+  TORCH_CHECK_VALUE(a.device() == b.device(), "all tensors must be on one device; got ",
+                    a_name, " on ", a.device(), ", ", b_name, " on ", b.device());
+}
+
+inline void check_positive(const char* name, int64_t value) {
+  TORCH_CHECK_VALUE(value > 0, name, " must satisfy ", name, " >= 1; got ", value);
+}
+
+inline void check_block_size(int64_t block_size) {
+  TORCH_CHECK_VALUE(block_size > 0 && block_size <= kMaxBlockSize &&
+                        (block_size & (block_size - 1)) == 0,
+                    "block_size must be a power of two in [1, ", kMaxBlockSize, "]; got ",
+                    block_size);
+}
+
+// Indices must be int64, 1-D, strictly increasing and in [0, count). `host_indices` is a
+// CPU copy (CUDA callers pass indices.cpu()); `indices` is the caller's tensor.
+inline void check_indices(const at::Tensor& host_indices, int64_t count) {
+  check_tensor(host_indices, "indices", {at::kLong}, 1);
+  const int64_t k = host_indices.numel();
+  if (k == 0) return;
+  const at::Tensor contiguous = host_indices.contiguous();
+  const int64_t* idx = contiguous.const_data_ptr<int64_t>();
+  int64_t lo = idx[0], hi = idx[0];
+  bool increasing = true;
+  for (int64_t j = 1; j < k; ++j) {
+    lo = idx[j] < lo ? idx[j] : lo;
+    hi = idx[j] > hi ? idx[j] : hi;
+    increasing = increasing && idx[j] > idx[j - 1];
+  }
+  TORCH_CHECK_VALUE(lo >= 0 && hi < count, "indices must lie in [0, ", count,
+                    ") (the number of segments); got values from ", lo, " to ", hi);
+  TORCH_CHECK_VALUE(increasing, "indices must be strictly increasing (sorted, no duplicates)");
+}
+
+inline void check_k(int64_t k, int64_t count) {
+  TORCH_CHECK_VALUE(k >= 0 && k <= count, "k must satisfy 0 <= k <= ", count,
+                    " (the number of segments); got ", k);
+}
+
+inline void check_quant_dtype(at::ScalarType dtype) {
+  TORCH_CHECK_TYPE(dtype == at::kChar || dtype == at::kShort || dtype == at::kInt,
+                   "dtype must be int8, int16 or int32; got ", dtype_name(dtype));
+}
+
+inline int64_t quant_dtype_max(at::ScalarType dtype) {
+  return dtype == at::kChar ? 127 : dtype == at::kShort ? 32767 : 2147483647;
+}
+
+inline void check_levels(int64_t levels, at::ScalarType dtype) {
+  const int64_t upper = quant_dtype_max(dtype);
+  TORCH_CHECK_VALUE(levels >= 1 && levels <= upper, "levels must satisfy 1 <= levels <= ", upper,
+                    " for ", dtype_name(dtype), "; got ", levels);
+}
+
+// Scale: float32 [num_blocks], finite and >= 0. `host_scale` is a CPU copy.
+inline void check_scale(const at::Tensor& host_scale, int64_t num_blocks) {
+  check_tensor(host_scale, "scale", {at::kFloat}, 1);
+  TORCH_CHECK_VALUE(host_scale.numel() == num_blocks, "scale must have one entry per block (",
+                    num_blocks, "); got ", host_scale.numel());
+  const at::Tensor contiguous = host_scale.contiguous();
+  const float* s = contiguous.const_data_ptr<float>();
+  bool ok = true;
+  for (int64_t i = 0; i < num_blocks; ++i) ok = ok && s[i] >= 0.0f && s[i] <= 3.4028235e38f;
+  TORCH_CHECK_VALUE(ok, "scale must be finite and >= 0");
+}
+
+}  // namespace hetero_comm

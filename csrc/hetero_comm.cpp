@@ -1,0 +1,28 @@
+// Every hetero_comm operator schema, in one place, plus the module init that makes
+// `import hetero_comm._C` run the static registrations. Kernels live in csrc/<family>.cpp
+// (CPU) and cuda/<family>.cu (CUDA); schemas never do, so a CPU-only build defines every op.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(hetero_comm, m) {
+  m.def("segment_accumulate_(Tensor(a!) residual, Tensor grad, int segment_size) -> Tensor");
+  m.def("select_segments(Tensor importance, int k) -> Tensor");
+  m.def("pack_segments_(Tensor(a!) residual, Tensor indices, int segment_size) -> Tensor");
+  m.def("pack_segments_into_(Tensor(a!) residual, Tensor indices, int segment_size, "
+        "Tensor(b!) out) -> ()");
+  m.def("unpack_segments(Tensor packed, Tensor indices, int segment_size, int numel, "
+        "float scale=1.0) -> Tensor");
+  m.def("unpack_segments_into_(Tensor packed, Tensor indices, int segment_size, float scale, "
+        "Tensor(a!) out) -> ()");
+  m.def("dct_encode(Tensor x, int block_size, int keep) -> Tensor");
+  m.def("dct_decode(Tensor coeffs, int block_size, int numel) -> Tensor");
+  m.def("quantize(Tensor x, Tensor scale, int levels, ScalarType dtype) -> Tensor");
+  m.def("dequantize(Tensor q, Tensor scale, int levels) -> Tensor");
+  // Diagnostics: how many distinct threads at::parallel_for used (proves OpenMP is on).
+  m.def("_parallel_threads_used(int work_items) -> int");
+}
+
+extern "C" PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}

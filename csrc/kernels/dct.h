@@ -1,0 +1,74 @@
+// Torch-free fast blockwise DCT-II (Lee's recursive algorithm) and its exact transpose (the
+// DCT-III), O(B log B) per block instead of O(B * keep). The lane type V is either float or
+// a GCC vector of floats, so one call transforms several blocks at once, one per lane.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace hetero_comm {
+
+// Twiddles 0.5 / cos(pi (2i + 1) / (2N)) for every power of two N in [2, block_size]:
+// the N/2 values of size N start at offset N/2 - 1.
+inline std::vector<float> dct_twiddles(int64_t block_size) {
+  std::vector<float> twiddles(block_size > 1 ? block_size - 1 : 0);
+  for (int64_t n = 2; n <= block_size; n *= 2) {
+    for (int64_t i = 0; i < n / 2; ++i) {
+      const double angle = M_PI * static_cast<double>(2 * i + 1) / static_cast<double>(2 * n);
+      twiddles[n / 2 - 1 + i] = static_cast<float>(0.5 / std::cos(angle));
+    }
+  }
+  return twiddles;
+}
+
+// Orthonormal scale of coefficient k: sqrt(1/B) for k = 0, sqrt(2/B) otherwise.
+inline float dct_ortho_scale(int64_t k, int64_t block_size) {
+  return static_cast<float>(std::sqrt((k == 0 ? 1.0 : 2.0) / static_cast<double>(block_size)));
+}
+
+// Unnormalised DCT-II in place: x[k] <- sum_i x[i] cos(pi (2i + 1) k / (2n)).
+// `scratch` holds n values; both arrays are clobbered by the recursion.
+template <typename V>
+void dct2_unnormalized(V* x, V* scratch, int64_t n, const float* twiddles) {
+  if (n == 1) return;
+  const int64_t half = n / 2;
+  const float* twiddle = twiddles + half - 1;
+  for (int64_t i = 0; i < half; ++i) {
+    const V low = x[i], high = x[n - 1 - i];
+    scratch[i] = low + high;
+    scratch[half + i] = (low - high) * twiddle[i];
+  }
+  dct2_unnormalized(scratch, x, half, twiddles);
+  dct2_unnormalized(scratch + half, x + half, half, twiddles);
+  for (int64_t i = 0; i + 1 < half; ++i) {
+    x[2 * i] = scratch[i];
+    x[2 * i + 1] = scratch[half + i] + scratch[half + i + 1];
+  }
+  x[n - 2] = scratch[half - 1];
+  x[n - 1] = scratch[n - 1];
+}
+
+// The transpose of dct2_unnormalized (an unnormalised DCT-III with full weight on x[0]):
+// x[i] <- sum_k x[k] cos(pi (2i + 1) k / (2n)).
+template <typename V>
+void dct3_unnormalized(V* x, V* scratch, int64_t n, const float* twiddles) {
+  if (n == 1) return;
+  const int64_t half = n / 2;
+  const float* twiddle = twiddles + half - 1;
+  scratch[0] = x[0];
+  scratch[half] = x[1];
+  for (int64_t i = 1; i < half; ++i) {
+    scratch[i] = x[2 * i];
+    scratch[half + i] = x[2 * i + 1] + x[2 * i - 1];
+  }
+  dct3_unnormalized(scratch, x, half, twiddles);
+  dct3_unnormalized(scratch + half, x + half, half, twiddles);
+  for (int64_t i = 0; i < half; ++i) {
+    const V even = scratch[i], odd = scratch[half + i] * twiddle[i];
+    x[i] = even + odd;
+    x[n - 1 - i] = even - odd;
+  }
+}
+
+}  // namespace hetero_comm

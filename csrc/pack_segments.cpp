@@ -1,0 +1,131 @@
+// CPU kernels of pack_segments_ / pack_segments_into_ (gather the selected segments and zero
+// them in the residual) and unpack_segments / unpack_segments_into_ (the inverse scatter).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "checks.h"
+#include "kernels/segments.h"
+
+namespace hetero_comm {
+namespace {
+
+constexpr int64_t kGrainElements = 1 << 16;
+
+int64_t grain_segments(int64_t segment_size) {
+  return std::max<int64_t>(1, kGrainElements / segment_size);
+}
+
+void check_pack_args(const at::Tensor& residual, const at::Tensor& indices, int64_t segment_size) {
+  check_tensor(residual, "residual", {at::kFloat}, 1, /*writable=*/true);
+  check_positive("segment_size", segment_size);
+  check_same_device(residual, "residual", indices, "indices");
+  check_indices(indices, num_segments(residual.numel(), segment_size));
+}
+
+void check_out(const at::Tensor& out, const at::Tensor& other, const char* other_name,
+               int64_t expected, const char* expected_what) {
+  check_tensor(out, "out", {at::kFloat, at::kBFloat16, at::kHalf}, 1, /*writable=*/true);
+  check_same_device(other, other_name, out, "out");
+  TORCH_CHECK_VALUE(out.numel() == expected, "out must have ", expected_what, " = ", expected,
+                    " elements; got ", out.numel());
+}
+
+// Assumes validated arguments.
+void pack_into(at::Tensor& residual, const at::Tensor& indices, int64_t segment_size,
+               at::Tensor& out) {
+  const at::Tensor idx_contiguous = indices.contiguous();
+  const int64_t* idx = idx_contiguous.const_data_ptr<int64_t>();
+  const int64_t k = indices.numel(), numel = residual.numel();
+  float* residual_data = residual.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "pack_segments_", [&] {
+    scalar_t* out_data = out.data_ptr<scalar_t>();
+    at::parallel_for(0, k, grain_segments(segment_size), [&](int64_t first, int64_t last) {
+      for (int64_t j = first; j < last; ++j) {
+        const int64_t begin = idx[j] * segment_size;
+        pack_segment(residual_data + begin, std::min(segment_size, numel - begin), segment_size,
+                     out_data + j * segment_size);
+      }
+    });
+  });
+}
+
+at::Tensor pack_segments_cpu(at::Tensor& residual, const at::Tensor& indices, int64_t segment_size) {
+  check_pack_args(residual, indices, segment_size);
+  at::Tensor out = at::empty({indices.numel() * segment_size}, residual.options());
+  pack_into(residual, indices, segment_size, out);
+  return out;
+}
+
+void pack_segments_into_cpu(at::Tensor& residual, const at::Tensor& indices, int64_t segment_size,
+                            at::Tensor& out) {
+  check_pack_args(residual, indices, segment_size);
+  check_out(out, residual, "residual", indices.numel() * segment_size, "k * segment_size");
+  pack_into(residual, indices, segment_size, out);
+}
+
+void check_unpack_args(const at::Tensor& packed, const at::Tensor& indices, int64_t segment_size,
+                       int64_t numel, double scale) {
+  check_tensor(packed, "packed", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
+  check_positive("segment_size", segment_size);
+  TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0; got ", numel);
+  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite; got ", scale);
+  check_same_device(packed, "packed", indices, "indices");
+  check_indices(indices, num_segments(numel, segment_size));
+  TORCH_CHECK_VALUE(packed.numel() == indices.numel() * segment_size,
+                    "packed must have k * segment_size = ", indices.numel() * segment_size,
+                    " elements; got ", packed.numel());
+}
+
+// Assumes validated arguments; writes every element of `out`.
+void unpack_into(const at::Tensor& packed, const at::Tensor& indices, int64_t segment_size,
+                 double scale, at::Tensor& out) {
+  const at::Tensor idx_contiguous = indices.contiguous();
+  const at::Tensor packed_contiguous = packed.contiguous();
+  const int64_t* idx = idx_contiguous.const_data_ptr<int64_t>();
+  const int64_t k = indices.numel(), numel = out.numel();
+  const int64_t segments = num_segments(numel, segment_size);
+  const float scale_f = static_cast<float>(scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, packed.scalar_type(), "unpack_segments", [&] {
+    using packed_t = scalar_t;
+    const packed_t* packed_data = packed_contiguous.const_data_ptr<packed_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "unpack_segments", [&] {
+      scalar_t* out_data = out.data_ptr<scalar_t>();
+      at::parallel_for(0, segments, grain_segments(segment_size), [&](int64_t first, int64_t last) {
+        const int64_t next = std::lower_bound(idx, idx + k, first) - idx;
+        unpack_segment_range(packed_data, idx, k, next, segment_size, numel, scale_f, first, last,
+                             out_data);
+      });
+    });
+  });
+}
+
+at::Tensor unpack_segments_cpu(const at::Tensor& packed, const at::Tensor& indices,
+                               int64_t segment_size, int64_t numel, double scale) {
+  check_unpack_args(packed, indices, segment_size, numel, scale);
+  at::Tensor out = at::empty({numel}, packed.options().dtype(at::kFloat));
+  unpack_into(packed, indices, segment_size, scale, out);
+  return out;
+}
+
+void unpack_segments_into_cpu(const at::Tensor& packed, const at::Tensor& indices,
+                              int64_t segment_size, double scale, at::Tensor& out) {
+  check_unpack_args(packed, indices, segment_size, out.numel(), scale);
+  check_out(out, packed, "packed", out.numel(), "numel");
+  unpack_into(packed, indices, segment_size, scale, out);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hetero_comm, CPU, m) {
+  m.impl("pack_segments_", &pack_segments_cpu);
+  m.impl("pack_segments_into_", &pack_segments_into_cpu);
+  m.impl("unpack_segments", &unpack_segments_cpu);
+  m.impl("unpack_segments_into_", &unpack_segments_into_cpu);
+}
+
+}  // namespace hetero_comm

@@ -1,0 +1,174 @@
+// pack_segments_ / pack_segments_into_: gather the selected segments into a packed buffer of
+// k * segment_size values (a short last segment zero padded) and zero them in the residual.
+// unpack_segments / unpack_segments_into_: write every element of the output, zero except the
+// selected segments, which get scale * packed. See hetero_comm/reference.py for the spec.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+
+#include "../csrc/checks.h"
+#include "cuda_utils.cuh"
+
+namespace hetero_comm {
+namespace cuda {
+namespace {
+
+// Packed element p belongs to segment indices[p / segment_size], offset p % segment_size.
+// Indices are distinct, so each residual element is read and zeroed by exactly one thread.
+template <typename OutT>
+__global__ void pack_kernel(float* __restrict__ residual, int64_t n,
+                            const int64_t* __restrict__ indices, int64_t segment_size,
+                            int64_t packed_numel, OutT* __restrict__ packed) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packed_numel;
+       p += stride) {
+    const int64_t source = indices[p / segment_size] * segment_size + p % segment_size;
+    float value = 0.0f;  // padding of a short last segment
+    if (source < n) {
+      value = residual[source];
+      residual[source] = 0.0f;
+    }
+    packed[p] = static_cast<OutT>(value);
+  }
+}
+
+template <typename OutT>
+__global__ void fill_zero_kernel(OutT* __restrict__ out, int64_t numel) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
+       i += stride) {
+    out[i] = static_cast<OutT>(0.0f);
+  }
+}
+
+// Runs after fill_zero_kernel on the same stream: the selected segments overwrite the zeros,
+// the padding of a short last segment is dropped.
+template <typename PackedT, typename OutT>
+__global__ void unpack_kernel(const PackedT* __restrict__ packed, int64_t packed_numel,
+                              const int64_t* __restrict__ indices, int64_t segment_size,
+                              float scale, int64_t numel, OutT* __restrict__ out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packed_numel;
+       p += stride) {
+    const int64_t target = indices[p / segment_size] * segment_size + p % segment_size;
+    if (target < numel) out[target] = static_cast<OutT>(static_cast<float>(packed[p]) * scale);
+  }
+}
+
+void pack_impl(at::Tensor& residual, const at::Tensor& indices, int64_t segment_size,
+               const std::optional<at::Tensor>& given_out, at::Tensor& out) {
+  check_tensor(residual, "residual", {at::kFloat}, 1, /*writable=*/true);
+  check_positive("segment_size", segment_size);
+  check_indices(indices.cpu(), num_segments(residual.numel(), segment_size));
+  check_same_device(residual, "residual", indices, "indices");
+  const int64_t packed_numel = indices.numel() * segment_size;
+  if (given_out.has_value()) {
+    out = *given_out;
+    check_tensor(out, "out", {at::kFloat, at::kBFloat16, at::kHalf}, 1, /*writable=*/true);
+    check_same_device(residual, "residual", out, "out");
+    TORCH_CHECK_VALUE(out.numel() == packed_numel, "out must have k * segment_size = ",
+                      packed_numel, " elements; got ", out.numel());
+  }
+
+  const c10::cuda::CUDAGuard guard(residual.device());
+  if (!given_out.has_value()) out = at::empty({packed_numel}, residual.options());
+  if (packed_numel == 0) return;
+  const at::Tensor indices_c = indices.contiguous();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_float_types(out.scalar_type(), "out", [&](auto tag) {
+    using OutT = decltype(tag);
+    pack_kernel<OutT><<<grid_for(packed_numel), kThreads, 0, stream>>>(
+        residual.mutable_data_ptr<float>(), residual.numel(),
+        indices_c.const_data_ptr<int64_t>(), segment_size, packed_numel,
+        out.mutable_data_ptr<OutT>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+at::Tensor pack_segments_cuda(at::Tensor& residual, const at::Tensor& indices,
+                              int64_t segment_size) {
+  at::Tensor out;
+  pack_impl(residual, indices, segment_size, std::nullopt, out);
+  return out;
+}
+
+void pack_segments_into_cuda(at::Tensor& residual, const at::Tensor& indices,
+                             int64_t segment_size, at::Tensor& out) {
+  at::Tensor result;
+  pack_impl(residual, indices, segment_size, out, result);
+}
+
+void unpack_impl(const at::Tensor& packed, const at::Tensor& indices, int64_t segment_size,
+                 int64_t numel, double scale, const std::optional<at::Tensor>& given_out,
+                 at::Tensor& out) {
+  check_tensor(packed, "packed", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
+  check_positive("segment_size", segment_size);
+  TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0; got ", numel);
+  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite; got ", scale);
+  check_indices(indices.cpu(), num_segments(numel, segment_size));
+  check_same_device(packed, "packed", indices, "indices");
+  const int64_t packed_numel = indices.numel() * segment_size;
+  TORCH_CHECK_VALUE(packed.numel() == packed_numel, "packed must have k * segment_size = ",
+                    packed_numel, " elements; got ", packed.numel());
+  if (given_out.has_value()) {
+    out = *given_out;
+    check_tensor(out, "out", {at::kFloat, at::kBFloat16, at::kHalf}, 1, /*writable=*/true);
+    check_same_device(packed, "packed", out, "out");
+    TORCH_CHECK_VALUE(out.numel() == numel, "out must have numel = ", numel,
+                      " elements; got ", out.numel());
+  }
+
+  const c10::cuda::CUDAGuard guard(packed.device());
+  if (!given_out.has_value()) out = at::empty({numel}, packed.options().dtype(at::kFloat));
+  if (numel == 0) return;
+  const at::Tensor packed_c = packed.contiguous();
+  const at::Tensor indices_c = indices.contiguous();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // Python float -> float32, as PyTorch multiplies a float32 tensor by a Python scalar.
+  const float scale_f = static_cast<float>(scale);
+  dispatch_float_types(out.scalar_type(), "out", [&](auto out_tag) {
+    using OutT = decltype(out_tag);
+    OutT* out_ptr = out.mutable_data_ptr<OutT>();
+    fill_zero_kernel<OutT><<<grid_for(numel), kThreads, 0, stream>>>(out_ptr, numel);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (packed_numel == 0) return;
+    dispatch_float_types(packed.scalar_type(), "packed", [&](auto packed_tag) {
+      using PackedT = decltype(packed_tag);
+      unpack_kernel<PackedT, OutT><<<grid_for(packed_numel), kThreads, 0, stream>>>(
+          packed_c.const_data_ptr<PackedT>(), packed_numel, indices_c.const_data_ptr<int64_t>(),
+          segment_size, scale_f, numel, out_ptr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
+at::Tensor unpack_segments_cuda(const at::Tensor& packed, const at::Tensor& indices,
+                                int64_t segment_size, int64_t numel, double scale) {
+  at::Tensor out;
+  unpack_impl(packed, indices, segment_size, numel, scale, std::nullopt, out);
+  return out;
+}
+
+void unpack_segments_into_cuda(const at::Tensor& packed, const at::Tensor& indices,
+                               int64_t segment_size, double scale, at::Tensor& out) {
+  // The schema has no numel: the output's length is out.numel().
+  at::Tensor result;
+  unpack_impl(packed, indices, segment_size, out.numel(), scale, out, result);
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace hetero_comm
+
+TORCH_LIBRARY_IMPL(hetero_comm, CUDA, m) {
+  m.impl("pack_segments_", &hetero_comm::cuda::pack_segments_cuda);
+  m.impl("pack_segments_into_", &hetero_comm::cuda::pack_segments_into_cuda);
+  m.impl("unpack_segments", &hetero_comm::cuda::unpack_segments_cuda);
+  m.impl("unpack_segments_into_", &hetero_comm::cuda::unpack_segments_into_cuda);
+}

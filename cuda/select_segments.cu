@@ -1,0 +1,269 @@
+// select_segments: indices of the k largest importance values, ascending, ties to the lower
+// index. Linear time and deterministic:
+//   1. radix select over the 32-bit order-preserving keys (ordered_key), two 16-bit passes
+//      of histogram + bin search, entirely on the device, gives the k-th largest key T and
+//      `needed`, how many keys equal to T are taken (k minus the number of keys above T);
+//   2. an ordered compaction over tiles of 4096 values writes every index whose key is
+//      above T, plus the first `needed` indices whose key equals T, in index order.
+// The only host synchronisation reads the "non-finite value seen" flag of the first pass.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../csrc/checks.h"
+#include "cuda_utils.cuh"
+
+namespace hetero_comm {
+namespace cuda {
+namespace {
+
+constexpr int kRadixBins = 1 << 16;
+constexpr uint32_t kNoBin = 0xffffffffu;
+constexpr int kFindThreads = 1024;
+constexpr int kBinsPerThread = kRadixBins / kFindThreads;
+constexpr int kTileRounds = 16;
+constexpr int64_t kTile = int64_t{kThreads} * kTileRounds;
+
+// Workspace: two histograms, then these int64 slots.
+enum Slot : int64_t {
+  kNonFinite = 0,      // set to 1 if any importance value is NaN or infinite
+  kHighBin = 1,        // high 16 bits of the threshold key
+  kHighRemaining = 2,  // rank of the threshold among keys whose high bits are kHighBin
+  kLowBin = 3,         // low 16 bits of the threshold key
+  kNeeded = 4,         // keys equal to the threshold that are selected
+  kSlotCount = 5,
+};
+
+// Pass 1 (high_bin == nullptr): histogram of key >> 16 over every value, and the non-finite
+// flag. Pass 2: histogram of key & 0xffff over the values whose high bits are *high_bin.
+// Lanes with the same bin add once per warp (__match_any_sync), so a vector of equal values
+// does not serialise on one counter.
+__global__ void radix_histogram_kernel(const float* __restrict__ importance, int64_t n,
+                                       const int64_t* __restrict__ high_bin,
+                                       unsigned long long* __restrict__ hist,
+                                       int64_t* __restrict__ nonfinite) {
+  const int lane = threadIdx.x % 32;
+  const bool low_pass = high_bin != nullptr;
+  const uint32_t wanted_high = low_pass ? static_cast<uint32_t>(*high_bin) : 0u;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  // The loop bound is uniform across the block, so the whole warp reaches __match_any_sync.
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x; base < n; base += stride) {
+    const int64_t i = base + threadIdx.x;
+    uint32_t bin = kNoBin;
+    if (i < n) {
+      const float value = importance[i];
+      const uint32_t key = ordered_key(value);
+      if (!low_pass) {
+        if (!isfinite(value)) *nonfinite = 1;
+        bin = key >> 16;
+      } else if ((key >> 16) == wanted_high) {
+        bin = key & 0xffffu;
+      }
+    }
+    const unsigned peers = __match_any_sync(kFullMask, bin);
+    if (bin != kNoBin && lane == __ffs(peers) - 1) {
+      atomicAdd(&hist[bin], static_cast<unsigned long long>(__popc(peers)));
+    }
+  }
+}
+
+// One block of kFindThreads threads. Finds the bin b holding the `remaining`-th largest
+// counted key (1 <= remaining <= total count): count(bins > b) < remaining <= count(bins >= b).
+// Writes b and remaining - count(bins > b), the rank of the wanted key inside bin b.
+__global__ void radix_find_bin_kernel(const unsigned long long* __restrict__ hist, int64_t k,
+                                      const int64_t* __restrict__ remaining_in,
+                                      int64_t* __restrict__ bin_out,
+                                      int64_t* __restrict__ remaining_out) {
+  const int64_t remaining = remaining_in != nullptr ? *remaining_in : k;
+  // Thread t owns bins top - t * kBinsPerThread down to top - (t + 1) * kBinsPerThread + 1,
+  // so thread order is descending bin order.
+  const int top = kRadixBins - 1 - static_cast<int>(threadIdx.x) * kBinsPerThread;
+  int64_t local = 0;
+  for (int j = 0; j < kBinsPerThread; ++j) local += static_cast<int64_t>(hist[top - j]);
+  int64_t total = 0;
+  const int64_t above = block_exclusive_sum(local, &total);
+  if (above < remaining && remaining <= above + local) {  // exactly one thread
+    int64_t counted = above;
+    for (int j = 0; j < kBinsPerThread; ++j) {
+      const int64_t c = static_cast<int64_t>(hist[top - j]);
+      if (counted + c >= remaining) {
+        *bin_out = top - j;
+        *remaining_out = remaining - counted;
+        return;
+      }
+      counted += c;
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t threshold_key(const int64_t* slots) {
+  return (static_cast<uint32_t>(slots[kHighBin]) << 16) | static_cast<uint32_t>(slots[kLowBin]);
+}
+
+// One block of kThreads per tile: how many keys of the tile are above / equal to the
+// threshold. tile_counts[2 t] = above, tile_counts[2 t + 1] = equal.
+__global__ void tile_count_kernel(const float* __restrict__ importance, int64_t n,
+                                  const int64_t* __restrict__ slots,
+                                  int64_t* __restrict__ tile_counts) {
+  __shared__ unsigned counts[2];
+  if (threadIdx.x == 0) counts[0] = counts[1] = 0;
+  __syncthreads();
+  const uint32_t threshold = threshold_key(slots);
+  const int64_t tile_start = static_cast<int64_t>(blockIdx.x) * kTile;
+  unsigned greater = 0, equal = 0;
+  for (int round = 0; round < kTileRounds; ++round) {
+    const int64_t i = tile_start + round * kThreads + threadIdx.x;
+    if (i < n) {
+      const uint32_t key = ordered_key(importance[i]);
+      greater += key > threshold ? 1u : 0u;
+      equal += key == threshold ? 1u : 0u;
+    }
+  }
+  greater = group_sum<32>(greater);
+  equal = group_sum<32>(equal);
+  if (threadIdx.x % 32 == 0) {
+    atomicAdd(&counts[0], greater);  // integer sums: the order does not matter
+    atomicAdd(&counts[1], equal);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    tile_counts[2 * blockIdx.x] = counts[0];
+    tile_counts[2 * blockIdx.x + 1] = counts[1];
+  }
+}
+
+// One block of kFindThreads threads: exclusive prefix sums of the tile counts, in tile order.
+__global__ void tile_scan_kernel(const int64_t* __restrict__ tile_counts, int64_t tiles,
+                                 int64_t* __restrict__ tile_bases) {
+  int64_t carry_greater = 0, carry_equal = 0;
+  for (int64_t start = 0; start < tiles; start += blockDim.x) {  // uniform across the block
+    const int64_t t = start + threadIdx.x;
+    const int64_t greater = t < tiles ? tile_counts[2 * t] : 0;
+    const int64_t equal = t < tiles ? tile_counts[2 * t + 1] : 0;
+    int64_t total_greater = 0, total_equal = 0;
+    const int64_t before_greater = block_exclusive_sum(greater, &total_greater);
+    const int64_t before_equal = block_exclusive_sum(equal, &total_equal);
+    if (t < tiles) {
+      tile_bases[2 * t] = carry_greater + before_greater;
+      tile_bases[2 * t + 1] = carry_equal + before_equal;
+    }
+    carry_greater += total_greater;
+    carry_equal += total_equal;
+  }
+}
+
+// One block of kThreads per tile. Index i is selected if its key is above the threshold, or
+// equal to it and among the first `needed` such indices; its output position is the number
+// of selected indices below it: (keys above T before i) + min(keys equal to T before i, needed).
+__global__ void tile_write_kernel(const float* __restrict__ importance, int64_t n,
+                                  const int64_t* __restrict__ slots,
+                                  const int64_t* __restrict__ tile_bases,
+                                  int64_t* __restrict__ out) {
+  constexpr int kWarps = kThreads / 32;
+  __shared__ unsigned warp_greater[kWarps];
+  __shared__ unsigned warp_equal[kWarps];
+  const uint32_t threshold = threshold_key(slots);
+  const int64_t needed = slots[kNeeded];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const unsigned lanes_below = (1u << lane) - 1u;
+  int64_t greater_before = tile_bases[2 * blockIdx.x];
+  int64_t equal_before = tile_bases[2 * blockIdx.x + 1];
+  const int64_t tile_start = static_cast<int64_t>(blockIdx.x) * kTile;
+  for (int round = 0; round < kTileRounds; ++round) {
+    const int64_t i = tile_start + round * kThreads + threadIdx.x;
+    bool is_greater = false, is_equal = false;
+    if (i < n) {
+      const uint32_t key = ordered_key(importance[i]);
+      is_greater = key > threshold;
+      is_equal = key == threshold;
+    }
+    const unsigned greater_ballot = __ballot_sync(kFullMask, is_greater);
+    const unsigned equal_ballot = __ballot_sync(kFullMask, is_equal);
+    if (lane == 0) {
+      warp_greater[warp] = __popc(greater_ballot);
+      warp_equal[warp] = __popc(equal_ballot);
+    }
+    __syncthreads();
+    int64_t my_greater = greater_before + __popc(greater_ballot & lanes_below);
+    int64_t my_equal = equal_before + __popc(equal_ballot & lanes_below);
+    for (int w = 0; w < kWarps; ++w) {
+      if (w < warp) {
+        my_greater += warp_greater[w];
+        my_equal += warp_equal[w];
+      }
+      greater_before += warp_greater[w];
+      equal_before += warp_equal[w];
+    }
+    __syncthreads();  // the warp totals are rewritten in the next round
+    if (is_greater || (is_equal && my_equal < needed)) {
+      out[my_greater + (my_equal < needed ? my_equal : needed)] = i;
+    }
+  }
+}
+
+at::Tensor select_segments_cuda(const at::Tensor& importance, int64_t k) {
+  check_tensor(importance, "importance", {at::kFloat}, 1);
+  const int64_t count = importance.numel();
+  check_k(k, count);
+
+  const c10::cuda::CUDAGuard guard(importance.device());
+  const auto long_options = importance.options().dtype(at::kLong);
+  at::Tensor out = at::empty({k}, long_options);
+  if (count == 0) return out;
+
+  const at::Tensor values = importance.contiguous();
+  const float* values_ptr = values.const_data_ptr<float>();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor workspace = at::zeros({2 * kRadixBins + kSlotCount}, long_options);
+  int64_t* workspace_ptr = workspace.mutable_data_ptr<int64_t>();
+  auto* high_hist = reinterpret_cast<unsigned long long*>(workspace_ptr);
+  auto* low_hist = reinterpret_cast<unsigned long long*>(workspace_ptr + kRadixBins);
+  int64_t* slots = workspace_ptr + 2 * kRadixBins;
+
+  radix_histogram_kernel<<<grid_for(count), kThreads, 0, stream>>>(
+      values_ptr, count, nullptr, high_hist, slots + kNonFinite);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const at::Tensor nonfinite = workspace.narrow(0, 2 * kRadixBins + kNonFinite, 1).cpu();
+  TORCH_CHECK_VALUE(nonfinite.const_data_ptr<int64_t>()[0] == 0,
+                    "importance must be finite (found NaN or infinity)");
+  if (k == 0) return out;
+
+  radix_find_bin_kernel<<<1, kFindThreads, 0, stream>>>(high_hist, k, nullptr,
+                                                        slots + kHighBin,
+                                                        slots + kHighRemaining);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  radix_histogram_kernel<<<grid_for(count), kThreads, 0, stream>>>(
+      values_ptr, count, slots + kHighBin, low_hist, nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  radix_find_bin_kernel<<<1, kFindThreads, 0, stream>>>(low_hist, k, slots + kHighRemaining,
+                                                        slots + kLowBin, slots + kNeeded);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  const int64_t tiles = (count + kTile - 1) / kTile;
+  TORCH_CHECK(tiles <= 0x7fffffff, "select_segments: too many segments (", count, ")");
+  at::Tensor tile_work = at::empty({4 * tiles}, long_options);
+  int64_t* tile_counts = tile_work.mutable_data_ptr<int64_t>();
+  int64_t* tile_bases = tile_counts + 2 * tiles;
+  const unsigned tile_blocks = static_cast<unsigned>(tiles);
+  tile_count_kernel<<<tile_blocks, kThreads, 0, stream>>>(values_ptr, count, slots, tile_counts);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  tile_scan_kernel<<<1, kFindThreads, 0, stream>>>(tile_counts, tiles, tile_bases);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  tile_write_kernel<<<tile_blocks, kThreads, 0, stream>>>(values_ptr, count, slots, tile_bases,
+                                                           out.mutable_data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace hetero_comm
+
+TORCH_LIBRARY_IMPL(hetero_comm, CUDA, m) {
+  m.impl("select_segments", &hetero_comm::cuda::select_segments_cuda);
+}

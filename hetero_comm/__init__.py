@@ -1,0 +1,12 @@
+"""hetero_comm: compressed DDP communication for slow networks and unequal machines.
+
+Kernels: :mod:`hetero_comm.ops` (compiled, with :mod:`hetero_comm.reference` as the
+pure-PyTorch definition and fallback); :class:`BufferPool` for allocation-free steady state.
+"""
+
+from . import ops, reference
+from ._backend import extension_loaded, kernel_backend
+from .buffer_pool import BufferPool
+
+__all__ = ["ops", "reference", "kernel_backend", "extension_loaded", "BufferPool"]
+__version__ = "0.1.0"

@@ -1,0 +1,218 @@
+"""The public kernel API: thin typed wrappers over ``torch.ops.hetero_comm.*``.
+
+Each function has the signature and semantics of the function of the same name in
+:mod:`hetero_comm.reference` (whose docstrings are the specification) and runs the compiled
+kernel when one is registered for the input's device type, else that reference.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import reference
+from ._backend import extension_loaded, kernel_backend
+from .reference import num_segments
+
+__all__ = [
+    "segment_accumulate_",
+    "select_segments",
+    "pack_segments_",
+    "unpack_segments",
+    "dct_encode",
+    "dct_decode",
+    "quantize",
+    "dequantize",
+]
+
+
+def _compiled(tensor: torch.Tensor) -> bool:
+    return kernel_backend(tensor.device) == "compiled"
+
+
+def segment_accumulate_(residual: torch.Tensor, grad: torch.Tensor, segment_size: int) -> torch.Tensor:
+    """``residual += grad`` in place; returns float32 [S] per-segment L2 norms.
+
+    Args:
+        residual: float32 [n], contiguous, updated in place.
+        grad: float32, bfloat16 or float16 [n].
+        segment_size: elements per segment, >= 1.
+
+    Returns:
+        importance: float32 [ceil(n / segment_size)].
+    """
+    if not _compiled(residual):
+        return reference.segment_accumulate_(residual, grad, segment_size)
+    return torch.ops.hetero_comm.segment_accumulate_.default(residual, grad, segment_size)
+
+
+def select_segments(importance: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest values, ascending; ties go to the lower index.
+
+    Args:
+        importance: float32 [S], finite.
+        k: 0 <= k <= S.
+
+    Returns:
+        int64 [k], strictly increasing; the same on every machine for the same input.
+    """
+    if not _compiled(importance):
+        return reference.select_segments(importance, k)
+    return torch.ops.hetero_comm.select_segments.default(importance, k)
+
+
+def pack_segments_(residual: torch.Tensor, indices: torch.Tensor, segment_size: int,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Gather the selected segments (zero-padded to ``segment_size``) and zero them in
+    ``residual``.
+
+    Args:
+        residual: float32 [n], contiguous, modified in place.
+        indices: int64 [k], strictly increasing, in [0, S).
+        segment_size: elements per segment, >= 1.
+        out: optional float32/bfloat16/float16 [k * segment_size], contiguous.
+
+    Returns:
+        packed: ``out``, or a new float32 [k * segment_size].
+    """
+    if not _compiled(residual):
+        return reference.pack_segments_(residual, indices, segment_size, out=out)
+    if out is None:
+        return torch.ops.hetero_comm.pack_segments_.default(residual, indices, segment_size)
+    torch.ops.hetero_comm.pack_segments_into_.default(residual, indices, segment_size, out)
+    return out
+
+
+def unpack_segments(packed: torch.Tensor, indices: torch.Tensor, segment_size: int, numel: int,
+                    scale: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Scatter ``scale * packed`` to the selected segments of a zeroed flat tensor.
+
+    Args:
+        packed: float32/bfloat16/float16 [k * segment_size].
+        indices: int64 [k], strictly increasing, in [0, ceil(numel / segment_size)).
+        segment_size: elements per segment, >= 1.
+        numel: length of the result.
+        scale: factor applied to the packed values.
+        out: optional float32/bfloat16/float16 [numel], contiguous; every element is written.
+
+    Returns:
+        ``out``, or a new float32 [numel].
+    """
+    if not _compiled(packed):
+        return reference.unpack_segments(packed, indices, segment_size, numel, scale, out=out)
+    if out is None:
+        return torch.ops.hetero_comm.unpack_segments.default(packed, indices, segment_size, numel, scale)
+    if out.numel() != numel:
+        raise ValueError(f"out must have numel = {numel} elements; got {out.numel()}")
+    torch.ops.hetero_comm.unpack_segments_into_.default(packed, indices, segment_size, scale, out)
+    return out
+
+
+def dct_encode(x: torch.Tensor, block_size: int, keep: int) -> torch.Tensor:
+    """Blockwise orthonormal DCT-II keeping the ``keep`` lowest frequencies.
+
+    Args:
+        x: float32/bfloat16/float16 [n].
+        block_size: a power of two in [1, 65536].
+        keep: 0 <= keep <= block_size.
+
+    Returns:
+        coeffs: float32 [ceil(n / block_size), keep].
+    """
+    if not _compiled(x):
+        return reference.dct_encode(x, block_size, keep)
+    return torch.ops.hetero_comm.dct_encode.default(x, block_size, keep)
+
+
+def dct_decode(coeffs: torch.Tensor, block_size: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`dct_encode` (missing coefficients are zero).
+
+    Args:
+        coeffs: float32 [ceil(numel / block_size), keep].
+        block_size: a power of two in [1, 65536].
+        numel: length of the result.
+
+    Returns:
+        x_hat: float32 [numel].
+    """
+    if not _compiled(coeffs):
+        return reference.dct_decode(coeffs, block_size, numel)
+    return torch.ops.hetero_comm.dct_decode.default(coeffs, block_size, numel)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per-block quantization to integers in [-levels, levels], round half to even.
+
+    Args:
+        x: float32 [num_blocks, m], finite.
+        scale: float32 [num_blocks], finite, >= 0.
+        levels: 1 <= levels <= max of ``dtype``.
+        dtype: torch.int8, torch.int16 or torch.int32.
+
+    Returns:
+        q: ``dtype`` [num_blocks, m].
+    """
+    if not _compiled(x):
+        return reference.quantize(x, scale, levels, dtype)
+    return torch.ops.hetero_comm.quantize.default(x, scale, levels, dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, levels: int) -> torch.Tensor:
+    """``float32(q) * float32(scale / levels)`` per block.
+
+    Args:
+        q: int8/int16/int32 [num_blocks, m].
+        scale: float32 [num_blocks], finite, >= 0.
+        levels: >= 1.
+
+    Returns:
+        x_hat: float32 [num_blocks, m].
+    """
+    if not _compiled(q):
+        return reference.dequantize(q, scale, levels)
+    return torch.ops.hetero_comm.dequantize.default(q, scale, levels)
+
+
+# Shape/dtype-only implementations, so the ops work under torch.compile and opcheck.
+if extension_loaded():
+
+    @torch.library.register_fake("hetero_comm::segment_accumulate_")
+    def _segment_accumulate_fake(residual, grad, segment_size):
+        return residual.new_empty(num_segments(residual.numel(), segment_size))
+
+    @torch.library.register_fake("hetero_comm::select_segments")
+    def _select_segments_fake(importance, k):
+        return importance.new_empty(k, dtype=torch.int64)
+
+    @torch.library.register_fake("hetero_comm::pack_segments_")
+    def _pack_segments_fake(residual, indices, segment_size):
+        return residual.new_empty(indices.numel() * segment_size)
+
+    @torch.library.register_fake("hetero_comm::pack_segments_into_")
+    def _pack_segments_into_fake(residual, indices, segment_size, out):
+        return None
+
+    @torch.library.register_fake("hetero_comm::unpack_segments")
+    def _unpack_segments_fake(packed, indices, segment_size, numel, scale=1.0):
+        return packed.new_empty(numel, dtype=torch.float32)
+
+    @torch.library.register_fake("hetero_comm::unpack_segments_into_")
+    def _unpack_segments_into_fake(packed, indices, segment_size, scale, out):
+        return None
+
+    @torch.library.register_fake("hetero_comm::dct_encode")
+    def _dct_encode_fake(x, block_size, keep):
+        return x.new_empty(num_segments(x.numel(), block_size), keep, dtype=torch.float32)
+
+    @torch.library.register_fake("hetero_comm::dct_decode")
+    def _dct_decode_fake(coeffs, block_size, numel):
+        return coeffs.new_empty(numel)
+
+    @torch.library.register_fake("hetero_comm::quantize")
+    def _quantize_fake(x, scale, levels, dtype):
+        return x.new_empty(x.shape, dtype=dtype)
+
+    @torch.library.register_fake("hetero_comm::dequantize")
+    def _dequantize_fake(q, scale, levels):
+        return q.new_empty(q.shape, dtype=torch.float32)

@@ -1,0 +1,468 @@
+"""Pure-PyTorch reference of every hetero_comm kernel.
+
+Each function here is the readable definition of the compiled kernel with the same name in
+``csrc/<family>.cpp`` and ``cuda/<family>.cu``: the test oracle, the benchmark baseline, and
+the fallback when the extension is not built. The docstrings are the specification.
+
+Conventions shared by every kernel:
+
+* ``n`` is the number of elements of a flat (1-D) tensor; a *segment* is ``segment_size``
+  consecutive elements, the last one may be shorter, and ``S = ceil(n / segment_size)``.
+* Gradients may be float32, bfloat16 or float16; residuals, importance, packed values and
+  every accumulation are float32.
+* Bad input raises ``ValueError`` (``TypeError`` for a wrong dtype) naming the argument,
+  before anything is written, so a rejected call leaves every input untouched.
+* Tensors that a kernel only reads may be non-contiguous (they are read through a contiguous
+  copy); tensors that it writes must be contiguous.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "segment_accumulate_",
+    "select_segments",
+    "pack_segments_",
+    "unpack_segments",
+    "dct_encode",
+    "dct_decode",
+    "quantize",
+    "dequantize",
+    "BufferPool",
+]
+
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+QUANT_DTYPES = (torch.int8, torch.int16, torch.int32)
+MAX_BLOCK_SIZE = 1 << 16
+
+
+# ----------------------------------------------------------------------------- validation
+def _check_tensor(name: str, t: torch.Tensor, dtypes, ndim: int, *, writable: bool = False) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {allowed}; got {str(t.dtype).replace('torch.', '')}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D; got a tensor of shape {tuple(t.shape)}")
+    if writable and not t.is_contiguous():
+        raise ValueError(f"{name} is written in place and must be contiguous")
+
+
+def _check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"{name} on {dev}" for name, dev in devices.items())
+        raise ValueError(f"all tensors must be on one device; got {listed}")
+
+
+def _check_positive(name: str, value: int, upper: Optional[int] = None) -> None:
+    if value <= 0 or (upper is not None and value > upper):
+        bound = f"1 <= {name} <= {upper}" if upper is not None else f"{name} >= 1"
+        raise ValueError(f"{name} must satisfy {bound}; got {value}")
+
+
+def _check_block_size(block_size: int) -> None:
+    if block_size <= 0 or block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}]; got {block_size}")
+
+
+def num_segments(numel: int, segment_size: int) -> int:
+    """Number of segments, ``ceil(numel / segment_size)``."""
+    return (numel + segment_size - 1) // segment_size
+
+
+def _check_indices(indices: torch.Tensor, count: int, what: str = "segments") -> None:
+    _check_tensor("indices", indices, (torch.int64,), 1)
+    if indices.numel() == 0:
+        return
+    if int(indices.min()) < 0 or int(indices.max()) >= count:
+        raise ValueError(f"indices must lie in [0, {count}) (the number of {what}); "
+                         f"got values from {int(indices.min())} to {int(indices.max())}")
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise ValueError("indices must be strictly increasing (sorted, no duplicates)")
+
+
+def _check_levels(levels: int, dtype: torch.dtype) -> None:
+    upper = torch.iinfo(dtype).max
+    if levels < 1 or levels > upper:
+        raise ValueError(f"levels must satisfy 1 <= levels <= {upper} for {dtype}; got {levels}")
+
+
+def _check_scale(scale: torch.Tensor, num_blocks: int) -> None:
+    _check_tensor("scale", scale, (torch.float32,), 1)
+    if scale.numel() != num_blocks:
+        raise ValueError(f"scale must have one entry per block ({num_blocks}); got {scale.numel()}")
+    if scale.numel() and not bool((torch.isfinite(scale) & (scale >= 0)).all()):
+        raise ValueError("scale must be finite and >= 0")
+
+
+# ------------------------------------------------------------------------------ segments
+def segment_accumulate_(residual: torch.Tensor, grad: torch.Tensor, segment_size: int) -> torch.Tensor:
+    """Add ``grad`` into ``residual`` in place and return the L2 norm of each segment.
+
+    Args:
+        residual: float32 [n], contiguous; updated in place to ``residual + grad``.
+        grad: float32, bfloat16 or float16 [n].
+        segment_size: elements per segment, >= 1.
+
+    Returns:
+        importance: float32 [S], the L2 norm of each segment of the updated residual.
+    """
+    _check_tensor("residual", residual, (torch.float32,), 1, writable=True)
+    _check_tensor("grad", grad, GRAD_DTYPES, 1)
+    _check_same_device(residual=residual, grad=grad)
+    if grad.numel() != residual.numel():
+        raise ValueError(f"grad must have as many elements as residual ({residual.numel()}); got {grad.numel()}")
+    _check_positive("segment_size", segment_size)
+    residual.add_(grad)
+    n = residual.numel()
+    full = n // segment_size
+    squares = residual.square()
+    sums = squares[: full * segment_size].view(full, segment_size).sum(dim=1)
+    if n % segment_size:
+        sums = torch.cat([sums, squares[full * segment_size:].sum().view(1)])
+    return sums.sqrt()
+
+
+def select_segments(importance: torch.Tensor, k: int) -> torch.Tensor:
+    """Return the indices of the ``k`` largest importance values, in ascending order.
+
+    Ties go to the lower index and ``-0.0`` ties with ``0.0``, so the selected set is a
+    function of the values alone: every rank holding the same vector picks the same set.
+
+    Args:
+        importance: float32 [S], every value finite.
+        k: number of segments to select, 0 <= k <= S.
+
+    Returns:
+        int64 [k], strictly increasing.
+    """
+    _check_tensor("importance", importance, (torch.float32,), 1)
+    count = importance.numel()
+    if k < 0 or k > count:
+        raise ValueError(f"k must satisfy 0 <= k <= {count} (the number of segments); got {k}")
+    if count and not bool(torch.isfinite(importance).all()):
+        raise ValueError("importance must be finite (found NaN or infinity)")
+    # A stable descending sort keeps equal values in index order: ties go to the lower index.
+    order = torch.sort(importance, descending=True, stable=True).indices[:k]
+    return torch.sort(order).values
+
+
+def pack_segments_(residual: torch.Tensor, indices: torch.Tensor, segment_size: int,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Copy the selected segments into one contiguous tensor and zero them in ``residual``.
+
+    Segment ``indices[j]`` lands at ``packed[j * segment_size : (j + 1) * segment_size]``;
+    a short last segment is padded with zeros, so the packed length is always
+    ``k * segment_size`` (a fixed size per ``k``, which is what a collective needs).
+
+    Args:
+        residual: float32 [n], contiguous; the selected segments are set to zero.
+        indices: int64 [k], strictly increasing, each in [0, S).
+        segment_size: elements per segment, >= 1.
+        out: optional float32, bfloat16 or float16 [k * segment_size], contiguous, to write
+            into instead of allocating (values are rounded to its dtype).
+
+    Returns:
+        packed: ``out`` if given, else a new float32 [k * segment_size].
+    """
+    _check_tensor("residual", residual, (torch.float32,), 1, writable=True)
+    _check_positive("segment_size", segment_size)
+    _check_indices(indices, num_segments(residual.numel(), segment_size))
+    _check_same_device(residual=residual, indices=indices)
+    packed_numel = indices.numel() * segment_size
+    if out is not None:
+        _check_tensor("out", out, GRAD_DTYPES, 1, writable=True)
+        _check_same_device(residual=residual, out=out)
+        if out.numel() != packed_numel:
+            raise ValueError(f"out must have k * segment_size = {packed_numel} elements; got {out.numel()}")
+    else:
+        out = torch.empty(packed_numel, dtype=torch.float32, device=residual.device)
+    segments = _padded_segment_view(residual, segment_size)
+    picked = segments[indices]
+    out.copy_(picked.view(-1))
+    segments[indices] = 0
+    _store_padded(residual, segments)
+    return out
+
+
+def unpack_segments(packed: torch.Tensor, indices: torch.Tensor, segment_size: int, numel: int,
+                    scale: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Scatter packed segments back to a flat tensor; every other element is zero.
+
+    The inverse of :func:`pack_segments_`: ``out[segment indices[j]] = scale * packed[j-th
+    segment]``, the padding of a short last segment is dropped.
+
+    Args:
+        packed: float32, bfloat16 or float16 [k * segment_size].
+        indices: int64 [k], strictly increasing, each in [0, ceil(numel / segment_size)).
+        segment_size: elements per segment, >= 1.
+        numel: length of the result, >= 0.
+        scale: factor applied to the packed values (e.g. 1 / world_size).
+        out: optional float32, bfloat16 or float16 [numel], contiguous; every element is
+            written.
+
+    Returns:
+        ``out`` if given, else a new float32 [numel].
+    """
+    _check_tensor("packed", packed, GRAD_DTYPES, 1)
+    _check_positive("segment_size", segment_size)
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0; got {numel}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite; got {scale}")
+    _check_indices(indices, num_segments(numel, segment_size))
+    _check_same_device(packed=packed, indices=indices)
+    if packed.numel() != indices.numel() * segment_size:
+        raise ValueError(f"packed must have k * segment_size = {indices.numel() * segment_size} "
+                         f"elements; got {packed.numel()}")
+    if out is not None:
+        _check_tensor("out", out, GRAD_DTYPES, 1, writable=True)
+        _check_same_device(packed=packed, out=out)
+        if out.numel() != numel:
+            raise ValueError(f"out must have numel = {numel} elements; got {out.numel()}")
+    else:
+        out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+    full = torch.zeros(num_segments(numel, segment_size), segment_size, dtype=torch.float32,
+                       device=packed.device)
+    full[indices] = packed.float().view(-1, segment_size) * scale
+    out.copy_(full.view(-1)[:numel])
+    return out
+
+
+def _padded_segment_view(flat: torch.Tensor, segment_size: int) -> torch.Tensor:
+    """[S, segment_size] float32 copy of ``flat`` with the last segment zero-padded."""
+    segments = torch.zeros(num_segments(flat.numel(), segment_size), segment_size,
+                           dtype=torch.float32, device=flat.device)
+    segments.view(-1)[: flat.numel()] = flat
+    return segments
+
+
+def _store_padded(flat: torch.Tensor, segments: torch.Tensor) -> None:
+    flat.copy_(segments.view(-1)[: flat.numel()])
+
+
+# ------------------------------------------------------------------------------------ DCT
+def dct_basis(block_size: int, device=None) -> torch.Tensor:
+    """Orthonormal DCT-II matrix, float32 [block_size, block_size]: coeffs = basis @ block."""
+    n = torch.arange(block_size, dtype=torch.float64)
+    k = n.view(-1, 1)
+    basis = torch.cos(math.pi * (2 * n + 1) * k / (2 * block_size)) * math.sqrt(2.0 / block_size)
+    basis[0] /= math.sqrt(2.0)
+    return basis.to(dtype=torch.float32, device=device)
+
+
+def dct_encode(x: torch.Tensor, block_size: int, keep: int) -> torch.Tensor:
+    """Blockwise orthonormal DCT-II, keeping the ``keep`` lowest-frequency coefficients.
+
+    ``x`` is split into ``num_blocks = ceil(n / block_size)`` blocks, the last zero-padded;
+    coefficient ``k`` of a block ``v`` is ``s_k * sum_i v_i cos(pi (2i + 1) k / (2 B))`` with
+    ``s_0 = sqrt(1/B)`` and ``s_k = sqrt(2/B)``, as ``scipy.fft.dct(type=2, norm="ortho")``.
+
+    Args:
+        x: float32, bfloat16 or float16 [n].
+        block_size: B, a power of two in [1, 65536].
+        keep: coefficients kept per block, 0 <= keep <= block_size.
+
+    Returns:
+        coeffs: float32 [num_blocks, keep].
+    """
+    _check_tensor("x", x, GRAD_DTYPES, 1)
+    _check_block_size(block_size)
+    if keep < 0 or keep > block_size:
+        raise ValueError(f"keep must satisfy 0 <= keep <= block_size ({block_size}); got {keep}")
+    blocks = _padded_segment_view(x, block_size)
+    return blocks @ dct_basis(block_size, x.device)[:keep].T
+
+
+def dct_decode(coeffs: torch.Tensor, block_size: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`dct_encode`: missing high-frequency coefficients are taken as zero.
+
+    Args:
+        coeffs: float32 [num_blocks, keep] with num_blocks = ceil(numel / block_size) and
+            keep <= block_size.
+        block_size: B, a power of two in [1, 65536].
+        numel: length of the result, >= 0.
+
+    Returns:
+        x_hat: float32 [numel].
+    """
+    _check_tensor("coeffs", coeffs, (torch.float32,), 2)
+    _check_block_size(block_size)
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0; got {numel}")
+    blocks = num_segments(numel, block_size)
+    if coeffs.shape[0] != blocks or coeffs.shape[1] > block_size:
+        raise ValueError(f"coeffs must have shape [ceil(numel / block_size) = {blocks}, keep <= "
+                         f"{block_size}]; got {tuple(coeffs.shape)}")
+    keep = coeffs.shape[1]
+    decoded = coeffs.contiguous() @ dct_basis(block_size, coeffs.device)[:keep]
+    return decoded.reshape(-1)[:numel].contiguous()
+
+
+# ------------------------------------------------------------------------------ quantize
+def largest_float32_at_most(value: int) -> float:
+    """The largest float32 that is <= ``value`` (float32 cannot hold every int32)."""
+    as_float = torch.tensor(value, dtype=torch.float64).to(torch.float32)
+    if float(as_float) > value:
+        as_float = torch.nextafter(as_float, torch.tensor(0.0, dtype=torch.float32))
+    return float(as_float)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
+    """Quantize each block of ``x`` to integers in [-levels, levels].
+
+    With ``f = float32(levels / scale)`` per block (computed in float64, 0 where scale is 0):
+    ``q = round_half_to_even(clamp(x * f, -L, L))`` where ``L`` is the largest float32 not
+    above ``levels``; rounding is round half to even (deterministic, no randomness).
+
+    Args:
+        x: float32 [num_blocks, m], every value finite.
+        scale: float32 [num_blocks], finite and >= 0 (typically the block's max |x|).
+        levels: 1 <= levels <= the largest value of ``dtype``.
+        dtype: torch.int8, torch.int16 or torch.int32.
+
+    Returns:
+        q: ``dtype`` [num_blocks, m].
+    """
+    _check_tensor("x", x, (torch.float32,), 2)
+    if dtype not in QUANT_DTYPES:
+        raise TypeError(f"dtype must be int8, int16 or int32; got {dtype}")
+    _check_scale(scale, x.shape[0])
+    _check_same_device(x=x, scale=scale)
+    _check_levels(levels, dtype)
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise ValueError("x must be finite (found NaN or infinity)")
+    factor = torch.where(scale > 0, levels / scale.double(), torch.zeros_like(scale, dtype=torch.float64))
+    bound = largest_float32_at_most(levels)
+    scaled = (x * factor.float().unsqueeze(1)).clamp_(-bound, bound)
+    return torch.round(scaled).to(dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, levels: int) -> torch.Tensor:
+    """Map quantized blocks back to float32: ``x_hat = float32(q) * float32(scale / levels)``.
+
+    Args:
+        q: int8, int16 or int32 [num_blocks, m].
+        scale: float32 [num_blocks], finite and >= 0.
+        levels: the ``levels`` passed to :func:`quantize`, >= 1.
+
+    Returns:
+        x_hat: float32 [num_blocks, m].
+    """
+    _check_tensor("q", q, QUANT_DTYPES, 2)
+    _check_scale(scale, q.shape[0])
+    _check_same_device(q=q, scale=scale)
+    _check_positive("levels", levels)
+    step = (scale.double() / levels).float()
+    return q.float() * step.unsqueeze(1)
+
+
+# --------------------------------------------------------------------------- buffer pool
+def size_class_bytes(nbytes: int) -> int:
+    """Bytes reserved for a request: the next of {1, 1.25, 1.5, 1.75} x 2^p, at least 256.
+
+    Quarter-power-of-two classes waste at most 25% while letting buffers of nearby sizes
+    share storage.
+    """
+    if nbytes <= 256:
+        return 256
+    power = 1 << (nbytes - 1).bit_length() - 1  # largest power of two below nbytes
+    quarter = power // 4
+    return power + ((nbytes - power + quarter - 1) // quarter) * quarter
+
+
+class BufferPool:
+    """Reference-counted pool of work buffers (pure-Python reference of the C++ pool).
+
+    ``acquire`` returns a tensor with reference count 1, taking the storage of an earlier
+    released buffer of the same size class and device when one is free; ``retain`` adds a
+    reference; ``release`` removes one, and at zero the storage goes back to the pool.
+    Releasing a tensor the pool did not hand out, or one already returned, raises
+    ``ValueError``. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_use: dict = {}   # storage key -> [refcount, class bytes]
+        self._free: dict = {}     # (device, class bytes) -> list of untyped storages
+        self._owned: dict = {}    # storage key -> untyped storage, every storage the pool made
+        self._allocations = 0
+        self._reuses = 0
+        self._bytes_reserved = 0
+        self._bytes_in_use = 0
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> int:
+        return t.untyped_storage().data_ptr()
+
+    def acquire(self, numel: int, dtype: torch.dtype, device="cpu") -> torch.Tensor:
+        """Return an uninitialised contiguous ``dtype`` tensor of ``numel`` elements."""
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0; got {numel}")
+        device = torch.device(device)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        class_bytes = size_class_bytes(numel * itemsize)
+        with self._lock:
+            free = self._free.get((device, class_bytes))
+            if free:
+                storage = free.pop()
+                self._reuses += 1
+            else:
+                storage = torch.empty(class_bytes, dtype=torch.uint8, device=device).untyped_storage()
+                self._owned[storage.data_ptr()] = storage
+                self._allocations += 1
+                self._bytes_reserved += class_bytes
+            self._in_use[storage.data_ptr()] = [1, class_bytes]
+            self._bytes_in_use += class_bytes
+        return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
+
+    def _entry(self, t: torch.Tensor, action: str):
+        key = self._key(t)
+        entry = self._in_use.get(key)
+        if entry is None:
+            if key in self._owned:
+                raise ValueError(f"cannot {action} a buffer that was already released to the pool")
+            raise ValueError(f"cannot {action} a tensor this pool did not hand out")
+        return key, entry
+
+    def retain(self, t: torch.Tensor) -> None:
+        """Add one reference to a buffer handed out by :meth:`acquire`."""
+        with self._lock:
+            self._entry(t, "retain")[1][0] += 1
+
+    def release(self, t: torch.Tensor) -> None:
+        """Drop one reference; at zero the storage becomes free for the next acquire."""
+        with self._lock:
+            key, entry = self._entry(t, "release")
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self._in_use[key]
+                self._bytes_in_use -= entry[1]
+                self._free.setdefault((t.device, entry[1]), []).append(self._owned[key])
+
+    def empty_cache(self) -> None:
+        """Drop every free storage (buffers still in use are kept)."""
+        with self._lock:
+            for storages in self._free.values():
+                for storage in storages:
+                    self._bytes_reserved -= storage.nbytes()
+                    del self._owned[storage.data_ptr()]
+            self._free.clear()
+
+    def stats(self) -> dict:
+        """Counters: allocations, reuses, bytes_reserved, bytes_in_use, buffers_in_use."""
+        with self._lock:
+            return {
+                "allocations": self._allocations,
+                "reuses": self._reuses,
+                "bytes_reserved": self._bytes_reserved,
+                "bytes_in_use": self._bytes_in_use,
+                "buffers_in_use": len(self._in_use),
+            }

@@ -1,0 +1,56 @@
+"""Builds hetero_comm._C: the C++ (OpenMP) kernels, plus the CUDA kernels when possible.
+
+Environment variables:
+  HETERO_COMM_BUILD_CUDA   "auto" (default): build the CUDA kernels when the installed torch
+                           has CUDA and nvcc is found; "1": require them; "0": never.
+  HETERO_COMM_NO_EXTENSION "1": build no extension at all (the package then runs on its
+                           pure-PyTorch references).
+  HETERO_COMM_MARCH_NATIVE "1": add -march=native (faster, but the binary may not run on
+                           another CPU).
+"""
+
+import glob
+import os
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _flag(name: str, default: str) -> str:
+    return os.environ.get(name, default).strip().lower()
+
+
+def _extensions():
+    if _flag("HETERO_COMM_NO_EXTENSION", "0") in ("1", "true", "yes"):
+        return [], {}
+    import torch
+    from torch.utils import cpp_extension
+
+    build_cuda = _flag("HETERO_COMM_BUILD_CUDA", "auto")
+    cuda_possible = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if build_cuda in ("1", "true", "yes") and not cuda_possible:
+        raise RuntimeError("HETERO_COMM_BUILD_CUDA=1 but the installed torch has no CUDA or nvcc "
+                           "was not found (CUDA_HOME is unset)")
+    with_cuda = cuda_possible and build_cuda not in ("0", "false", "no")
+
+    cxx_flags = ["-O3", "-fopenmp", "-fno-math-errno"]
+    if _flag("HETERO_COMM_MARCH_NATIVE", "0") in ("1", "true", "yes"):
+        cxx_flags.append("-march=native")
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    if with_cuda:
+        sources += sorted(glob.glob(os.path.join("cuda", "*.cu")))
+        extension = cpp_extension.CUDAExtension(
+            "hetero_comm._C", sources, include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]}, extra_link_args=["-fopenmp"])
+    else:
+        extension = cpp_extension.CppExtension(
+            "hetero_comm._C", sources, include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])
+    build_ext = cpp_extension.BuildExtension.with_options(no_python_abi_suffix=False)
+    return [extension], {"build_ext": build_ext}
+
+
+ext_modules, cmdclass = _extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
