@@ -15,7 +15,22 @@ namespace hetero_comm {
 
 constexpr int64_t kMaxBlockSize = int64_t{1} << 16;
 
-inline std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
+// Python's name of a dtype ("float32", not c10's "Float"), so messages match reference.py.
+inline std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kChar: return "int8";
+    case at::kShort: return "int16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    default: return c10::toString(t);
+  }
+}
 
 inline void check_tensor(const at::Tensor& t, const char* name,
                          std::initializer_list<at::ScalarType> dtypes, int64_t ndim,

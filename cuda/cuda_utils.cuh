@@ -22,14 +22,15 @@ inline unsigned grid_for(int64_t work, int64_t per_block = kThreads) {
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > kMaxBlocks ? kMaxBlocks : blocks));
 }
 
-// Calls f(T{}) with T the C++ type of a float32 / bfloat16 / float16 tensor.
+// Calls f(T{}) with T the C++ type of a float32 / bfloat16 / float16 tensor. The dtype has
+// been validated (checks.h) before, so any other dtype is an internal error.
 template <typename F>
 void dispatch_float_types(at::ScalarType type, const char* name, F&& f) {
   switch (type) {
     case at::kFloat: f(float{}); break;
     case at::kBFloat16: f(c10::BFloat16{}); break;
     case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK_TYPE(false, name, ": unsupported dtype ", c10::toString(type));
+    default: TORCH_INTERNAL_ASSERT(false, name, ": unexpected dtype ", c10::toString(type));
   }
 }
 
@@ -40,7 +41,7 @@ void dispatch_quant_types(at::ScalarType type, const char* name, F&& f) {
     case at::kChar: f(int8_t{}); break;
     case at::kShort: f(int16_t{}); break;
     case at::kInt: f(int32_t{}); break;
-    default: TORCH_CHECK_TYPE(false, name, ": unsupported dtype ", c10::toString(type));
+    default: TORCH_INTERNAL_ASSERT(false, name, ": unexpected dtype ", c10::toString(type));
   }
 }
 

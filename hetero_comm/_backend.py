@@ -21,7 +21,7 @@ try:
     from . import _C  # noqa: F401  (importing runs the TORCH_LIBRARY registrations)
 except (ImportError, OSError) as error:  # missing build, or built against another torch
     load_error = error
-    logger.warning("hetero_comm: compiled kernels unavailable (%s); falling back to the "
+    logger.warning("compiled kernels unavailable (%s); falling back to the "
                    "pure-PyTorch reference kernels", error)
 
 _backend_by_type: dict = {}

@@ -265,6 +265,10 @@ def dct_encode(x: torch.Tensor, block_size: int, keep: int) -> torch.Tensor:
     coefficient ``k`` of a block ``v`` is ``s_k * sum_i v_i cos(pi (2i + 1) k / (2 B))`` with
     ``s_0 = sqrt(1/B)`` and ``s_k = sqrt(2/B)``, as ``scipy.fft.dct(type=2, norm="ortho")``.
 
+    The compiled CPU kernel uses a fast O(B log B) transform (Lee's algorithm) whose float32
+    error grows with B: for data of standard deviation sigma, at most about 1e-7 * B * sigma
+    (encode) and 2e-7 * B * sigma (decode), e.g. 1.2e-4 * sigma at B = 1024.
+
     Args:
         x: float32, bfloat16 or float16 [n].
         block_size: B, a power of two in [1, 65536].

@@ -1,0 +1,478 @@
+"""Benchmark every compiled hetero_comm CPU kernel against its pure-PyTorch reference.
+
+Run from the repository root, with the extension built in place::
+
+    PYTHONPATH=. python benchmarks/bench_kernels.py            # 1M, 4M and 25M elements
+    PYTHONPATH=. python benchmarks/bench_kernels.py --quick    # 1M and 4M, fewer repeats
+    PYTHONPATH=. python benchmarks/bench_kernels.py --sizes 2M,8M --threads 1 --json out.json
+
+It first measures the machine's copy bandwidth (``dst.copy_(src)`` on preallocated float32
+tensors of the largest size, bytes = read + write), then prints one table per kernel:
+configuration, reference ms, compiled ms, speedup, compiled GB/s and the compiled kernel's
+share of that copy bandwidth. Each table header states the kernel's byte model (the bytes it
+must read plus write; GB/s = bytes / median time) and whether outputs are preallocated.
+``select_segments`` is also compared with ``torch.topk``. A summary of the performance aims
+(met / not met) closes the output; ``--json PATH`` saves every number.
+
+Every time is the median of several repeats after warm-up calls (``time.perf_counter``);
+slow cases stop repeating after about two seconds once three repeats are done. Kernels that
+mutate their input get it restored outside the timed region, so repeats do the same work.
+The script exits with status 1 if the compiled kernels are not loaded: comparing the
+reference with itself would be meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+import hetero_comm
+from hetero_comm import ops, reference
+
+FULL_SIZES = (1_000_000, 4_000_000, 25_000_000)
+QUICK_SIZES = (1_000_000, 4_000_000)
+QUANT_LEVELS = 127  # int8
+DCT_CONFIGS = ((64, 8), (256, 32), (1024, 128))  # (block_size, keep)
+
+
+# ------------------------------------------------------------------------------- timing
+@dataclasses.dataclass(frozen=True)
+class TimingPolicy:
+    warmup: int
+    max_repeats: int
+    min_repeats: int = 3
+    budget_s: float = 2.0  # stop repeating after this long once min_repeats are done
+
+
+FULL_TIMING = TimingPolicy(warmup=3, max_repeats=25)
+QUICK_TIMING = TimingPolicy(warmup=1, max_repeats=7, budget_s=1.0)
+timing = FULL_TIMING  # set once by main()
+
+
+def measure(fn: Callable[[], object], setup: Optional[Callable[[], object]] = None) -> float:
+    """Median wall time of ``fn()`` in milliseconds.
+
+    ``setup`` (if given) runs before every call, warm-up calls included, outside the timed
+    region: it restores inputs that ``fn`` mutates.
+    """
+    def timed_call() -> float:
+        if setup is not None:
+            setup()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    warmup_spent = 0.0
+    for _ in range(timing.warmup):
+        warmup_spent += timed_call()
+        if warmup_spent > timing.budget_s:  # one warm-up is enough for a multi-second call
+            break
+    samples: List[float] = []
+    while len(samples) < timing.max_repeats:
+        samples.append(timed_call())
+        if len(samples) >= timing.min_repeats and sum(samples) > timing.budget_s:
+            break
+    return statistics.median(samples) * 1e3
+
+
+# ---------------------------------------------------------------------------- results
+@dataclasses.dataclass
+class Row:
+    kernel: str
+    config: str
+    numel: int
+    bytes: int
+    reference_ms: float
+    compiled_ms: float
+    speedup: float = 0.0
+    compiled_gbps: float = 0.0
+    pct_of_copy: float = 0.0
+    topk_ms: Optional[float] = None
+    speedup_vs_topk: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        self.speedup = self.reference_ms / self.compiled_ms
+        self.compiled_gbps = self.bytes / (self.compiled_ms * 1e-3) / 1e9
+        self.pct_of_copy = 100.0 * self.compiled_gbps / copy_bandwidth_gbps
+        if self.topk_ms is not None:
+            self.speedup_vs_topk = self.topk_ms / self.compiled_ms
+
+
+copy_bandwidth_gbps = float("nan")  # set once by main(), before any Row is made
+
+
+def measure_copy_bandwidth(numel: int) -> dict:
+    src = torch.randn(numel)
+    dst = torch.zeros(numel)  # zero_ touches every page: no page faults in the timed copies
+    ms = measure(lambda: dst.copy_(src))
+    return {"numel": numel, "ms": ms, "gbps": 8 * numel / (ms * 1e-3) / 1e9}
+
+
+def compare(kernel: str, config: str, numel: int, nbytes: int, reference_fn, compiled_fn,
+            setup=None, topk_fn=None) -> Row:
+    """Time the reference and the compiled kernel (and optionally torch.topk) on one case."""
+    return Row(kernel, config, numel, nbytes,
+               reference_ms=measure(reference_fn, setup),
+               compiled_ms=measure(compiled_fn, setup),
+               topk_ms=None if topk_fn is None else measure(topk_fn))
+
+
+# ---------------------------------------------------------------------------- output
+def count_label(count: int) -> str:
+    for unit, name in ((1_000_000, "M"), (1_000, "K")):
+        if count >= unit and count % unit == 0:
+            return f"{count // unit}{name}"
+    return str(count)
+
+
+def speedup_label(ratio: Optional[float]) -> str:
+    if ratio is None:
+        return "-"
+    return f"{ratio:.1f}x" if ratio < 100 else f"{ratio:.0f}x"
+
+
+STANDARD_COLUMNS = (
+    ("reference ms", lambda r: f"{r.reference_ms:.3f}"),
+    ("compiled ms", lambda r: f"{r.compiled_ms:.3f}"),
+    ("speedup", lambda r: speedup_label(r.speedup)),
+    ("compiled GB/s", lambda r: f"{r.compiled_gbps:.1f}"),
+    ("% of copy", lambda r: f"{r.pct_of_copy:.0f}%"),
+)
+TOPK_COLUMNS = (
+    ("topk ms", lambda r: f"{r.topk_ms:.3f}"),
+    ("vs topk", lambda r: speedup_label(r.speedup_vs_topk)),
+)
+
+
+def print_table(title: str, notes: Sequence[str], rows: Sequence[Row], extra_columns=()) -> None:
+    columns = (("configuration", lambda r: r.config),) + STANDARD_COLUMNS + tuple(extra_columns)
+    cells = [[render(row) for _, render in columns] for row in rows]
+    widths = [max(len(header), *(len(line[i]) for line in cells))
+              for i, (header, _) in enumerate(columns)]
+
+    def line(values) -> str:  # first column left-aligned, numbers right-aligned
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w)
+                         for i, (v, w) in enumerate(zip(values, widths)))
+
+    print(f"\n{title}")
+    for note in notes:
+        print(f"  {note}")
+    print(line([header for header, _ in columns]))
+    print(line(["-" * w for w in widths]))
+    for values in cells:
+        print(line(values))
+
+
+# ------------------------------------------------------------------------- benchmarks
+def bench_segment_accumulate(sizes: Sequence[int]) -> List[Row]:
+    rows = []
+    for numel in sizes:
+        residual = torch.randn(numel)
+        for grad_dtype in (torch.float32, torch.bfloat16):
+            grad = torch.randn(numel).to(grad_dtype)
+            for segment_size in (256, 4096):
+                # residual keeps growing by grad on every call: same work, finite values.
+                config = (f"n={count_label(numel)} grad={str(grad_dtype)[6:]} "
+                          f"seg={segment_size}")
+                nbytes = (4 + grad.element_size() + 4) * numel
+                rows.append(compare(
+                    "segment_accumulate_", config, numel, nbytes,
+                    lambda: reference.segment_accumulate_(residual, grad, segment_size),
+                    lambda: ops.segment_accumulate_(residual, grad, segment_size)))
+    print_table("segment_accumulate_(residual, grad, segment_size)  [in place]",
+                ["bytes = 4n read residual + elem_size(grad)*n read grad + 4n write residual "
+                 "(importance output negligible)"], rows)
+    return rows
+
+
+def bench_select_segments(sizes: Sequence[int]) -> List[Row]:
+    rows = []
+    for count in sizes:
+        k = max(1, count // 100)
+        vectors = (("rand", torch.rand(count)),
+                   ("ties 0..99", torch.randint(0, 100, (count,)).float()))
+        for name, importance in vectors:
+            config = f"S={count_label(count)} {name} k={count_label(k)}"
+            rows.append(compare(
+                "select_segments", config, count, 4 * count,
+                lambda: reference.select_segments(importance, k),
+                lambda: ops.select_segments(importance, k),
+                topk_fn=lambda: torch.topk(importance, k)))
+    print_table("select_segments(importance, k)  [k = 1% of S; output allocated]",
+                ["bytes = 4S read (importance)",
+                 "topk = torch.topk(importance, k); 'vs topk' = topk ms / compiled ms"],
+                rows, TOPK_COLUMNS)
+    return rows
+
+
+def random_segment_indices(segments: int, k: int) -> torch.Tensor:
+    return torch.randperm(segments)[:k].sort().values
+
+
+def bench_pack_unpack(sizes: Sequence[int], segment_size: int = 256) -> List[Row]:
+    pack_rows, unpack_rows = [], []
+    for numel in sizes:
+        segments = reference.num_segments(numel, segment_size)
+        original = torch.randn(numel)
+        residual = original.clone()
+        for density in (0.01, 0.10):
+            k = max(1, round(density * segments))
+            indices = random_segment_indices(segments, k)
+            packed_numel = k * segment_size
+            config = (f"n={count_label(numel)} seg={segment_size} "
+                      f"k={density:.0%} ({k} segments)")
+
+            # pack zeroes the selected segments: restore them before every call.
+            packed = torch.zeros(packed_numel)
+            restore = lambda: residual.copy_(original)  # noqa: E731
+            pack_rows.append(compare(
+                "pack_segments_", config, numel, 3 * 4 * packed_numel,
+                lambda: reference.pack_segments_(residual, indices, segment_size, out=packed),
+                lambda: ops.pack_segments_(residual, indices, segment_size, out=packed),
+                setup=restore))
+
+            unpacked = torch.zeros(numel)
+            scale = 0.5  # e.g. 1 / world_size
+            unpack_rows.append(compare(
+                "unpack_segments", config, numel, 4 * packed_numel + 4 * numel,
+                lambda: reference.unpack_segments(packed, indices, segment_size, numel, scale,
+                                                  out=unpacked),
+                lambda: ops.unpack_segments(packed, indices, segment_size, numel, scale,
+                                            out=unpacked)))
+    print_table("pack_segments_(residual, indices, segment_size, out=packed)  "
+                "[out= preallocated float32, compiled and reference; residual restored "
+                "outside the timed region]",
+                ["bytes = 4*k*seg read residual + 4*k*seg write packed + 4*k*seg write zeros"],
+                pack_rows)
+    print_table("unpack_segments(packed, indices, segment_size, n, scale=0.5, out=flat)  "
+                "[out= preallocated float32, compiled and reference]",
+                ["bytes = 4*k*seg read packed + 4n write out"], unpack_rows)
+    return pack_rows + unpack_rows
+
+
+def block_scale(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.abs().amax(dim=1)
+
+
+def bench_quantize(sizes: Sequence[int], row_len: int = 64) -> List[Row]:
+    quantize_rows, dequantize_rows = [], []
+    for numel in sizes:
+        x = torch.randn(numel // row_len, row_len)
+        scale = block_scale(x)
+        numel, num_blocks = x.numel(), x.shape[0]
+        config = f"n={count_label(numel)} [{num_blocks}, {row_len}] int8"
+        quantize_rows.append(compare(
+            "quantize", config, numel, 4 * numel + 4 * num_blocks + numel,
+            lambda: reference.quantize(x, scale, QUANT_LEVELS, torch.int8),
+            lambda: ops.quantize(x, scale, QUANT_LEVELS, torch.int8)))
+        q = ops.quantize(x, scale, QUANT_LEVELS, torch.int8)
+        dequantize_rows.append(compare(
+            "dequantize", config, numel, numel + 4 * num_blocks + 4 * numel,
+            lambda: reference.dequantize(q, scale, QUANT_LEVELS),
+            lambda: ops.dequantize(q, scale, QUANT_LEVELS)))
+    print_table(f"quantize(x, scale=|x|.amax(1), levels={QUANT_LEVELS}, int8)  "
+                "[output allocated: the API has no out=]",
+                ["bytes = 4n read x + 4*rows read scale + 1n write q"], quantize_rows)
+    print_table(f"dequantize(q, scale, levels={QUANT_LEVELS})  [output allocated: no out=]",
+                ["bytes = 1n read q + 4*rows read scale + 4n write x_hat"], dequantize_rows)
+    return quantize_rows + dequantize_rows
+
+
+def encode_and_quantize(encode, quantize, x, block_size, keep):
+    coeffs = encode(x, block_size, keep)
+    return quantize(coeffs, block_scale(coeffs), QUANT_LEVELS, torch.int8)
+
+
+def bench_dct(sizes: Sequence[int]) -> List[Row]:
+    encode_rows, decode_rows, pipeline_rows = [], [], []
+    for numel in sizes:
+        x = torch.randn(numel)
+        for block_size, keep in DCT_CONFIGS:
+            blocks = reference.num_segments(numel, block_size)
+            config = f"n={count_label(numel)} B={block_size} keep={keep}"
+            encode_rows.append(compare(
+                "dct_encode", config, numel, 4 * numel + 4 * blocks * keep,
+                lambda: reference.dct_encode(x, block_size, keep),
+                lambda: ops.dct_encode(x, block_size, keep)))
+            coeffs = ops.dct_encode(x, block_size, keep)
+            decode_rows.append(compare(
+                "dct_decode", config, numel, 4 * blocks * keep + 4 * numel,
+                lambda: reference.dct_decode(coeffs, block_size, numel),
+                lambda: ops.dct_decode(coeffs, block_size, numel)))
+            pipeline_rows.append(compare(
+                "dct_encode + quantize", config, numel, 4 * numel + blocks * keep + 4 * blocks,
+                lambda: encode_and_quantize(reference.dct_encode, reference.quantize,
+                                            x, block_size, keep),
+                lambda: encode_and_quantize(ops.dct_encode, ops.quantize,
+                                            x, block_size, keep)))
+    print_table("dct_encode(x, block_size, keep)  [output allocated: no out=]",
+                ["bytes = 4n read x + 4*blocks*keep write coeffs"], encode_rows)
+    print_table("dct_decode(coeffs, block_size, n)  [output allocated: no out=]",
+                ["bytes = 4*blocks*keep read coeffs + 4n write x_hat"], decode_rows)
+    print_table(f"dct_encode + quantize (scale = |coeffs|.amax(1), levels={QUANT_LEVELS}, int8)",
+                ["bytes = 4n read x + 1*blocks*keep write q + 4*blocks write scale "
+                 "(the pipeline's end-to-end traffic)",
+                 "both columns use torch's abs().amax(1) for the scale"], pipeline_rows)
+    return encode_rows + decode_rows + pipeline_rows
+
+
+# ------------------------------------------------------------------------------- aims
+@dataclasses.dataclass(frozen=True)
+class Aim:
+    kernel: str
+    metric: str          # a Row field: pct_of_copy, speedup or speedup_vs_topk
+    threshold: float
+    largest_size_only: bool  # bandwidth aims: judged where the copy bandwidth was measured
+    strictly_greater: bool = False
+
+    def describe(self) -> str:
+        unit = {"pct_of_copy": "% of copy bandwidth", "speedup": "x its reference",
+                "speedup_vs_topk": "x torch.topk"}[self.metric]
+        relation = ">" if self.strictly_greater else ">="
+        return f"{self.kernel} {relation} {self.threshold:g}{unit}"
+
+
+AIMS = (
+    Aim("segment_accumulate_", "pct_of_copy", 80, largest_size_only=True),
+    Aim("segment_accumulate_", "speedup", 1.5, largest_size_only=False),
+    Aim("select_segments", "speedup_vs_topk", 20, largest_size_only=False),
+    Aim("pack_segments_", "pct_of_copy", 70, largest_size_only=True),
+    Aim("unpack_segments", "pct_of_copy", 70, largest_size_only=True),
+    Aim("quantize", "pct_of_copy", 70, largest_size_only=True),
+    Aim("dequantize", "pct_of_copy", 70, largest_size_only=True),
+    Aim("dct_encode + quantize", "speedup", 1.0, largest_size_only=False, strictly_greater=True),
+)
+
+
+def evaluate_aims(rows: Sequence[Row], largest_size: int) -> List[dict]:
+    """Judge each aim on its worst row (at the largest size for bandwidth aims)."""
+    results = []
+    for aim in AIMS:
+        candidates = [r for r in rows if r.kernel == aim.kernel
+                      and (not aim.largest_size_only or r.numel == largest_size)]
+        if not candidates:
+            continue
+        worst = min(candidates, key=lambda r: getattr(r, aim.metric))
+        value = getattr(worst, aim.metric)
+        met = value > aim.threshold if aim.strictly_greater else value >= aim.threshold
+        results.append({"aim": aim.describe(), "metric": aim.metric, "value": value,
+                        "worst_config": worst.config, "met": met})
+    return results
+
+
+def print_aims(results: Sequence[dict], largest_size: int) -> None:
+    print(f"\naims (worst case; bandwidth aims judged at n={count_label(largest_size)}, where "
+          "the copy bandwidth was measured; speedup aims over all sizes)")
+    width = max(len(r["aim"]) for r in results)
+    for r in results:
+        value = (f"{r['value']:.0f}%" if r["metric"] == "pct_of_copy"
+                 else speedup_label(r["value"]))
+        verdict = "met" if r["met"] else "NOT MET"
+        print(f"  {r['aim'].ljust(width)}  {value:>7}  {verdict:<7}  ({r['worst_config']})")
+
+
+# ------------------------------------------------------------------------------- main
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    multiplier = {"K": 1_000, "M": 1_000_000}.get(text[-1:], 1)
+    number = text[:-1] if multiplier != 1 else text
+    size = int(float(number) * multiplier)
+    if size < 256:
+        raise argparse.ArgumentTypeError(f"sizes must be >= 256 elements; got {text}")
+    return size
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="sizes 1M and 4M, fewer repeats")
+    parser.add_argument("--sizes", type=lambda s: [parse_size(p) for p in s.split(",")],
+                        help="comma-separated element counts, e.g. 1M,4M,25M (overrides "
+                             "the default sizes)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads(N) (default: "
+                                                    "leave torch's setting)")
+    parser.add_argument("--json", metavar="PATH", help="save every number to PATH")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    global timing, copy_bandwidth_gbps
+    args = parse_args(argv)
+    backend = hetero_comm.kernel_backend("cpu")
+    if backend != "compiled":
+        from hetero_comm._backend import load_error
+        print(f"error: hetero_comm's CPU kernel backend is {backend!r}, not 'compiled' "
+              f"(load error: {load_error}). Build the extension first (e.g. "
+              "`pip install --no-build-isolation -e .`); benchmarking the reference "
+              "against itself is meaningless.", file=sys.stderr)
+        return 1
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    timing = QUICK_TIMING if args.quick else FULL_TIMING
+    sizes = sorted(set(args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)))
+    largest_size = sizes[-1]
+    torch.manual_seed(0)
+
+    started = time.perf_counter()
+    copy = measure_copy_bandwidth(largest_size)
+    copy_bandwidth_gbps = copy["gbps"]
+    print(f"hetero_comm kernel benchmark: torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, backend {backend}, "
+          f"sizes {', '.join(count_label(s) for s in sizes)}"
+          f"{', quick' if args.quick else ''}")
+    print(f"copy bandwidth: {copy['gbps']:.1f} GB/s (dst.copy_(src), "
+          f"{count_label(largest_size)} float32 preallocated, bytes = read + write, "
+          f"median {copy['ms']:.3f} ms)")
+    load_1min = os.getloadavg()[0]
+    if load_1min > os.cpu_count():
+        print(f"warning: load average {load_1min:.1f} on {os.cpu_count()} cores: other "
+              "processes compete for the CPU and memory bus, the numbers are unreliable")
+    print(f"times: median of up to {timing.max_repeats} repeats after {timing.warmup} warm-up "
+          f"call(s), at least {timing.min_repeats}, ~{timing.budget_s:g} s cap per measurement. "
+          "Sizes that fit in cache may exceed 100% of copy bandwidth.")
+
+    rows: List[Row] = []
+    rows += bench_segment_accumulate(sizes)
+    rows += bench_select_segments(sizes)
+    rows += bench_pack_unpack(sizes)
+    rows += bench_quantize(sizes)
+    rows += bench_dct(sizes)
+
+    aims = evaluate_aims(rows, largest_size)
+    print_aims(aims, largest_size)
+    # A shared machine drifts: a second copy measurement shows how far the baseline moved.
+    copy_at_end = measure_copy_bandwidth(largest_size)
+    print(f"\ncopy bandwidth re-measured at the end: {copy_at_end['gbps']:.1f} GB/s "
+          f"(start: {copy['gbps']:.1f} GB/s; percentages use the start value)")
+    elapsed = time.perf_counter() - started
+    print(f"total benchmark time: {elapsed:.0f} s")
+
+    if args.json:
+        report = {
+            "torch_version": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "sizes": sizes,
+            "quick": args.quick,
+            "copy_bandwidth": copy,
+            "copy_bandwidth_at_end": copy_at_end,
+            "load_average_1min_at_start": load_1min,
+            "rows": [dataclasses.asdict(r) for r in rows],
+            "aims": aims,
+            "elapsed_s": elapsed,
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"saved {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

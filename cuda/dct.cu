@@ -1,0 +1,151 @@
+// dct_encode / dct_decode: blockwise orthonormal DCT-II, keeping the `keep` lowest
+// frequencies, and its inverse. A direct O(block_size * keep) sum per value, accumulated in
+// double, with the cosines read from a quarter-wave table computed in double (cospi), so the
+// result is accurate to float32 rounding. See hetero_comm/reference.py for the spec.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../csrc/checks.h"
+#include "cuda_utils.cuh"
+
+namespace hetero_comm {
+namespace cuda {
+namespace {
+
+// table[m] = cos(pi m / (2 B)) for m in [0, B]: a quarter period.
+__global__ void cos_table_kernel(double* __restrict__ table, uint32_t block_size) {
+  const double denominator = 2.0 * block_size;
+  for (uint32_t m = blockIdx.x * blockDim.x + threadIdx.x; m <= block_size;
+       m += gridDim.x * blockDim.x) {
+    table[m] = cospi(static_cast<double>(m) / denominator);  // m / (2B) is exact: B = 2^p
+  }
+}
+
+// cos(pi m / (2 B)) for m in [0, 4 B), from the quarter-wave table.
+__device__ __forceinline__ double dct_cos(const double* __restrict__ table, uint32_t m,
+                                          uint32_t block_size) {
+  const uint32_t half_period = 2 * block_size;
+  if (m > half_period) m = 2 * half_period - m;                   // cos(2 pi - t) = cos(t)
+  return m > block_size ? -table[half_period - m] : table[m];      // cos(pi - t) = -cos(t)
+}
+
+// (2 i + 1) k mod 4 B. 4 B divides 2^32, so wrapping uint32 arithmetic keeps the residue.
+__device__ __forceinline__ uint32_t dct_phase(uint32_t i, uint32_t k, uint32_t block_size) {
+  return ((2 * i + 1) * k) & (4 * block_size - 1);
+}
+
+// One warp per coefficient: coeffs[b, k] = s_k sum_i x[b B + i] cos(pi (2 i + 1) k / (2 B)),
+// values past n being the zero padding of the last block.
+template <typename InT>
+__global__ void dct_encode_kernel(const InT* __restrict__ x, int64_t n, uint32_t block_size,
+                                  int64_t keep, int64_t num_coeffs,
+                                  const double* __restrict__ table, float* __restrict__ coeffs) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const double scale_dc = sqrt(1.0 / block_size);
+  const double scale_ac = sqrt(2.0 / block_size);
+  for (int64_t c = warp; c < num_coeffs; c += warps) {  // uniform across the warp
+    const int64_t start = (c / keep) * block_size;
+    const uint32_t k = static_cast<uint32_t>(c % keep);
+    double sum = 0.0;
+    for (uint32_t i = lane; i < block_size && start + i < n; i += 32) {
+      sum += static_cast<double>(static_cast<float>(x[start + i])) *
+             dct_cos(table, dct_phase(i, k, block_size), block_size);
+    }
+    sum = group_sum<32>(sum);
+    if (lane == 0) coeffs[c] = static_cast<float>((k == 0 ? scale_dc : scale_ac) * sum);
+  }
+}
+
+// One thread per output value: x[b B + i] = sum_k s_k coeffs[b, k] cos(pi (2 i + 1) k / (2 B)).
+__global__ void dct_decode_kernel(const float* __restrict__ coeffs, uint32_t block_size,
+                                  int64_t keep, int64_t numel,
+                                  const double* __restrict__ table, float* __restrict__ out) {
+  const double scale_dc = sqrt(1.0 / block_size);
+  const double scale_ac = sqrt(2.0 / block_size);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < numel;
+       e += stride) {
+    const float* block = coeffs + (e / block_size) * keep;
+    const uint32_t i = static_cast<uint32_t>(e % block_size);
+    double ac = 0.0;
+    for (int64_t k = 1; k < keep; ++k) {
+      ac += static_cast<double>(block[k]) *
+            dct_cos(table, dct_phase(i, static_cast<uint32_t>(k), block_size), block_size);
+    }
+    const double dc = keep > 0 ? static_cast<double>(block[0]) : 0.0;
+    out[e] = static_cast<float>(scale_dc * dc + scale_ac * ac);
+  }
+}
+
+at::Tensor cos_table(const at::Tensor& like, int64_t block_size, cudaStream_t stream) {
+  at::Tensor table = at::empty({block_size + 1}, like.options().dtype(at::kDouble));
+  cos_table_kernel<<<grid_for(block_size + 1), kThreads, 0, stream>>>(
+      table.mutable_data_ptr<double>(), static_cast<uint32_t>(block_size));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return table;
+}
+
+at::Tensor dct_encode_cuda(const at::Tensor& x, int64_t block_size, int64_t keep) {
+  check_tensor(x, "x", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
+  check_block_size(block_size);
+  TORCH_CHECK_VALUE(keep >= 0 && keep <= block_size, "keep must satisfy 0 <= keep <= block_size (",
+                    block_size, "); got ", keep);
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = x.numel();
+  const int64_t num_blocks = num_segments(n, block_size);
+  at::Tensor coeffs = at::empty({num_blocks, keep}, x.options().dtype(at::kFloat));
+  const int64_t num_coeffs = num_blocks * keep;
+  if (num_coeffs == 0) return coeffs;
+
+  const at::Tensor x_c = x.contiguous();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor table = cos_table(x, block_size, stream);
+  dispatch_float_types(x.scalar_type(), "x", [&](auto tag) {
+    using InT = decltype(tag);
+    dct_encode_kernel<InT><<<grid_for(num_coeffs * 32), kThreads, 0, stream>>>(
+        x_c.const_data_ptr<InT>(), n, static_cast<uint32_t>(block_size), keep, num_coeffs,
+        table.const_data_ptr<double>(), coeffs.mutable_data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return coeffs;
+}
+
+at::Tensor dct_decode_cuda(const at::Tensor& coeffs, int64_t block_size, int64_t numel) {
+  check_tensor(coeffs, "coeffs", {at::kFloat}, 2);
+  check_block_size(block_size);
+  TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0; got ", numel);
+  const int64_t num_blocks = num_segments(numel, block_size);
+  TORCH_CHECK_VALUE(coeffs.size(0) == num_blocks && coeffs.size(1) <= block_size,
+                    "coeffs must have shape [ceil(numel / block_size) = ", num_blocks,
+                    ", keep <= ", block_size, "]; got (", coeffs.size(0), ", ", coeffs.size(1),
+                    ")");
+
+  const c10::cuda::CUDAGuard guard(coeffs.device());
+  at::Tensor out = at::empty({numel}, coeffs.options());
+  if (numel == 0) return out;
+
+  const at::Tensor coeffs_c = coeffs.contiguous();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor table = cos_table(coeffs, block_size, stream);
+  dct_decode_kernel<<<grid_for(numel), kThreads, 0, stream>>>(
+      coeffs_c.const_data_ptr<float>(), static_cast<uint32_t>(block_size), coeffs.size(1), numel,
+      table.const_data_ptr<double>(), out.mutable_data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace hetero_comm
+
+TORCH_LIBRARY_IMPL(hetero_comm, CUDA, m) {
+  m.impl("dct_encode", &hetero_comm::cuda::dct_encode_cuda);
+  m.impl("dct_decode", &hetero_comm::cuda::dct_decode_cuda);
+}

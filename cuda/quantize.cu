@@ -1,0 +1,145 @@
+// quantize / dequantize: blockwise symmetric integer quantization with round half to even.
+// Every rounding step goes through the helpers of csrc/kernels/common.h, which the CPU kernels
+// use too, so both backends give bit-identical results. See hetero_comm/reference.py.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../csrc/checks.h"
+#include "cuda_utils.cuh"
+
+namespace hetero_comm {
+namespace cuda {
+namespace {
+
+// Sets *nonfinite to 1 if any x is NaN or infinite.
+__global__ void find_nonfinite_kernel(const float* __restrict__ x, int64_t numel,
+                                      int* __restrict__ nonfinite) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  bool found = false;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
+       i += stride) {
+    found = found || !isfinite(x[i]);
+  }
+  if (found) *nonfinite = 1;  // every writer stores the same value
+}
+
+// Per block: factor = quantize_factor(scale, levels) (quantize) or
+// step = dequantize_step(scale, levels) (dequantize); the float64 division is done once per
+// block instead of once per value.
+__global__ void block_multiplier_kernel(const float* __restrict__ scale, int64_t num_blocks,
+                                        int64_t levels, bool quantizing,
+                                        float* __restrict__ multiplier) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < num_blocks;
+       b += stride) {
+    multiplier[b] = quantizing ? quantize_factor(scale[b], levels)
+                               : dequantize_step(scale[b], levels);
+  }
+}
+
+template <typename QuantT>
+__global__ void quantize_kernel(const float* __restrict__ x, int64_t numel, int64_t block_len,
+                                const float* __restrict__ factor, float bound,
+                                QuantT* __restrict__ q) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
+       i += stride) {
+    // An integral float in [-bound, bound], bound <= the largest value of QuantT: exact.
+    q[i] = static_cast<QuantT>(quantize_value(x[i], factor[i / block_len], bound));
+  }
+}
+
+template <typename QuantT>
+__global__ void dequantize_kernel(const QuantT* __restrict__ q, int64_t numel, int64_t block_len,
+                                  const float* __restrict__ step, float* __restrict__ x_hat) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
+       i += stride) {
+    x_hat[i] = static_cast<float>(q[i]) * step[i / block_len];
+  }
+}
+
+// Per-block multipliers on the device, from the (already validated) scale.
+at::Tensor block_multipliers(const at::Tensor& scale, int64_t levels, bool quantizing,
+                             cudaStream_t stream) {
+  const at::Tensor scale_c = scale.contiguous();
+  const int64_t num_blocks = scale.numel();
+  at::Tensor multiplier = at::empty({num_blocks}, scale.options());
+  block_multiplier_kernel<<<grid_for(num_blocks), kThreads, 0, stream>>>(
+      scale_c.const_data_ptr<float>(), num_blocks, levels, quantizing,
+      multiplier.mutable_data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return multiplier;
+}
+
+at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
+                         at::ScalarType dtype) {
+  check_tensor(x, "x", {at::kFloat}, 2);
+  check_quant_dtype(dtype);
+  check_scale(scale.cpu(), x.size(0));
+  check_same_device(x, "x", scale, "scale");
+  check_levels(levels, dtype);
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor x_c = x.contiguous();
+  const int64_t numel = x.numel();
+  if (numel > 0) {
+    at::Tensor nonfinite = at::zeros({1}, x.options().dtype(at::kInt));
+    find_nonfinite_kernel<<<grid_for(numel), kThreads, 0, stream>>>(
+        x_c.const_data_ptr<float>(), numel, nonfinite.mutable_data_ptr<int>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    TORCH_CHECK_VALUE(nonfinite.cpu().const_data_ptr<int>()[0] == 0,
+                      "x must be finite (found NaN or infinity)");
+  }
+
+  at::Tensor q = at::empty({x.size(0), x.size(1)}, x.options().dtype(dtype));
+  if (numel == 0) return q;
+  const at::Tensor factor = block_multipliers(scale, levels, /*quantizing=*/true, stream);
+  const float bound = levels_bound(levels);
+  dispatch_quant_types(dtype, "dtype", [&](auto tag) {
+    using QuantT = decltype(tag);
+    quantize_kernel<QuantT><<<grid_for(numel), kThreads, 0, stream>>>(
+        x_c.const_data_ptr<float>(), numel, x.size(1), factor.const_data_ptr<float>(), bound,
+        q.mutable_data_ptr<QuantT>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return q;
+}
+
+at::Tensor dequantize_cuda(const at::Tensor& q, const at::Tensor& scale, int64_t levels) {
+  check_tensor(q, "q", {at::kChar, at::kShort, at::kInt}, 2);
+  check_scale(scale.cpu(), q.size(0));
+  check_same_device(q, "q", scale, "scale");
+  check_positive("levels", levels);
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor x_hat = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  const int64_t numel = q.numel();
+  if (numel == 0) return x_hat;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor q_c = q.contiguous();
+  const at::Tensor step = block_multipliers(scale, levels, /*quantizing=*/false, stream);
+  dispatch_quant_types(q.scalar_type(), "q", [&](auto tag) {
+    using QuantT = decltype(tag);
+    dequantize_kernel<QuantT><<<grid_for(numel), kThreads, 0, stream>>>(
+        q_c.const_data_ptr<QuantT>(), numel, q.size(1), step.const_data_ptr<float>(),
+        x_hat.mutable_data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return x_hat;
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace hetero_comm
+
+TORCH_LIBRARY_IMPL(hetero_comm, CUDA, m) {
+  m.impl("quantize", &hetero_comm::cuda::quantize_cuda);
+  m.impl("dequantize", &hetero_comm::cuda::dequantize_cuda);
+}

@@ -1,0 +1,111 @@
+"""quantize / dequantize: compiled == reference, bit for bit."""
+
+import pytest
+import torch
+
+from hetero_comm import ops, reference
+from kernel_cases import BACKENDS, non_contiguous, random_tensor, require_compiled, untouched
+
+QUANT_DTYPES = {torch.int8: 127, torch.int16: 32767, torch.int32: 2**31 - 1}
+SHAPES = ((0, 8), (3, 0), (1, 1), (7, 5), (100, 64), (1000, 257))
+
+
+@pytest.fixture(autouse=True)
+def _compiled():
+    require_compiled()
+
+
+def blocks_with_scales(shape, seed):
+    x = random_tensor(shape[0] * shape[1], torch.float32, seed=seed, scale=3.0).view(shape)
+    scale = x.abs().amax(dim=1) if shape[1] else torch.ones(shape[0])
+    if shape[0] > 2:
+        scale[1] = 0.0          # a zero scale quantizes to zeros, never NaN
+        scale[2] *= 0.5         # values beyond the scale clamp to +-levels
+    return x, scale
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_quantize_and_dequantize_match_reference(shape, dtype):
+    x, scale = blocks_with_scales(shape, seed=shape[0])
+    for levels in sorted({1, 3, QUANT_DTYPES[dtype] // 3, QUANT_DTYPES[dtype]}):
+        q = ops.quantize(x, scale, levels, dtype)
+        assert q.dtype == dtype and q.shape == x.shape
+        assert torch.equal(q, reference.quantize(x, scale, levels, dtype)), levels
+        assert int(q.abs().max()) <= levels if q.numel() else True
+        x_hat = ops.dequantize(q, scale, levels)
+        assert x_hat.dtype == torch.float32
+        assert torch.equal(x_hat, reference.dequantize(q, scale, levels))
+        assert not bool(torch.isnan(x_hat).any())
+
+
+def test_quantize_rounds_half_to_even_and_clamps():
+    x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.49, 200.0, -200.0]])
+    scale = torch.tensor([127.0])   # factor 1: q = round(x)
+    expected = [0, 2, 2, 0, -2, -2, 3, 127, -127]
+    assert ops.quantize(x, scale, 127, torch.int8).tolist() == [expected]
+    assert reference.quantize(x, scale, 127, torch.int8).tolist() == [expected]
+
+
+def test_quantize_error_is_at_most_half_a_step():
+    x, scale = blocks_with_scales((200, 64), seed=3)
+    scale = x.abs().amax(dim=1)
+    for dtype, levels in ((torch.int8, 127), (torch.int16, 16383)):
+        x_hat = ops.dequantize(ops.quantize(x, scale, levels, dtype), scale, levels)
+        step = (scale / levels).unsqueeze(1)
+        assert bool(((x_hat - x).abs() <= step * 0.5 + 1e-6 * scale.unsqueeze(1)).all())
+
+
+def test_large_levels_stay_within_int32():
+    x = torch.tensor([[1.0, -1.0, 0.999999]])
+    q = ops.quantize(x, torch.tensor([1.0]), 2**31 - 1, torch.int32)
+    assert q[0, 0] <= 2**31 - 1 and q[0, 1] >= -(2**31 - 1)
+    assert torch.equal(q, reference.quantize(x, torch.tensor([1.0]), 2**31 - 1, torch.int32))
+
+
+def test_quantize_reads_non_contiguous_input():
+    x, scale = blocks_with_scales((50, 16), seed=9)
+    strided = x.t().contiguous().t()
+    assert not strided.is_contiguous()
+    assert torch.equal(ops.quantize(strided, non_contiguous(scale), 127, torch.int8),
+                       ops.quantize(x, scale, 127, torch.int8))
+
+
+@BACKENDS
+@pytest.mark.parametrize("case, match", [
+    (dict(levels=0), "levels must satisfy 1 <= levels <= 127"),
+    (dict(levels=128), "levels must satisfy 1 <= levels <= 127"),
+    (dict(dtype=torch.int64), "dtype must be int8, int16 or int32"),
+    (dict(dtype=torch.float32), "dtype must be int8, int16 or int32"),
+    (dict(scale=torch.ones(3)), r"scale must have one entry per block \(4\)"),
+    (dict(scale=torch.tensor([1.0, -1.0, 1.0, 1.0])), "scale must be finite and >= 0"),
+    (dict(scale=torch.tensor([1.0, float("nan"), 1.0, 1.0])), "scale must be finite and >= 0"),
+    (dict(scale=torch.tensor([1.0, float("inf"), 1.0, 1.0])), "scale must be finite and >= 0"),
+    (dict(x=torch.ones(4, 8, dtype=torch.float64)), "x must have dtype"),
+    (dict(x=torch.ones(32)), "x must be 2-D"),
+    (dict(x=torch.tensor([[1.0, float("nan")]] * 4)), "x must be finite"),
+])
+def test_quantize_rejects_bad_input(backend, case, match):
+    args = dict(x=torch.ones(4, 8), scale=torch.ones(4), levels=127, dtype=torch.int8) | case
+    with untouched(args["x"], args["scale"]), pytest.raises((ValueError, TypeError), match=match):
+        backend.quantize(**args)
+
+
+@BACKENDS
+@pytest.mark.parametrize("case, match", [
+    (dict(levels=0), "levels must satisfy"),
+    (dict(q=torch.ones(4, 8)), "q must have dtype"),
+    (dict(q=torch.ones(32, dtype=torch.int8)), "q must be 2-D"),
+    (dict(scale=torch.ones(5)), "scale must have one entry per block"),
+])
+def test_dequantize_rejects_bad_input(backend, case, match):
+    args = dict(q=torch.ones(4, 8, dtype=torch.int8), scale=torch.ones(4), levels=127) | case
+    with untouched(args["q"], args["scale"]), pytest.raises((ValueError, TypeError), match=match):
+        backend.dequantize(**args)
+
+
+def test_quantize_ops_pass_opcheck():
+    x, scale = blocks_with_scales((10, 16), seed=1)
+    torch.library.opcheck(torch.ops.hetero_comm.quantize.default, (x, scale, 127, torch.int8))
+    q = ops.quantize(x, scale, 127, torch.int8)
+    torch.library.opcheck(torch.ops.hetero_comm.dequantize.default, (q, scale, 127))

@@ -1,0 +1,236 @@
+"""segment_accumulate_, select_segments, pack_segments_, unpack_segments: compiled == reference."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetero_comm import ops, reference
+from kernel_cases import (BACKENDS, GRAD_DTYPES, SIZES, non_contiguous, random_tensor,
+                          require_compiled, untouched)
+
+SEGMENT_SIZES = (1, 3, 8, 256, 1000)
+
+
+@pytest.fixture(autouse=True)
+def _compiled():
+    require_compiled()
+
+
+# ---------------------------------------------------------------------- segment_accumulate_
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("segment_size", SEGMENT_SIZES)
+def test_segment_accumulate_matches_reference(numel, segment_size, dtype):
+    residual = random_tensor(numel, torch.float32, seed=numel)
+    grad = random_tensor(numel, dtype, seed=numel + 1)
+    compiled_residual, reference_residual = residual.clone(), residual.clone()
+    compiled = ops.segment_accumulate_(compiled_residual, grad, segment_size)
+    expected = reference.segment_accumulate_(reference_residual, grad, segment_size)
+    # The update is one float32 add per element: bit-identical.
+    assert torch.equal(compiled_residual, reference_residual)
+    assert compiled.shape == ((numel + segment_size - 1) // segment_size,)
+    torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_segment_accumulate_reads_non_contiguous_grad():
+    grad = random_tensor(5000, torch.float32, seed=3)
+    a, b = torch.zeros(5000), torch.zeros(5000)
+    torch.testing.assert_close(ops.segment_accumulate_(a, non_contiguous(grad), 64),
+                               ops.segment_accumulate_(b, grad, 64))
+    assert torch.equal(a, b)
+
+
+def test_segment_accumulate_accumulates_over_steps():
+    residual = torch.zeros(1000)
+    grads = [random_tensor(1000, torch.float32, seed=s) for s in range(5)]
+    for grad in grads:
+        importance = ops.segment_accumulate_(residual, grad, 100)
+    total = torch.stack(grads).sum(0)
+    torch.testing.assert_close(residual, total)
+    torch.testing.assert_close(importance, total.view(10, 100).norm(dim=1))
+
+
+@BACKENDS
+@pytest.mark.parametrize("case, match", [
+    (dict(residual=torch.zeros(10, dtype=torch.float16)), "residual must have dtype float"),
+    (dict(grad=torch.zeros(10, dtype=torch.int32)), "grad must have dtype"),
+    (dict(residual=torch.zeros(2, 5)), "residual must be 1-D"),
+    (dict(grad=torch.zeros(11)), "grad must have as many elements as residual"),
+    (dict(segment_size=0), "segment_size must satisfy"),
+    (dict(segment_size=-4), "segment_size must satisfy"),
+    (dict(residual=torch.zeros(20)[::2]), "residual is written in place and must be contiguous"),
+])
+def test_segment_accumulate_rejects_bad_input(backend, case, match):
+    args = dict(residual=torch.ones(10), grad=torch.ones(10), segment_size=4) | case
+    with untouched(args["residual"], args["grad"]), pytest.raises((ValueError, TypeError), match=match):
+        backend.segment_accumulate_(**args)
+
+
+# -------------------------------------------------------------------------- select_segments
+def _importance_cases():
+    generator = torch.Generator().manual_seed(7)
+    yield "empty", torch.empty(0)
+    yield "single", torch.tensor([3.0])
+    yield "all_equal", torch.full((100,), 2.5)
+    yield "signed_zeros", torch.tensor([0.0, -0.0, 0.0, -0.0, 1.0, -0.0])
+    yield "negative", -torch.rand(500, generator=generator)
+    yield "few_values", torch.randint(0, 4, (1000,), generator=generator).float()
+    yield "random", torch.rand(10_000, generator=generator)
+    yield "random_large", torch.rand(300_000, generator=generator)
+    yield "ties_large", torch.randint(0, 50, (300_000,), generator=generator).float()
+    yield "huge_range", torch.tensor([1e38, -1e38, 1e-38, -1e-45, 3.0e-41, 0.0, 7.0])
+
+
+@pytest.mark.parametrize("name, importance", list(_importance_cases()), ids=lambda v: v if isinstance(v, str) else "")
+def test_select_segments_matches_reference(name, importance):
+    count = importance.numel()
+    for k in sorted({0, 1, 2, count // 100, count // 3, count - 1, count} & set(range(count + 1))):
+        compiled = ops.select_segments(importance, k)
+        assert compiled.dtype == torch.int64 and compiled.shape == (k,)
+        assert torch.equal(compiled, reference.select_segments(importance, k)), f"{name}, k={k}"
+
+
+def test_select_segments_ties_go_to_lower_index():
+    importance = torch.tensor([1.0, 5.0, 3.0, 5.0, 3.0, 3.0, 0.0])
+    assert ops.select_segments(importance, 3).tolist() == [1, 2, 3]
+    assert ops.select_segments(importance, 4).tolist() == [1, 2, 3, 4]
+    assert ops.select_segments(torch.tensor([0.0, -0.0, -0.0, 0.0]), 2).tolist() == [0, 1]
+
+
+def test_select_segments_result_is_the_top_k():
+    importance = torch.rand(50_000, generator=torch.Generator().manual_seed(1))
+    picked = ops.select_segments(importance, 500)
+    assert bool((picked[1:] > picked[:-1]).all())
+    assert set(picked.tolist()) == set(torch.topk(importance, 500).indices.tolist())
+
+
+def test_select_segments_reads_non_contiguous_input():
+    importance = torch.rand(5000, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(ops.select_segments(non_contiguous(importance), 50),
+                       ops.select_segments(importance, 50))
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.sampled_from([0.0, -0.0, 1.0, 2.0, 2.5, -3.0, 1e30, 7e-42]), max_size=300),
+       k_fraction=st.floats(0, 1))
+def test_select_segments_agrees_with_reference_on_tie_heavy_inputs(values, k_fraction):
+    importance = torch.tensor(values, dtype=torch.float32)
+    k = round(k_fraction * importance.numel())
+    assert torch.equal(ops.select_segments(importance, k), reference.select_segments(importance, k))
+
+
+@BACKENDS
+@pytest.mark.parametrize("importance, k, match", [
+    (torch.rand(10), -1, "k must satisfy 0 <= k <= 10"),
+    (torch.rand(10), 11, "k must satisfy 0 <= k <= 10"),
+    (torch.tensor([1.0, float("nan"), 2.0]), 1, "importance must be finite"),
+    (torch.tensor([1.0, float("inf")]), 1, "importance must be finite"),
+    (torch.rand(10, dtype=torch.float64), 1, "importance must have dtype float"),
+    (torch.rand(2, 5), 1, "importance must be 1-D"),
+])
+def test_select_segments_rejects_bad_input(backend, importance, k, match):
+    with untouched(importance), pytest.raises((ValueError, TypeError), match=match):
+        backend.select_segments(importance, k)
+
+
+# ------------------------------------------------------------------ pack / unpack segments
+def _selections(segments: int):
+    generator = torch.Generator().manual_seed(segments)
+    yield torch.empty(0, dtype=torch.int64)
+    if segments:
+        yield torch.arange(segments)                       # k = S, includes the short last one
+        yield torch.tensor([segments - 1])                 # only the (maybe short) last segment
+        chosen = torch.randperm(segments, generator=generator)[: max(1, segments // 7)]
+        yield torch.sort(chosen).values
+
+
+@pytest.mark.parametrize("out_dtype", [None, *GRAD_DTYPES])
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("segment_size", SEGMENT_SIZES)
+def test_pack_and_unpack_match_reference(numel, segment_size, out_dtype):
+    segments = (numel + segment_size - 1) // segment_size
+    for indices in _selections(segments):
+        residual = random_tensor(numel, torch.float32, seed=numel)
+        compiled_residual, reference_residual = residual.clone(), residual.clone()
+        packed_numel = indices.numel() * segment_size
+        out = lambda: None if out_dtype is None else torch.full((packed_numel,), 7.0, dtype=out_dtype)
+        packed = ops.pack_segments_(compiled_residual, indices, segment_size, out=out())
+        expected = reference.pack_segments_(reference_residual, indices, segment_size, out=out())
+        assert packed.dtype == (out_dtype or torch.float32) and packed.shape == (packed_numel,)
+        assert torch.equal(packed, expected)
+        assert torch.equal(compiled_residual, reference_residual)
+        # Nothing is lost: what was packed plus what stayed behind is the original residual.
+        restored = ops.unpack_segments(packed.float(), indices, segment_size, numel) + compiled_residual
+        if out_dtype in (None, torch.float32):
+            assert torch.equal(restored, residual)
+
+        unpack_out = lambda: None if out_dtype is None else torch.full((numel,), 7.0, dtype=out_dtype)
+        unpacked = ops.unpack_segments(packed, indices, segment_size, numel, scale=0.5, out=unpack_out())
+        assert torch.equal(unpacked, reference.unpack_segments(packed, indices, segment_size, numel,
+                                                               scale=0.5, out=unpack_out()))
+
+
+def test_pack_pads_a_short_last_segment_with_zeros():
+    residual = torch.arange(1.0, 11.0)  # segments of 4: [1..4], [5..8], [9, 10]
+    packed = ops.pack_segments_(residual, torch.tensor([0, 2]), 4)
+    assert packed.tolist() == [1.0, 2.0, 3.0, 4.0, 9.0, 10.0, 0.0, 0.0]
+    assert residual.tolist() == [0.0] * 4 + [5.0, 6.0, 7.0, 8.0] + [0.0, 0.0]
+
+
+def test_unpack_reads_non_contiguous_packed():
+    packed = random_tensor(64, torch.float32, seed=4)
+    indices = torch.tensor([1, 5])
+    assert torch.equal(ops.unpack_segments(non_contiguous(packed), indices, 32, 300),
+                       ops.unpack_segments(packed, indices, 32, 300))
+
+
+@BACKENDS
+@pytest.mark.parametrize("case, match", [
+    (dict(indices=torch.tensor([0, 3])), r"indices must lie in \[0, 3\)"),
+    (dict(indices=torch.tensor([-1])), r"indices must lie in \[0, 3\)"),
+    (dict(indices=torch.tensor([2, 1])), "strictly increasing"),
+    (dict(indices=torch.tensor([1, 1])), "strictly increasing"),
+    (dict(indices=torch.tensor([1], dtype=torch.int32)), "indices must have dtype"),
+    (dict(segment_size=0), "segment_size must satisfy"),
+    (dict(residual=torch.ones(10, dtype=torch.float64)), "residual must have dtype"),
+    (dict(residual=torch.ones(20)[::2]), "must be contiguous"),
+    (dict(out=torch.zeros(7)), "out must have k \\* segment_size = 8"),
+    (dict(out=torch.zeros(8, dtype=torch.int32)), "out must have dtype"),
+])
+def test_pack_rejects_bad_input(backend, case, match):
+    args = dict(residual=torch.arange(1.0, 11.0), indices=torch.tensor([0, 2]), segment_size=4) | case
+    guarded = [args["residual"]] + ([args["out"]] if "out" in args else [])
+    with untouched(*guarded), pytest.raises((ValueError, TypeError), match=match):
+        backend.pack_segments_(**args)
+
+
+@BACKENDS
+@pytest.mark.parametrize("case, match", [
+    (dict(packed=torch.ones(7)), "packed must have k \\* segment_size = 8"),
+    (dict(packed=torch.ones(8, dtype=torch.int8)), "packed must have dtype"),
+    (dict(indices=torch.tensor([0, 3])), r"indices must lie in \[0, 3\)"),
+    (dict(numel=-1), "numel must be >= 0"),
+    (dict(scale=float("nan")), "scale must be finite"),
+    (dict(out=torch.zeros(11)), "out must have numel = 10"),
+    (dict(out=torch.zeros(20)[::2]), "must be contiguous"),
+])
+def test_unpack_rejects_bad_input(backend, case, match):
+    args = dict(packed=torch.ones(8), indices=torch.tensor([0, 2]), segment_size=4, numel=10) | case
+    guarded = [args["packed"]] + ([args["out"]] if "out" in args else [])
+    with untouched(*guarded), pytest.raises((ValueError, TypeError), match=match):
+        backend.unpack_segments(**args)
+
+
+# --------------------------------------------------------------------------------- opcheck
+def test_segment_ops_pass_opcheck():
+    residual, grad = random_tensor(1000, torch.float32, 1), random_tensor(1000, torch.bfloat16, 2)
+    indices = torch.tensor([0, 3, 31])
+    hc = torch.ops.hetero_comm
+    torch.library.opcheck(hc.segment_accumulate_.default, (residual.clone(), grad, 32))
+    torch.library.opcheck(hc.select_segments.default, (torch.rand(100), 10))
+    torch.library.opcheck(hc.pack_segments_.default, (residual.clone(), indices, 32))
+    torch.library.opcheck(hc.pack_segments_into_.default, (residual.clone(), indices, 32, torch.empty(96)))
+    packed = torch.rand(96)
+    torch.library.opcheck(hc.unpack_segments.default, (packed, indices, 32, 1000, 0.5))
+    torch.library.opcheck(hc.unpack_segments_into_.default, (packed, indices, 32, 0.5, torch.empty(1000)))
