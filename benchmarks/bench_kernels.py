@@ -42,6 +42,22 @@ QUICK_SIZES = (1_000_000, 4_000_000)
 QUANT_LEVELS = 127  # int8
 DCT_CONFIGS = ((64, 8), (256, 32), (1024, 128))  # (block_size, keep)
 
+# Bytes each kernel must read plus write (n elements, S segments, k selected segments of
+# seg elements, rows/blocks = n / row length or block size); GB/s = bytes / median time.
+BYTE_MODELS = {
+    "segment_accumulate_": "4n read residual + elem_size(grad)*n read grad + 4n write residual "
+                           "(importance output negligible)",
+    "select_segments": "4S read importance",
+    "pack_segments_": "4*k*seg read residual + 4*k*seg write packed + 4*k*seg write zeros",
+    "unpack_segments": "4*k*seg read packed + 4n write out",
+    "quantize": "4n read x + 4*rows read scale + 1n write q",
+    "dequantize": "1n read q + 4*rows read scale + 4n write x_hat",
+    "dct_encode": "4n read x + 4*blocks*keep write coeffs",
+    "dct_decode": "4*blocks*keep read coeffs + 4n write x_hat",
+    "dct_encode + quantize": "4n read x + 1*blocks*keep write q + 4*blocks write scale "
+                             "(the pipeline's end-to-end traffic)",
+}
+
 
 # ------------------------------------------------------------------------------- timing
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +168,10 @@ TOPK_COLUMNS = (
 )
 
 
-def print_table(title: str, notes: Sequence[str], rows: Sequence[Row], extra_columns=()) -> None:
+def print_table(title: str, rows: Sequence[Row], notes: Sequence[str] = (),
+                extra_columns=()) -> None:
+    """One table for one kernel; the header line states its byte model."""
+    notes = [f"bytes = {BYTE_MODELS[rows[0].kernel]}", *notes]
     columns = (("configuration", lambda r: r.config),) + STANDARD_COLUMNS + tuple(extra_columns)
     cells = [[render(row) for _, render in columns] for row in rows]
     widths = [max(len(header), *(len(line[i]) for line in cells))
@@ -187,9 +206,7 @@ def bench_segment_accumulate(sizes: Sequence[int]) -> List[Row]:
                     "segment_accumulate_", config, numel, nbytes,
                     lambda: reference.segment_accumulate_(residual, grad, segment_size),
                     lambda: ops.segment_accumulate_(residual, grad, segment_size)))
-    print_table("segment_accumulate_(residual, grad, segment_size)  [in place]",
-                ["bytes = 4n read residual + elem_size(grad)*n read grad + 4n write residual "
-                 "(importance output negligible)"], rows)
+    print_table("segment_accumulate_(residual, grad, segment_size)  [in place]", rows)
     return rows
 
 
@@ -206,10 +223,9 @@ def bench_select_segments(sizes: Sequence[int]) -> List[Row]:
                 lambda: reference.select_segments(importance, k),
                 lambda: ops.select_segments(importance, k),
                 topk_fn=lambda: torch.topk(importance, k)))
-    print_table("select_segments(importance, k)  [k = 1% of S; output allocated]",
-                ["bytes = 4S read (importance)",
-                 "topk = torch.topk(importance, k); 'vs topk' = topk ms / compiled ms"],
-                rows, TOPK_COLUMNS)
+    print_table("select_segments(importance, k)  [k = 1% of S; output allocated]", rows,
+                ["topk = torch.topk(importance, k); 'vs topk' = topk ms / compiled ms"],
+                TOPK_COLUMNS)
     return rows
 
 
@@ -249,12 +265,9 @@ def bench_pack_unpack(sizes: Sequence[int], segment_size: int = 256) -> List[Row
                                             out=unpacked)))
     print_table("pack_segments_(residual, indices, segment_size, out=packed)  "
                 "[out= preallocated float32, compiled and reference; residual restored "
-                "outside the timed region]",
-                ["bytes = 4*k*seg read residual + 4*k*seg write packed + 4*k*seg write zeros"],
-                pack_rows)
+                "outside the timed region]", pack_rows)
     print_table("unpack_segments(packed, indices, segment_size, n, scale=0.5, out=flat)  "
-                "[out= preallocated float32, compiled and reference]",
-                ["bytes = 4*k*seg read packed + 4n write out"], unpack_rows)
+                "[out= preallocated float32, compiled and reference]", unpack_rows)
     return pack_rows + unpack_rows
 
 
@@ -279,10 +292,9 @@ def bench_quantize(sizes: Sequence[int], row_len: int = 64) -> List[Row]:
             lambda: reference.dequantize(q, scale, QUANT_LEVELS),
             lambda: ops.dequantize(q, scale, QUANT_LEVELS)))
     print_table(f"quantize(x, scale=|x|.amax(1), levels={QUANT_LEVELS}, int8)  "
-                "[output allocated: the API has no out=]",
-                ["bytes = 4n read x + 4*rows read scale + 1n write q"], quantize_rows)
+                "[output allocated: the API has no out=]", quantize_rows)
     print_table(f"dequantize(q, scale, levels={QUANT_LEVELS})  [output allocated: no out=]",
-                ["bytes = 1n read q + 4*rows read scale + 4n write x_hat"], dequantize_rows)
+                dequantize_rows)
     return quantize_rows + dequantize_rows
 
 
@@ -313,14 +325,10 @@ def bench_dct(sizes: Sequence[int]) -> List[Row]:
                                             x, block_size, keep),
                 lambda: encode_and_quantize(ops.dct_encode, ops.quantize,
                                             x, block_size, keep)))
-    print_table("dct_encode(x, block_size, keep)  [output allocated: no out=]",
-                ["bytes = 4n read x + 4*blocks*keep write coeffs"], encode_rows)
-    print_table("dct_decode(coeffs, block_size, n)  [output allocated: no out=]",
-                ["bytes = 4*blocks*keep read coeffs + 4n write x_hat"], decode_rows)
+    print_table("dct_encode(x, block_size, keep)  [output allocated: no out=]", encode_rows)
+    print_table("dct_decode(coeffs, block_size, n)  [output allocated: no out=]", decode_rows)
     print_table(f"dct_encode + quantize (scale = |coeffs|.amax(1), levels={QUANT_LEVELS}, int8)",
-                ["bytes = 4n read x + 1*blocks*keep write q + 4*blocks write scale "
-                 "(the pipeline's end-to-end traffic)",
-                 "both columns use torch's abs().amax(1) for the scale"], pipeline_rows)
+                pipeline_rows, ["both columns use torch's abs().amax(1) for the scale"])
     return encode_rows + decode_rows + pipeline_rows
 
 
@@ -464,6 +472,7 @@ def main(argv=None) -> int:
             "copy_bandwidth": copy,
             "copy_bandwidth_at_end": copy_at_end,
             "load_average_1min_at_start": load_1min,
+            "byte_models": BYTE_MODELS,
             "rows": [dataclasses.asdict(r) for r in rows],
             "aims": aims,
             "elapsed_s": elapsed,
