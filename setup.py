@@ -34,7 +34,11 @@ def _extensions():
                            "was not found (CUDA_HOME is unset)")
     with_cuda = cuda_possible and build_cuda not in ("0", "false", "no")
 
-    cxx_flags = ["-O3", "-fopenmp", "-fno-math-errno"]
+    # -ffp-contract=off: no fused multiply-add, so results do not depend on whether the CPU
+    # has FMA; ranks of an unequal cluster must decode the same integers to the same floats.
+    # -fno-trapping-math lets GCC turn float compares into selects and vectorise (no FP traps
+    # are enabled, so no result changes).
+    cxx_flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
     if _flag("HETERO_COMM_MARCH_NATIVE", "0") in ("1", "true", "yes"):
         cxx_flags.append("-march=native")
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))

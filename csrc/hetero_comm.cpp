@@ -1,6 +1,8 @@
 // Every hetero_comm operator schema, in one place, plus the module init that makes
 // `import hetero_comm._C` run the static registrations. Kernels live in csrc/<family>.cpp
 // (CPU) and cuda/<family>.cu (CUDA); schemas never do, so a CPU-only build defines every op.
+// Each `*_into_` op is the out= form of the op before it (it writes a preallocated, e.g.
+// pooled, buffer); Python exposes both as one function with an optional `out=`.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -15,9 +17,13 @@ TORCH_LIBRARY(hetero_comm, m) {
   m.def("unpack_segments_into_(Tensor packed, Tensor indices, int segment_size, float scale, "
         "Tensor(a!) out) -> ()");
   m.def("dct_encode(Tensor x, int block_size, int keep) -> Tensor");
+  m.def("dct_encode_into_(Tensor x, int block_size, Tensor(a!) out) -> ()");
   m.def("dct_decode(Tensor coeffs, int block_size, int numel) -> Tensor");
+  m.def("dct_decode_into_(Tensor coeffs, int block_size, Tensor(a!) out) -> ()");
   m.def("quantize(Tensor x, Tensor scale, int levels, ScalarType dtype) -> Tensor");
+  m.def("quantize_into_(Tensor x, Tensor scale, int levels, Tensor(a!) out) -> ()");
   m.def("dequantize(Tensor q, Tensor scale, int levels) -> Tensor");
+  m.def("dequantize_into_(Tensor q, Tensor scale, int levels, Tensor(a!) out) -> ()");
   // Diagnostics: how many distinct threads at::parallel_for used (proves OpenMP is on).
   m.def("_parallel_threads_used(int work_items) -> int");
 }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 
 #include "checks.h"
 
@@ -22,73 +23,109 @@ int64_t grain_rows(int64_t row_len) {
   AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kChar, __VA_ARGS__) \
                      AT_DISPATCH_CASE(at::kShort, __VA_ARGS__) AT_DISPATCH_CASE(at::kInt, __VA_ARGS__))
 
-at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
-                        at::ScalarType dtype) {
+void check_quantize(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
+                    at::ScalarType dtype) {
   check_tensor(x, "x", {at::kFloat}, 2);
   check_quant_dtype(dtype);
   check_scale(scale, x.size(0));
   check_same_device(x, "x", scale, "scale");
   check_levels(levels, dtype);
+}
+
+// Assumes validated arguments. Returns false if x holds a non-finite value (q is then garbage).
+bool quantize_into(const at::Tensor& x, const at::Tensor& scale, int64_t levels, at::Tensor& q) {
   const int64_t rows = x.size(0), row_len = x.size(1);
-  at::Tensor q = at::empty({rows, row_len}, x.options().dtype(dtype));
   const at::Tensor x_contiguous = x.contiguous(), scale_contiguous = scale.contiguous();
   const float* in = x_contiguous.const_data_ptr<float>();
   const float* scales = scale_contiguous.const_data_ptr<float>();
   const float bound = levels_bound(levels);
   std::atomic<bool> all_finite{true};
-
-  HC_DISPATCH_QUANT_TYPES(dtype, "quantize", [&] {
+  HC_DISPATCH_QUANT_TYPES(q.scalar_type(), "quantize", [&] {
     scalar_t* out = q.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain_rows(row_len), [&](int64_t first, int64_t last) {
-      int finite = 1;
+      bool finite = true;
       for (int64_t r = first; r < last; ++r) {
-        const float factor = quantize_factor(scales[r], levels);
-        const float* row = in + r * row_len;
-        scalar_t* dest = out + r * row_len;
-        for (int64_t j = 0; j < row_len; ++j) {
-          const float difference = row[j] - row[j];  // NaN exactly when row[j] is not finite
-          finite &= difference == difference;
-          dest[j] = static_cast<scalar_t>(quantize_value(row[j], factor, bound));
-        }
+        finite &= quantize_row(in + r * row_len, out + r * row_len, row_len,
+                               quantize_factor(scales[r], levels), bound);
       }
       if (!finite) all_finite = false;
     });
   });
+  return all_finite;
+}
+
+constexpr const char* kNotFinite = "x must be finite (found NaN or infinity)";
+
+at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
+                        at::ScalarType dtype) {
+  check_quantize(x, scale, levels, dtype);
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
   // q is our own new tensor, so checking after the pass still leaves every input untouched.
-  TORCH_CHECK_VALUE(all_finite, "x must be finite (found NaN or infinity)");
+  TORCH_CHECK_VALUE(quantize_into(x, scale, levels, q), kNotFinite);
   return q;
 }
 
-at::Tensor dequantize_cpu(const at::Tensor& q, const at::Tensor& scale, int64_t levels) {
+void quantize_into_cpu(const at::Tensor& x, const at::Tensor& scale, int64_t levels, at::Tensor& out) {
+  check_tensor(out, "out", {at::kChar, at::kShort, at::kInt}, 2, /*writable=*/true);
+  check_quantize(x, scale, levels, out.scalar_type());
+  check_same_device(x, "x", out, "out");
+  TORCH_CHECK_VALUE(out.sizes() == x.sizes(), "out must have the shape of x ", x.sizes(), "; got ",
+                    out.sizes());
+  // The caller's out would be written before the check: test finiteness first instead.
+  bool finite = true;
+  const at::Tensor x_contiguous = x.contiguous();
+  const float* in = x_contiguous.const_data_ptr<float>();
+  for (int64_t i = 0; i < x.numel() && finite; ++i) finite = std::isfinite(in[i]);
+  TORCH_CHECK_VALUE(finite, kNotFinite);
+  quantize_into(x, scale, levels, out);
+}
+
+void check_dequantize(const at::Tensor& q, const at::Tensor& scale, int64_t levels) {
   check_tensor(q, "q", {at::kChar, at::kShort, at::kInt}, 2);
   check_scale(scale, q.size(0));
   check_same_device(q, "q", scale, "scale");
   check_positive("levels", levels);
+}
+
+// Assumes validated arguments.
+void dequantize_into(const at::Tensor& q, const at::Tensor& scale, int64_t levels, at::Tensor& x_hat) {
   const int64_t rows = q.size(0), row_len = q.size(1);
-  at::Tensor x_hat = at::empty({rows, row_len}, q.options().dtype(at::kFloat));
   const at::Tensor q_contiguous = q.contiguous(), scale_contiguous = scale.contiguous();
   const float* scales = scale_contiguous.const_data_ptr<float>();
   float* out = x_hat.data_ptr<float>();
-
   HC_DISPATCH_QUANT_TYPES(q.scalar_type(), "dequantize", [&] {
     const scalar_t* in = q_contiguous.const_data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain_rows(row_len), [&](int64_t first, int64_t last) {
       for (int64_t r = first; r < last; ++r) {
-        const float step = dequantize_step(scales[r], levels);
-        for (int64_t j = 0; j < row_len; ++j) {
-          out[r * row_len + j] = static_cast<float>(in[r * row_len + j]) * step;
-        }
+        dequantize_row(in + r * row_len, out + r * row_len, row_len, dequantize_step(scales[r], levels));
       }
     });
   });
+}
+
+at::Tensor dequantize_cpu(const at::Tensor& q, const at::Tensor& scale, int64_t levels) {
+  check_dequantize(q, scale, levels);
+  at::Tensor x_hat = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  dequantize_into(q, scale, levels, x_hat);
   return x_hat;
+}
+
+void dequantize_into_cpu(const at::Tensor& q, const at::Tensor& scale, int64_t levels, at::Tensor& out) {
+  check_tensor(out, "out", {at::kFloat}, 2, /*writable=*/true);
+  check_dequantize(q, scale, levels);
+  check_same_device(q, "q", out, "out");
+  TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "out must have the shape of q ", q.sizes(), "; got ",
+                    out.sizes());
+  dequantize_into(q, scale, levels, out);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hetero_comm, CPU, m) {
   m.impl("quantize", &quantize_cpu);
+  m.impl("quantize_into_", &quantize_into_cpu);
   m.impl("dequantize", &dequantize_cpu);
+  m.impl("dequantize_into_", &dequantize_into_cpu);
 }
 
 }  // namespace hetero_comm

@@ -11,8 +11,8 @@ logger = logging.getLogger("hetero_comm")
 
 KERNEL_OPS = (
     "segment_accumulate_", "select_segments", "pack_segments_", "pack_segments_into_",
-    "unpack_segments", "unpack_segments_into_", "dct_encode", "dct_decode", "quantize",
-    "dequantize",
+    "unpack_segments", "unpack_segments_into_", "dct_encode", "dct_encode_into_", "dct_decode",
+    "dct_decode_into_", "quantize", "quantize_into_", "dequantize", "dequantize_into_",
 )
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 

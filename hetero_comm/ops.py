@@ -109,39 +109,58 @@ def unpack_segments(packed: torch.Tensor, indices: torch.Tensor, segment_size: i
     return out
 
 
-def dct_encode(x: torch.Tensor, block_size: int, keep: int) -> torch.Tensor:
+def _check_out_matches(out: torch.Tensor, what: str, expected, actual) -> None:
+    """The `*_into_` ops read a size or dtype from ``out``; make sure it is the one asked for."""
+    if expected != actual:
+        raise ValueError(f"out must have {what} {expected}; got {actual}")
+
+
+def dct_encode(x: torch.Tensor, block_size: int, keep: int,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Blockwise orthonormal DCT-II keeping the ``keep`` lowest frequencies.
 
     Args:
         x: float32/bfloat16/float16 [n].
         block_size: a power of two in [1, 65536].
         keep: 0 <= keep <= block_size.
+        out: optional float32 [ceil(n / block_size), keep], contiguous.
 
     Returns:
-        coeffs: float32 [ceil(n / block_size), keep].
+        coeffs: ``out``, or a new float32 [ceil(n / block_size), keep].
     """
     if not _compiled(x):
-        return reference.dct_encode(x, block_size, keep)
-    return torch.ops.hetero_comm.dct_encode.default(x, block_size, keep)
+        return reference.dct_encode(x, block_size, keep, out=out)
+    if out is None:
+        return torch.ops.hetero_comm.dct_encode.default(x, block_size, keep)
+    _check_out_matches(out, "keep = out.shape[1] =", keep, out.shape[1] if out.dim() == 2 else None)
+    torch.ops.hetero_comm.dct_encode_into_.default(x, block_size, out)
+    return out
 
 
-def dct_decode(coeffs: torch.Tensor, block_size: int, numel: int) -> torch.Tensor:
+def dct_decode(coeffs: torch.Tensor, block_size: int, numel: int,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Inverse of :func:`dct_encode` (missing coefficients are zero).
 
     Args:
         coeffs: float32 [ceil(numel / block_size), keep].
         block_size: a power of two in [1, 65536].
         numel: length of the result.
+        out: optional float32 [numel], contiguous.
 
     Returns:
-        x_hat: float32 [numel].
+        x_hat: ``out``, or a new float32 [numel].
     """
     if not _compiled(coeffs):
-        return reference.dct_decode(coeffs, block_size, numel)
-    return torch.ops.hetero_comm.dct_decode.default(coeffs, block_size, numel)
+        return reference.dct_decode(coeffs, block_size, numel, out=out)
+    if out is None:
+        return torch.ops.hetero_comm.dct_decode.default(coeffs, block_size, numel)
+    _check_out_matches(out, "numel =", numel, out.numel())
+    torch.ops.hetero_comm.dct_decode_into_.default(coeffs, block_size, out)
+    return out
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
+def quantize(x: torch.Tensor, scale: torch.Tensor, levels: int, dtype: torch.dtype,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-block quantization to integers in [-levels, levels], round half to even.
 
     Args:
@@ -149,29 +168,39 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, levels: int, dtype: torch.dty
         scale: float32 [num_blocks], finite, >= 0.
         levels: 1 <= levels <= max of ``dtype``.
         dtype: torch.int8, torch.int16 or torch.int32.
+        out: optional ``dtype`` [num_blocks, m], contiguous.
 
     Returns:
-        q: ``dtype`` [num_blocks, m].
+        q: ``out``, or a new ``dtype`` [num_blocks, m].
     """
     if not _compiled(x):
-        return reference.quantize(x, scale, levels, dtype)
-    return torch.ops.hetero_comm.quantize.default(x, scale, levels, dtype)
+        return reference.quantize(x, scale, levels, dtype, out=out)
+    if out is None:
+        return torch.ops.hetero_comm.quantize.default(x, scale, levels, dtype)
+    _check_out_matches(out, "dtype", dtype, out.dtype)
+    torch.ops.hetero_comm.quantize_into_.default(x, scale, levels, out)
+    return out
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, levels: int) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor, levels: int,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``float32(q) * float32(scale / levels)`` per block.
 
     Args:
         q: int8/int16/int32 [num_blocks, m].
         scale: float32 [num_blocks], finite, >= 0.
         levels: >= 1.
+        out: optional float32 [num_blocks, m], contiguous.
 
     Returns:
-        x_hat: float32 [num_blocks, m].
+        x_hat: ``out``, or a new float32 [num_blocks, m].
     """
     if not _compiled(q):
-        return reference.dequantize(q, scale, levels)
-    return torch.ops.hetero_comm.dequantize.default(q, scale, levels)
+        return reference.dequantize(q, scale, levels, out=out)
+    if out is None:
+        return torch.ops.hetero_comm.dequantize.default(q, scale, levels)
+    torch.ops.hetero_comm.dequantize_into_.default(q, scale, levels, out)
+    return out
 
 
 # Shape/dtype-only implementations, so the ops work under torch.compile and opcheck.
@@ -208,6 +237,22 @@ if extension_loaded():
     @torch.library.register_fake("hetero_comm::dct_decode")
     def _dct_decode_fake(coeffs, block_size, numel):
         return coeffs.new_empty(numel)
+
+    @torch.library.register_fake("hetero_comm::dct_encode_into_")
+    def _dct_encode_into_fake(x, block_size, out):
+        return None
+
+    @torch.library.register_fake("hetero_comm::dct_decode_into_")
+    def _dct_decode_into_fake(coeffs, block_size, out):
+        return None
+
+    @torch.library.register_fake("hetero_comm::quantize_into_")
+    def _quantize_into_fake(x, scale, levels, out):
+        return None
+
+    @torch.library.register_fake("hetero_comm::dequantize_into_")
+    def _dequantize_into_fake(q, scale, levels, out):
+        return None
 
     @torch.library.register_fake("hetero_comm::quantize")
     def _quantize_fake(x, scale, levels, dtype):

@@ -61,6 +61,14 @@ def _check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"all tensors must be on one device; got {listed}")
 
 
+def _check_out(out: torch.Tensor, dtypes, shape, like: torch.Tensor, like_name: str) -> None:
+    """Validate a caller's ``out=`` buffer: dtype, exact shape, contiguity, device."""
+    _check_tensor("out", out, dtypes, len(shape), writable=True)
+    _check_same_device(**{like_name: like, "out": out})
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out must have shape {list(shape)}; got {list(out.shape)}")
+
+
 def _check_positive(name: str, value: int, upper: Optional[int] = None) -> None:
     if value <= 0 or (upper is not None and value > upper):
         bound = f"1 <= {name} <= {upper}" if upper is not None else f"{name} >= 1"
@@ -258,7 +266,8 @@ def dct_basis(block_size: int, device=None) -> torch.Tensor:
     return basis.to(dtype=torch.float32, device=device)
 
 
-def dct_encode(x: torch.Tensor, block_size: int, keep: int) -> torch.Tensor:
+def dct_encode(x: torch.Tensor, block_size: int, keep: int,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Blockwise orthonormal DCT-II, keeping the ``keep`` lowest-frequency coefficients.
 
     ``x`` is split into ``num_blocks = ceil(n / block_size)`` blocks, the last zero-padded;
@@ -273,19 +282,23 @@ def dct_encode(x: torch.Tensor, block_size: int, keep: int) -> torch.Tensor:
         x: float32, bfloat16 or float16 [n].
         block_size: B, a power of two in [1, 65536].
         keep: coefficients kept per block, 0 <= keep <= block_size.
+        out: optional float32 [num_blocks, keep], contiguous, to write instead of allocating.
 
     Returns:
-        coeffs: float32 [num_blocks, keep].
+        coeffs: ``out``, or a new float32 [num_blocks, keep].
     """
     _check_tensor("x", x, GRAD_DTYPES, 1)
     _check_block_size(block_size)
     if keep < 0 or keep > block_size:
         raise ValueError(f"keep must satisfy 0 <= keep <= block_size ({block_size}); got {keep}")
-    blocks = _padded_segment_view(x, block_size)
-    return blocks @ dct_basis(block_size, x.device)[:keep].T
+    if out is not None:
+        _check_out(out, (torch.float32,), (num_segments(x.numel(), block_size), keep), x, "x")
+    coeffs = _padded_segment_view(x, block_size) @ dct_basis(block_size, x.device)[:keep].T
+    return coeffs if out is None else out.copy_(coeffs)
 
 
-def dct_decode(coeffs: torch.Tensor, block_size: int, numel: int) -> torch.Tensor:
+def dct_decode(coeffs: torch.Tensor, block_size: int, numel: int,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Inverse of :func:`dct_encode`: missing high-frequency coefficients are taken as zero.
 
     Args:
@@ -293,9 +306,10 @@ def dct_decode(coeffs: torch.Tensor, block_size: int, numel: int) -> torch.Tenso
             keep <= block_size.
         block_size: B, a power of two in [1, 65536].
         numel: length of the result, >= 0.
+        out: optional float32 [numel], contiguous, to write instead of allocating.
 
     Returns:
-        x_hat: float32 [numel].
+        x_hat: ``out``, or a new float32 [numel].
     """
     _check_tensor("coeffs", coeffs, (torch.float32,), 2)
     _check_block_size(block_size)
@@ -305,9 +319,11 @@ def dct_decode(coeffs: torch.Tensor, block_size: int, numel: int) -> torch.Tenso
     if coeffs.shape[0] != blocks or coeffs.shape[1] > block_size:
         raise ValueError(f"coeffs must have shape [ceil(numel / block_size) = {blocks}, keep <= "
                          f"{block_size}]; got {tuple(coeffs.shape)}")
+    if out is not None:
+        _check_out(out, (torch.float32,), (numel,), coeffs, "coeffs")
     keep = coeffs.shape[1]
-    decoded = coeffs.contiguous() @ dct_basis(block_size, coeffs.device)[:keep]
-    return decoded.reshape(-1)[:numel].contiguous()
+    decoded = (coeffs.contiguous() @ dct_basis(block_size, coeffs.device)[:keep]).reshape(-1)[:numel]
+    return decoded.contiguous() if out is None else out.copy_(decoded)
 
 
 # ------------------------------------------------------------------------------ quantize
@@ -319,7 +335,8 @@ def largest_float32_at_most(value: int) -> float:
     return float(as_float)
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
+def quantize(x: torch.Tensor, scale: torch.Tensor, levels: int, dtype: torch.dtype,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Quantize each block of ``x`` to integers in [-levels, levels].
 
     With ``f = float32(levels / scale)`` per block (computed in float64, 0 where scale is 0):
@@ -331,9 +348,10 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, levels: int, dtype: torch.dty
         scale: float32 [num_blocks], finite and >= 0 (typically the block's max |x|).
         levels: 1 <= levels <= the largest value of ``dtype``.
         dtype: torch.int8, torch.int16 or torch.int32.
+        out: optional ``dtype`` [num_blocks, m], contiguous, to write instead of allocating.
 
     Returns:
-        q: ``dtype`` [num_blocks, m].
+        q: ``out``, or a new ``dtype`` [num_blocks, m].
     """
     _check_tensor("x", x, (torch.float32,), 2)
     if dtype not in QUANT_DTYPES:
@@ -341,31 +359,39 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, levels: int, dtype: torch.dty
     _check_scale(scale, x.shape[0])
     _check_same_device(x=x, scale=scale)
     _check_levels(levels, dtype)
+    if out is not None:
+        _check_out(out, (dtype,), tuple(x.shape), x, "x")
     if x.numel() and not bool(torch.isfinite(x).all()):
         raise ValueError("x must be finite (found NaN or infinity)")
     factor = torch.where(scale > 0, levels / scale.double(), torch.zeros_like(scale, dtype=torch.float64))
     bound = largest_float32_at_most(levels)
     scaled = (x * factor.float().unsqueeze(1)).clamp_(-bound, bound)
-    return torch.round(scaled).to(dtype)
+    q = torch.round(scaled).to(dtype)
+    return q if out is None else out.copy_(q)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, levels: int) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor, levels: int,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Map quantized blocks back to float32: ``x_hat = float32(q) * float32(scale / levels)``.
 
     Args:
         q: int8, int16 or int32 [num_blocks, m].
         scale: float32 [num_blocks], finite and >= 0.
         levels: the ``levels`` passed to :func:`quantize`, >= 1.
+        out: optional float32 [num_blocks, m], contiguous, to write instead of allocating.
 
     Returns:
-        x_hat: float32 [num_blocks, m].
+        x_hat: ``out``, or a new float32 [num_blocks, m].
     """
     _check_tensor("q", q, QUANT_DTYPES, 2)
     _check_scale(scale, q.shape[0])
     _check_same_device(q=q, scale=scale)
     _check_positive("levels", levels)
+    if out is not None:
+        _check_out(out, (torch.float32,), tuple(q.shape), q, "q")
     step = (scale.double() / levels).float()
-    return q.float() * step.unsqueeze(1)
+    x_hat = q.float() * step.unsqueeze(1)
+    return x_hat if out is None else out.copy_(x_hat)
 
 
 # --------------------------------------------------------------------------- buffer pool

@@ -117,3 +117,43 @@ def test_dct_ops_pass_opcheck():
     x = random_tensor(1000, torch.float32, seed=8)
     torch.library.opcheck(torch.ops.hetero_comm.dct_encode.default, (x, 64, 8))
     torch.library.opcheck(torch.ops.hetero_comm.dct_decode.default, (torch.rand(16, 8), 64, 1000))
+
+
+@BACKENDS
+@pytest.mark.parametrize("block_size, keep", [(8, 8), (64, 2), (64, 8), (256, 32), (1024, 16)])
+def test_dct_out_forms_write_the_given_buffers(backend, block_size, keep):
+    x = random_tensor(5001, torch.bfloat16, seed=block_size)
+    blocks = -(-x.numel() // block_size)
+    out = torch.full((blocks, keep), 7.0)
+    assert backend.dct_encode(x, block_size, keep, out=out) is out
+    torch.testing.assert_close(out, reference.dct_encode(x, block_size, keep), rtol=0,
+                               atol=2 * dct_tolerance(block_size))
+    decoded = torch.full((x.numel(),), 7.0)
+    assert backend.dct_decode(out, block_size, x.numel(), out=decoded) is decoded
+    torch.testing.assert_close(decoded, reference.dct_decode(out, block_size, x.numel()), rtol=0,
+                               atol=2 * dct_tolerance(block_size))
+
+
+@BACKENDS
+@pytest.mark.parametrize("op, out, match", [
+    ("encode", torch.zeros(2, 7), "out must have"),
+    ("encode", torch.zeros(3, 8), "out must have"),
+    ("encode", torch.zeros(2, 8, dtype=torch.float64), "out must have dtype"),
+    ("encode", torch.zeros(2, 16)[:, ::2], "must be contiguous"),
+    ("decode", torch.zeros(99), "out must have"),
+    ("decode", torch.zeros(100, dtype=torch.float16), "out must have dtype"),
+])
+def test_dct_out_forms_reject_bad_buffers(backend, op, out, match):
+    x, coeffs = torch.ones(100), torch.ones(2, 8)
+    with untouched(out, x, coeffs), pytest.raises((ValueError, TypeError), match=match):
+        if op == "encode":
+            backend.dct_encode(x, 64, 8, out=out)
+        else:
+            backend.dct_decode(coeffs, 64, 100, out=out)
+
+
+def test_dct_out_ops_pass_opcheck():
+    x = random_tensor(1000, torch.float32, seed=8)
+    torch.library.opcheck(torch.ops.hetero_comm.dct_encode_into_.default, (x, 64, torch.empty(16, 8)))
+    torch.library.opcheck(torch.ops.hetero_comm.dct_decode_into_.default,
+                          (torch.rand(16, 8), 64, torch.empty(1000)))

@@ -109,3 +109,45 @@ def test_quantize_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.hetero_comm.quantize.default, (x, scale, 127, torch.int8))
     q = ops.quantize(x, scale, 127, torch.int8)
     torch.library.opcheck(torch.ops.hetero_comm.dequantize.default, (q, scale, 127))
+
+
+@BACKENDS
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_quantize_out_forms_write_the_given_buffers(backend, dtype):
+    x, scale = blocks_with_scales((300, 64), seed=11)
+    levels = QUANT_DTYPES[dtype] // 2
+    q = torch.full(x.shape, 5, dtype=dtype)
+    assert backend.quantize(x, scale, levels, dtype, out=q) is q
+    assert torch.equal(q, reference.quantize(x, scale, levels, dtype))
+    x_hat = torch.full(x.shape, 7.0)
+    assert backend.dequantize(q, scale, levels, out=x_hat) is x_hat
+    assert torch.equal(x_hat, reference.dequantize(q, scale, levels))
+
+
+@BACKENDS
+@pytest.mark.parametrize("op, case, match", [
+    ("quantize", dict(out=torch.zeros(4, 8, dtype=torch.int16)), "out must have dtype"),
+    ("quantize", dict(out=torch.zeros(4, 9, dtype=torch.int8)), "out must have"),
+    ("quantize", dict(out=torch.zeros(4, 16, dtype=torch.int8)[:, ::2]), "must be contiguous"),
+    ("quantize", dict(out=torch.zeros(4, 8, dtype=torch.int8),
+                      x=torch.tensor([[float("inf")] * 8] * 4)), "x must be finite"),
+    ("dequantize", dict(out=torch.zeros(4, 8, dtype=torch.float64)), "out must have dtype"),
+    ("dequantize", dict(out=torch.zeros(5, 8)), "out must have"),
+])
+def test_quantize_out_forms_reject_bad_buffers(backend, op, case, match):
+    if op == "quantize":
+        args = dict(x=torch.ones(4, 8), scale=torch.ones(4), levels=127, dtype=torch.int8) | case
+        tensors = (args["x"], args["scale"], args["out"])
+    else:
+        args = dict(q=torch.ones(4, 8, dtype=torch.int8), scale=torch.ones(4), levels=127) | case
+        tensors = (args["q"], args["scale"], args["out"])
+    with untouched(*tensors), pytest.raises((ValueError, TypeError), match=match):
+        getattr(backend, op)(**args)
+
+
+def test_quantize_out_ops_pass_opcheck():
+    x, scale = blocks_with_scales((10, 16), seed=1)
+    q = torch.empty(10, 16, dtype=torch.int8)
+    torch.library.opcheck(torch.ops.hetero_comm.quantize_into_.default, (x, scale, 127, q))
+    torch.library.opcheck(torch.ops.hetero_comm.dequantize_into_.default,
+                          (ops.quantize(x, scale, 127, torch.int8), scale, 127, torch.empty(10, 16)))

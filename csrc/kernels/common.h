@@ -78,3 +78,26 @@ HC_HOST_DEVICE float quantize_value(float x, float factor, float bound) {
 }
 
 }  // namespace hetero_comm
+
+namespace hetero_comm {
+
+// One row of quantize: returns false if any input is not finite. __restrict: the output is a
+// char type for int8, which may alias anything, and that would block vectorisation.
+template <typename Int>
+bool quantize_row(const float* __restrict in, Int* __restrict out, int64_t len, float factor,
+                  float bound) {
+  int finite = 1;
+  for (int64_t j = 0; j < len; ++j) {
+    const float difference = in[j] - in[j];  // NaN exactly when in[j] is not finite
+    finite &= difference == difference;
+    out[j] = static_cast<Int>(quantize_value(in[j], factor, bound));
+  }
+  return finite != 0;
+}
+
+template <typename Int>
+void dequantize_row(const Int* __restrict in, float* __restrict out, int64_t len, float step) {
+  for (int64_t j = 0; j < len; ++j) out[j] = static_cast<float>(in[j]) * step;
+}
+
+}  // namespace hetero_comm

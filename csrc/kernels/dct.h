@@ -27,11 +27,49 @@ inline float dct_ortho_scale(int64_t k, int64_t block_size) {
   return static_cast<float>(std::sqrt((k == 0 ? 1.0 : 2.0) / static_cast<double>(block_size)));
 }
 
+inline std::vector<float> dct_ortho_scales(int64_t count, int64_t block_size) {
+  std::vector<float> scales(count);
+  for (int64_t k = 0; k < count; ++k) scales[k] = dct_ortho_scale(k, block_size);
+  return scales;
+}
+
+// Rows k < keep of the orthonormal DCT-II matrix, basis[k * B + i] = s_k cos(pi (2i + 1) k / 2B),
+// computed in double.
+inline std::vector<float> dct_basis_rows(int64_t keep, int64_t block_size) {
+  std::vector<float> basis(keep * block_size);
+  for (int64_t k = 0; k < keep; ++k) {
+    const double scale = std::sqrt((k == 0 ? 1.0 : 2.0) / static_cast<double>(block_size));
+    for (int64_t i = 0; i < block_size; ++i) {
+      basis[k * block_size + i] = static_cast<float>(
+          scale * std::cos(M_PI * static_cast<double>((2 * i + 1) * k) / (2.0 * block_size)));
+    }
+  }
+  return basis;
+}
+
+// Direct decode of one block, keep multiply-adds per output: x[i] = sum_k coeffs[k] basis[k][i].
+inline void dct_decode_direct(const float* __restrict coeffs, int64_t keep,
+                              const float* __restrict basis, int64_t block_size,
+                              float* __restrict x) {
+  for (int64_t i = 0; i < block_size; ++i) x[i] = 0.0f;
+  for (int64_t k = 0; k < keep; ++k) {
+    const float c = coeffs[k];
+    const float* row = basis + k * block_size;
+    for (int64_t i = 0; i < block_size; ++i) x[i] += c * row[i];
+  }
+}
+
 // Unnormalised DCT-II in place: x[k] <- sum_i x[i] cos(pi (2i + 1) k / (2n)).
 // `scratch` holds n values; both arrays are clobbered by the recursion.
 template <typename V>
 void dct2_unnormalized(V* x, V* scratch, int64_t n, const float* twiddles) {
   if (n == 1) return;
+  if (n == 2) {  // the general step with half = 1, without the call overhead
+    const V low = x[0], high = x[1];
+    x[0] = low + high;
+    x[1] = (low - high) * twiddles[0];
+    return;
+  }
   const int64_t half = n / 2;
   const float* twiddle = twiddles + half - 1;
   for (int64_t i = 0; i < half; ++i) {
@@ -54,6 +92,12 @@ void dct2_unnormalized(V* x, V* scratch, int64_t n, const float* twiddles) {
 template <typename V>
 void dct3_unnormalized(V* x, V* scratch, int64_t n, const float* twiddles) {
   if (n == 1) return;
+  if (n == 2) {  // the general step with half = 1, without the call overhead
+    const V even = x[0], odd = x[1] * twiddles[0];
+    x[0] = even + odd;
+    x[1] = even - odd;
+    return;
+  }
   const int64_t half = n / 2;
   const float* twiddle = twiddles + half - 1;
   scratch[0] = x[0];

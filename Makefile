@@ -1,0 +1,31 @@
+# Two entry points, each self-contained on a fresh machine (Python 3.11 + a C++ compiler):
+#   make bench   the main job for now: build, then run the kernel benchmark
+#   make test    build, then run the full test suite
+# Both create .venv, install torch 2.13.0 (CPU) and build hetero_comm from source into it.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+SOURCES := pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*.cpp csrc/*.h csrc/kernels/*.h cuda/*.cu cuda/*.cuh hetero_comm/*.py)
+
+.PHONY: test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned: an unpinned torch>=2.13 could resolve to a multi-GB CUDA build.
+$(VENV)/.installed: $(BIN)/python $(SOURCES)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet ".[test]"
+	touch $@
+
+# pytest (not `python -m pytest`) from the repo root keeps the source tree off sys.path, so the
+# installed package with its compiled _C is the one under test.
+test: $(VENV)/.installed
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest tests
+
+bench: $(VENV)/.installed
+	$(BIN)/python benchmarks/bench_kernels.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,144 @@
+// Unit tests of the torch-free kernel core (csrc/kernels/*.h), built by CMakeLists.txt as
+// `kernel_core_tests` and run through ctest (tests/test_cmake_build.py runs it in CI).
+#include <cfenv>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "../kernels/common.h"
+#include "../kernels/dct.h"
+#include "../kernels/segments.h"
+#include "../kernels/select.h"
+#include "../kernels/size_class.h"
+
+namespace hc = hetero_comm;
+
+static int passed = 0, failed = 0;
+
+#define EXPECT(cond)                                                   \
+  do {                                                                 \
+    if (cond) {                                                        \
+      ++passed;                                                        \
+    } else {                                                           \
+      ++failed;                                                        \
+      std::printf("FAILED %s:%d: %s\n", __FILE__, __LINE__, #cond);    \
+    }                                                                  \
+  } while (0)
+
+static void test_round_half_even_matches_the_fpu() {
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> wide(-3e9f, 3e9f), narrow(-100.0f, 100.0f);
+  std::fesetround(FE_TONEAREST);
+  bool all_equal = true;
+  for (int i = 0; i < 200000; ++i) {
+    const float v = i % 2 ? wide(rng) : narrow(rng);
+    all_equal = all_equal && hc::round_half_even(v) == std::nearbyint(v);
+  }
+  EXPECT(all_equal);
+  const float halves[] = {0.5f, 1.5f, 2.5f, -0.5f, -2.5f, 4194304.5f, 8388607.5f, -8388607.5f};
+  for (float h : halves) EXPECT(hc::round_half_even(h) == std::nearbyint(h));
+}
+
+static void test_ordered_key_preserves_order_and_ties_signed_zeros() {
+  std::mt19937 rng(2);
+  std::uniform_real_distribution<float> dist(-1e6f, 1e6f);
+  bool ordered = true;
+  for (int i = 0; i < 100000; ++i) {
+    const float a = dist(rng), b = i % 3 ? dist(rng) : a;
+    ordered = ordered && ((a < b) == (hc::ordered_key(a) < hc::ordered_key(b))) &&
+              ((a == b) == (hc::ordered_key(a) == hc::ordered_key(b)));
+  }
+  EXPECT(ordered);
+  EXPECT(hc::ordered_key(-0.0f) == hc::ordered_key(0.0f));
+  EXPECT(hc::ordered_key(-1e-45f) < hc::ordered_key(0.0f));
+  EXPECT(hc::ordered_key(1e-45f) > hc::ordered_key(0.0f));
+}
+
+static void test_quantize_value_clamps_and_bound_fits() {
+  EXPECT(hc::levels_bound(2147483647) <= 2147483647.0);
+  EXPECT(hc::levels_bound(127) == 127.0f);
+  EXPECT(hc::quantize_value(10.0f, 100.0f, 127.0f) == 127.0f);
+  EXPECT(hc::quantize_value(-10.0f, 100.0f, 127.0f) == -127.0f);
+  EXPECT(hc::quantize_factor(0.0f, 127) == 0.0f);
+  EXPECT(hc::dequantize_step(2.0f, 4) == 0.5f);
+}
+
+static void test_size_classes() {
+  bool ok = true;
+  int64_t previous = 0;
+  for (int64_t bytes = 1; bytes < (1 << 22); bytes = bytes * 9 / 8 + 1) {
+    const int64_t reserved = hc::size_class_bytes(bytes);
+    ok = ok && reserved >= bytes && reserved >= previous &&
+         (bytes <= 256 ? reserved == 256 : reserved * 4 <= bytes * 5);
+    previous = reserved;
+  }
+  EXPECT(ok);
+  EXPECT(hc::size_class_bytes(4000) == 4096);
+  EXPECT(hc::size_class_bytes(4097) == 5120);
+}
+
+static void test_dct_matches_the_definition() {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  for (int64_t n = 1; n <= 1024; n *= 2) {
+    std::vector<float> x(n), work(n), scratch(n);
+    for (auto& v : x) v = normal(rng);
+    const std::vector<float> twiddles = hc::dct_twiddles(n);
+    work = x;
+    hc::dct2_unnormalized(work.data(), scratch.data(), n, twiddles.data());
+    double worst = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      double exact = 0;
+      for (int64_t i = 0; i < n; ++i) exact += x[i] * std::cos(M_PI * (2 * i + 1) * k / (2.0 * n));
+      worst = std::fmax(worst, std::fabs(exact - work[k]) / std::sqrt(static_cast<double>(n)));
+    }
+    EXPECT(worst < 3e-7 * n + 2e-6);
+    // The DCT-III is the transpose: applying it to orthonormally scaled coefficients inverts.
+    for (int64_t k = 0; k < n; ++k) {
+      const float s = hc::dct_ortho_scale(k, n);
+      work[k] *= s * s;
+    }
+    hc::dct3_unnormalized(work.data(), scratch.data(), n, twiddles.data());
+    double round_trip = 0;
+    for (int64_t i = 0; i < n; ++i) round_trip = std::fmax(round_trip, std::fabs(work[i] - x[i]));
+    EXPECT(round_trip < 3e-7 * n + 2e-6);
+  }
+}
+
+static void test_segment_helpers() {
+  std::vector<float> residual = {1, 2, 3, 4, 5}, grad = {1, 1, 1, 1, 1};
+  const float norm = hc::accumulate_segment(residual.data(), grad.data(), 5);
+  EXPECT(residual[4] == 6.0f);
+  EXPECT(std::fabs(norm - std::sqrt(4.0f + 9 + 16 + 25 + 36)) < 1e-5f);
+  std::vector<float> packed(8, -1.0f);
+  hc::pack_segment(residual.data() + 3, 2, 8, packed.data());
+  EXPECT(packed[0] == 5.0f && packed[1] == 6.0f && packed[2] == 0.0f && packed[7] == 0.0f);
+  EXPECT(residual[3] == 0.0f && residual[4] == 0.0f && residual[2] == 4.0f);
+  std::vector<float> out(10, -1.0f), values = {1, 2, 3, 4};
+  const int64_t indices[] = {1, 4};
+  hc::unpack_segment_range(values.data(), indices, 2, 0, 2, 9, 2.0f, 0, 5, out.data());
+  EXPECT(out[0] == 0.0f && out[2] == 2.0f && out[3] == 4.0f && out[8] == 6.0f && out[9] == -1.0f);
+}
+
+static void test_pick_bin() {
+  std::vector<int64_t> histogram(hc::kRadixBins, 0);
+  histogram[10] = 3;
+  histogram[500] = 2;
+  histogram[0] = 1;
+  EXPECT(hc::pick_bin(histogram.data(), 1).bin == 500);
+  EXPECT(hc::pick_bin(histogram.data(), 3).bin == 10 && hc::pick_bin(histogram.data(), 3).count_greater == 2);
+  EXPECT(hc::pick_bin(histogram.data(), 6).bin == 0 && hc::pick_bin(histogram.data(), 6).count_greater == 5);
+}
+
+int main() {
+  test_round_half_even_matches_the_fpu();
+  test_ordered_key_preserves_order_and_ties_signed_zeros();
+  test_quantize_value_clamps_and_bound_fits();
+  test_size_classes();
+  test_dct_matches_the_definition();
+  test_segment_helpers();
+  test_pick_bin();
+  std::printf("kernel core: %d passed, %d failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}

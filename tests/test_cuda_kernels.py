@@ -1,0 +1,302 @@
+"""CUDA kernels (cuda/*.cu): each hetero_comm.ops kernel on a GPU equals the reference on CPU.
+
+Runs only on a machine with a GPU and an extension built with its CUDA kernels; elsewhere
+every test is skipped with the reason.
+"""
+
+import pytest
+import torch
+
+import hetero_comm
+from hetero_comm import ops, reference
+from hetero_comm._backend import KERNEL_OPS
+from kernel_cases import GRAD_DTYPES, random_tensor, untouched
+
+
+def _skip_reason() -> str:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    backend = hetero_comm.kernel_backend("cuda")
+    if backend != "compiled":
+        return f"the CUDA kernels are not built (kernel_backend('cuda') is {backend!r})"
+    return ""
+
+
+pytestmark = pytest.mark.skipif(bool(_skip_reason()), reason=_skip_reason() or "runs")
+
+SIZES = (0, 1, 7, 255, 256, 257, 4099, 70_001, 300_007)
+SEGMENT_SIZES = (1, 3, 8, 64, 65, 256, 2048, 2049, 5000)
+
+
+def cuda(t: torch.Tensor) -> torch.Tensor:
+    return t.to("cuda")
+
+
+def cuda_non_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The values of the 1-D ``t`` on the GPU, as every other element of a larger tensor
+    (``.to("cuda")`` of a strided CPU view would come back contiguous)."""
+    wide = torch.zeros(2 * t.numel(), dtype=t.dtype, device="cuda")
+    wide[::2] = cuda(t)
+    view = wide[::2]
+    assert t.numel() <= 1 or not view.is_contiguous()
+    return view
+
+
+def test_every_kernel_has_a_cuda_implementation():
+    for op in KERNEL_OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"hetero_comm::{op}", "CUDA"), op
+
+
+# ---------------------------------------------------------------------- segment_accumulate_
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("segment_size", SEGMENT_SIZES)
+def test_segment_accumulate(numel, segment_size, dtype):
+    residual = random_tensor(numel, torch.float32, seed=numel)
+    grad = random_tensor(numel, dtype, seed=numel + 1)
+    on_gpu = cuda(residual)
+    importance = ops.segment_accumulate_(on_gpu, cuda(grad), segment_size)
+    expected = reference.segment_accumulate_(residual, grad, segment_size)
+    assert importance.device.type == "cuda" and importance.dtype == torch.float32
+    assert torch.equal(on_gpu.cpu(), residual)  # one float32 add per element: exact
+    torch.testing.assert_close(importance.cpu(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_segment_accumulate_reads_non_contiguous_grad():
+    grad = random_tensor(5000, torch.bfloat16, seed=3)
+    a, b = torch.zeros(5000, device="cuda"), torch.zeros(5000, device="cuda")
+    strided = cuda_non_contiguous(grad)
+    torch.testing.assert_close(ops.segment_accumulate_(a, strided, 64),
+                               ops.segment_accumulate_(b, cuda(grad), 64), rtol=0, atol=0)
+    assert torch.equal(a, b)
+
+
+def test_segment_accumulate_rejects_bad_input_untouched():
+    residual = torch.ones(10, device="cuda")
+    with untouched(residual), pytest.raises(ValueError, match="grad must have as many elements"):
+        ops.segment_accumulate_(residual, torch.ones(11, device="cuda"), 4)
+    with untouched(residual), pytest.raises(ValueError, match="all tensors must be on one device"):
+        torch.ops.hetero_comm.segment_accumulate_.default(residual, torch.ones(10), 4)
+
+
+# -------------------------------------------------------------------------- select_segments
+def _importance_cases():
+    generator = torch.Generator().manual_seed(0)
+    yield "empty", torch.zeros(0)
+    yield "single", torch.tensor([3.0])
+    yield "random", torch.rand(1000, generator=generator)
+    yield "ties", torch.randint(0, 4, (5000,), generator=generator).float()
+    signed_zeros = torch.zeros(300)
+    signed_zeros[::3] = -0.0
+    signed_zeros[7] = 1.0
+    yield "signed_zeros", signed_zeros
+    yield "all_equal", torch.full((10_000,), 2.5)
+    yield "negative", torch.randn(3000, generator=generator)
+    # Several tiles and a threshold bin shared by many keys.
+    yield "large", torch.randint(0, 1000, (300_007,), generator=generator).float() / 7
+    yield "huge_range", torch.randn(100_000, generator=generator) * torch.logspace(-30, 30, 100_000)
+
+
+@pytest.mark.parametrize("name, importance", list(_importance_cases()),
+                         ids=[name for name, _ in _importance_cases()])
+def test_select_segments(name, importance):
+    count = importance.numel()
+    for k in sorted({0, 1, count // 100, count // 3, count - 1, count} & set(range(count + 1))):
+        selected = ops.select_segments(cuda(importance), k)
+        assert selected.device.type == "cuda" and selected.dtype == torch.int64
+        assert torch.equal(selected.cpu(), reference.select_segments(importance, k)), (name, k)
+
+
+def test_select_segments_is_deterministic():
+    importance = cuda(torch.randint(0, 3, (200_000,)).float())
+    first = ops.select_segments(importance, 50_000)
+    for _ in range(3):
+        assert torch.equal(ops.select_segments(importance, 50_000), first)
+
+
+def test_select_segments_reads_non_contiguous_input():
+    importance = torch.rand(3001)
+    strided = cuda_non_contiguous(importance)
+    assert torch.equal(ops.select_segments(strided, 100).cpu(),
+                       reference.select_segments(importance, 100))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_select_segments_rejects_non_finite(bad):
+    importance = torch.rand(5000)
+    importance[4321] = bad
+    with pytest.raises(ValueError, match="importance must be finite"):
+        ops.select_segments(cuda(importance), 10)
+
+
+# ---------------------------------------------------------------- pack / unpack segments
+@pytest.mark.parametrize("out_dtype", (None,) + GRAD_DTYPES)
+@pytest.mark.parametrize("numel", (1, 7, 257, 4099, 70_001))
+@pytest.mark.parametrize("segment_size", (1, 3, 64, 1000))
+def test_pack_segments(numel, segment_size, out_dtype):
+    residual = random_tensor(numel, torch.float32, seed=numel)
+    segments = -(-numel // segment_size)
+    for k in sorted({0, 1, segments // 4, segments}):
+        indices = torch.randperm(segments, generator=torch.Generator().manual_seed(k))[:k].sort().values
+        out = None if out_dtype is None else torch.empty(k * segment_size, dtype=out_dtype)
+        expected_residual = residual.clone()
+        expected = reference.pack_segments_(expected_residual, indices, segment_size, out=out)
+        on_gpu = cuda(residual)
+        gpu_out = None if out is None else torch.full_like(cuda(out), float("nan"))
+        packed = ops.pack_segments_(on_gpu, cuda(indices), segment_size, out=gpu_out)
+        if gpu_out is not None:
+            assert packed is gpu_out
+        assert packed.dtype == expected.dtype and packed.shape == expected.shape
+        assert torch.equal(packed.cpu(), expected)  # copies and one rounding: exact
+        assert torch.equal(on_gpu.cpu(), expected_residual)
+
+
+@pytest.mark.parametrize("packed_dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("out_dtype", (None,) + GRAD_DTYPES)
+@pytest.mark.parametrize("numel", (0, 1, 7, 257, 4099, 70_001))
+@pytest.mark.parametrize("segment_size", (1, 3, 64, 1000))
+def test_unpack_segments(numel, segment_size, packed_dtype, out_dtype):
+    segments = -(-numel // segment_size)
+    for k, scale in sorted({(0, 1.0), (1, 0.5), (segments // 3, 1 / 3), (segments, -2.0)}):
+        if k > segments:
+            continue
+        indices = torch.randperm(segments, generator=torch.Generator().manual_seed(k))[:k].sort().values
+        packed = random_tensor(k * segment_size, packed_dtype, seed=k)
+        out = None if out_dtype is None else torch.empty(numel, dtype=out_dtype)
+        expected = reference.unpack_segments(packed, indices, segment_size, numel, scale, out=out)
+        gpu_out = None if out is None else torch.full_like(cuda(out), float("nan"))
+        result = ops.unpack_segments(cuda(packed), cuda(indices), segment_size, numel, scale,
+                                     out=gpu_out)
+        assert result.dtype == expected.dtype and result.shape == expected.shape
+        # Every element written (no NaN left); float32(packed) * float32(scale), as PyTorch
+        # multiplies by a Python float, then one rounding to the output dtype: exact.
+        assert torch.equal(result.cpu(), expected)
+
+
+def test_unpack_reads_non_contiguous_packed():
+    packed = random_tensor(3 * 64, torch.float16, seed=1)
+    indices = torch.tensor([0, 5, 9])
+    strided = cuda_non_contiguous(packed)
+    assert torch.equal(ops.unpack_segments(strided, cuda(indices), 64, 640).cpu(),
+                       reference.unpack_segments(packed, indices, 64, 640))
+
+
+def test_pack_rejects_bad_indices_untouched():
+    residual = cuda(torch.arange(100.0))
+    for indices, match in [([3, 2], "strictly increasing"), ([0, 25], r"indices must lie in \[0, 25\)")]:
+        with untouched(residual), pytest.raises(ValueError, match=match):
+            ops.pack_segments_(residual, cuda(torch.tensor(indices)), 4)
+    out = torch.empty(8, device="cuda")
+    with untouched(residual, out), pytest.raises(ValueError, match="out must have k"):
+        ops.pack_segments_(residual, cuda(torch.tensor([1])), 4, out=out)
+
+
+# ---------------------------------------------------------------------------------- DCT
+def _dct_tolerance(expected: torch.Tensor) -> dict:
+    # The reference is a float32 matmul; both sides are accurate to float32 rounding of the
+    # block's magnitude.
+    scale = float(expected.abs().max()) if expected.numel() else 1.0
+    return {"rtol": 1e-5, "atol": 1e-5 * max(scale, 1.0)}
+
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("numel", (0, 1, 7, 1000, 4099))
+@pytest.mark.parametrize("block_size", (1, 2, 8, 64, 1024))
+def test_dct_encode_and_decode(numel, block_size, dtype):
+    x = random_tensor(numel, dtype, seed=numel)
+    for keep in sorted({0, 1, block_size // 2, block_size}):
+        coeffs = ops.dct_encode(cuda(x), block_size, keep)
+        expected = reference.dct_encode(x, block_size, keep)
+        assert coeffs.shape == expected.shape and coeffs.dtype == torch.float32
+        torch.testing.assert_close(coeffs.cpu(), expected, **_dct_tolerance(expected))
+        decoded = ops.dct_decode(cuda(expected), block_size, numel)
+        expected_decoded = reference.dct_decode(expected, block_size, numel)
+        assert decoded.shape == (numel,)
+        torch.testing.assert_close(decoded.cpu(), expected_decoded, **_dct_tolerance(expected_decoded))
+
+
+def _float64_dct(x: torch.Tensor, block_size: int, keep: int) -> torch.Tensor:
+    """DCT-II of x's zero-padded blocks in float64, only the first `keep` rows of the basis
+    (the reference builds the whole B x B basis: 32 GiB at B = 65536)."""
+    blocks = -(-x.numel() // block_size)
+    padded = torch.zeros(blocks * block_size, dtype=torch.float64)
+    padded[: x.numel()] = x.double()
+    n = torch.arange(block_size, dtype=torch.float64)
+    k = torch.arange(keep, dtype=torch.float64).view(-1, 1)
+    basis = torch.cos(torch.pi * (2 * n + 1) * k / (2 * block_size)) * (2.0 / block_size) ** 0.5
+    if keep:
+        basis[0] /= 2 ** 0.5
+    return padded.view(blocks, block_size) @ basis.T
+
+
+@pytest.mark.parametrize("block_size, keep", [(512, 512), (4096, 100), (65536, 16)])
+def test_dct_accuracy_against_float64(block_size, keep):
+    # The kernel sums in float64 with float64 cosines: float32 rounding of the result only.
+    x = random_tensor(70_000, torch.float32, seed=9)
+    coeffs = ops.dct_encode(cuda(x), block_size, keep).cpu().double()
+    exact = _float64_dct(x, block_size, keep)
+    assert float((coeffs - exact).abs().max()) <= 1e-6 * float(exact.abs().max())
+
+
+def test_dct_round_trip_with_every_coefficient():
+    x = random_tensor(8192, torch.float32, seed=5)
+    coeffs = ops.dct_encode(cuda(x), 4096, 4096)
+    torch.testing.assert_close(ops.dct_decode(coeffs, 4096, 8192).cpu(), x, rtol=1e-5, atol=1e-5)
+
+
+def test_dct_reads_non_contiguous_input():
+    x = random_tensor(1000, torch.float32, seed=2)
+    strided = cuda_non_contiguous(x)
+    torch.testing.assert_close(ops.dct_encode(strided, 64, 8), ops.dct_encode(cuda(x), 64, 8),
+                               rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- quantize
+QUANT_CASES = [(torch.int8, 1), (torch.int8, 7), (torch.int8, 127), (torch.int16, 32767),
+               (torch.int32, 1000), (torch.int32, 2 ** 31 - 1)]
+
+
+@pytest.mark.parametrize("dtype, levels", QUANT_CASES)
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (1, 1), (7, 33), (100, 1000)])
+def test_quantize_and_dequantize_are_bit_identical(shape, dtype, levels):
+    x = random_tensor(shape[0] * shape[1], torch.float32, seed=shape[0]).view(shape)
+    scale = x.abs().amax(dim=1) if shape[1] else torch.ones(shape[0])
+    if shape[0] > 2:
+        scale[1] = 0.0          # a zero scale quantizes its block to zero
+        scale[2] *= 0.5         # values beyond the scale are clamped
+    q = ops.quantize(cuda(x), cuda(scale), levels, dtype)
+    expected = reference.quantize(x, scale, levels, dtype)
+    assert q.dtype == dtype and torch.equal(q.cpu(), expected)
+    x_hat = ops.dequantize(cuda(expected), cuda(scale), levels)
+    assert torch.equal(x_hat.cpu(), reference.dequantize(expected, scale, levels))
+
+
+def test_quantize_rounds_half_to_even():
+    x = (torch.arange(-40, 40, dtype=torch.float32) + 0.5).view(2, 40)
+    scale = torch.full((2,), 100.0)
+    q = ops.quantize(cuda(x), cuda(scale), 100, torch.int32)
+    assert torch.equal(q.cpu(), reference.quantize(x, scale, 100, torch.int32))
+    assert torch.equal(q.cpu(), torch.round(x).to(torch.int32))
+
+
+def test_quantize_reads_non_contiguous_input():
+    x = random_tensor(20 * 30, torch.float32, seed=4).view(20, 30)
+    scale = x.abs().amax(dim=1)
+    q = ops.quantize(cuda(x).t().contiguous().t(), cuda(scale), 127, torch.int8)
+    assert torch.equal(q.cpu(), reference.quantize(x, scale, 127, torch.int8))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_quantize_rejects_non_finite(bad):
+    x = torch.ones(4, 8)
+    x[2, 3] = bad
+    with pytest.raises(ValueError, match=r"x must be finite \(found NaN or infinity\)"):
+        ops.quantize(cuda(x), cuda(torch.ones(4)), 127, torch.int8)
+
+
+def test_quantize_rejects_bad_scale():
+    x = cuda(torch.ones(2, 3))
+    with pytest.raises(ValueError, match="scale must be finite and >= 0"):
+        ops.quantize(x, cuda(torch.tensor([1.0, -1.0])), 127, torch.int8)
+    with pytest.raises(ValueError, match="all tensors must be on one device"):
+        ops.quantize(x, torch.ones(2), 127, torch.int8)
