@@ -1,13 +1,21 @@
-// CPU kernel of select_segments: the k largest importance values by radix select, O(S).
-//   pass 1: histogram of the high 16 bits of every key (and the finiteness check)
-//   pass 2: histogram of the low 16 bits of the keys in the chosen high bin
-//   pass 3: ordered compaction of keys above the threshold plus the first ties
+// CPU kernel of select_segments: the k largest importance values in O(S), ascending indices,
+// ties to the lower index.
+//   1. a strided sample brackets the k-th largest value in a narrow range [lo, hi]
+//   2. one pass counts the values above hi, collects those within [lo, hi], and checks that
+//      all are finite; if the bracket missed, it widens to every value
+//   3. nth_element among the collected values gives the exact threshold T (the k-th largest)
+//   4. an ordered write pass emits every index above T and the first ties at T
+// The selected set depends only on the values, never on the sample or the thread count.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
 #include <vector>
 
 #include "checks.h"
@@ -16,33 +24,43 @@
 namespace hetero_comm {
 namespace {
 
-constexpr int64_t kGrain = 1 << 15;
+constexpr int64_t kChunk = 1 << 15;      // values per task of the passes
+constexpr int64_t kSampleRuns = 256;     // the sample: runs of consecutive values, spread evenly
+constexpr int64_t kSampleRunLength = 16; // one 64-byte cache line per run
+constexpr int64_t kSampleSize = kSampleRuns * kSampleRunLength;  // below 16x: no sample
 
-// Sum of per-thread histograms of the keys for which `select(key)` holds, binned by `bin(key)`.
-template <typename Select, typename Bin>
-std::vector<int64_t> histogram(const float* values, int64_t count, Select select, Bin bin,
-                               bool* all_finite) {
-  const int threads = at::get_num_threads();
-  std::vector<int64_t> per_thread(static_cast<size_t>(threads) * kRadixBins, 0);
-  std::vector<char> finite(threads, 1);
-  at::parallel_for(0, count, kGrain, [&](int64_t first, int64_t last) {
-    const int thread = at::get_thread_num();
-    int64_t* local = per_thread.data() + static_cast<size_t>(thread) * kRadixBins;
-    bool ok = true;
-    for (int64_t i = first; i < last; ++i) {
-      ok = ok && std::isfinite(values[i]);
-      const uint32_t key = ordered_key(values[i]);
-      if (select(key)) ++local[bin(key)];
-    }
-    finite[thread] = finite[thread] && ok;
-  });
-  std::vector<int64_t> total(kRadixBins, 0);
-  for (int t = 0; t < threads; ++t) {
-    const int64_t* local = per_thread.data() + static_cast<size_t>(t) * kRadixBins;
-    for (int64_t b = 0; b < kRadixBins; ++b) total[b] += local[b];
-    *all_finite = *all_finite && finite[t];
+// The `rank`-th largest (1-based) of `values` (reordered in place).
+float nth_largest(std::vector<float>& values, int64_t rank) {
+  std::nth_element(values.begin(), values.begin() + (rank - 1), values.end(), std::greater<float>());
+  return values[rank - 1];
+}
+
+struct Bracket {
+  float lo = -std::numeric_limits<float>::infinity();
+  float hi = std::numeric_limits<float>::infinity();
+};
+
+// A range likely to hold the k-th largest value: for unstructured data the number of sample
+// values above it is about binomial with mean expected = k * m / S and standard deviation
+// <= sqrt(expected), so a margin of four deviations misses rarely; structured data may miss
+// more often, which only costs a second counting pass. Runs of consecutive values make the
+// sample cost 256 cache lines instead of 4096.
+Bracket sample_bracket(const float* values, int64_t count, int64_t k) {
+  Bracket bracket;
+  if (count < 16 * kSampleSize) return bracket;
+  const int64_t stride = count / kSampleRuns;
+  std::vector<float> sample(kSampleSize);
+  for (int64_t run = 0; run < kSampleRuns; ++run) {
+    std::copy(values + run * stride, values + run * stride + kSampleRunLength,
+              sample.begin() + run * kSampleRunLength);
   }
-  return total;
+  const double expected = static_cast<double>(k) * kSampleSize / static_cast<double>(count);
+  const double margin = 4.0 * std::sqrt(expected + 1.0) + 4.0;
+  const int64_t hi_rank = static_cast<int64_t>(std::floor(expected - margin));
+  const int64_t lo_rank = static_cast<int64_t>(std::ceil(expected + margin));
+  if (hi_rank >= 1) bracket.hi = nth_largest(sample, hi_rank);
+  if (lo_rank <= kSampleSize) bracket.lo = nth_largest(sample, lo_rank);
+  return bracket;
 }
 
 at::Tensor select_segments_cpu(const at::Tensor& importance, int64_t k) {
@@ -52,58 +70,68 @@ at::Tensor select_segments_cpu(const at::Tensor& importance, int64_t k) {
   const at::Tensor contiguous = importance.contiguous();
   const float* values = contiguous.const_data_ptr<float>();
   const auto long_options = importance.options().dtype(at::kLong);
+  const int64_t chunks = std::max<int64_t>(1, num_segments(count, kChunk));
+  auto chunk_begin = [&](int64_t c) { return std::min(count, c * kChunk); };
+  auto chunk_len = [&](int64_t c) { return chunk_begin(c + 1) - chunk_begin(c); };
 
-  bool all_finite = true;
-  auto high_bins = histogram(values, count, [](uint32_t) { return true; },
-                             [](uint32_t key) { return key >> kRadixBits; }, &all_finite);
-  TORCH_CHECK_VALUE(all_finite, "importance must be finite (found NaN or infinity)");
+  // Pass 2: counts and candidates per chunk (and the finiteness check, before anything else).
+  Bracket bracket = sample_bracket(values, count, k);
+  std::vector<RangeScan> scans(chunks);
+  std::vector<std::vector<float>> candidates(chunks);
+  auto scan_all = [&] {
+    at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c) {
+        candidates[c].clear();
+        scans[c] = scan_range(values + chunk_begin(c), chunk_len(c), bracket.lo, bracket.hi, candidates[c]);
+      }
+    });
+  };
+  scan_all();
+  int64_t above = 0, within = 0;
+  bool finite = true;
+  for (const RangeScan& c : scans) above += c.above, within += c.within, finite &= c.finite;
+  TORCH_CHECK_VALUE(finite, "importance must be finite (found NaN or infinity)");
   if (k == count) return at::arange(count, long_options);
   if (k == 0) return at::empty({0}, long_options);
+  if (above >= k || above + within < k) {  // the sample's bracket missed: take every value
+    bracket = Bracket{};
+    scan_all();
+    above = 0;
+  }
 
-  const RadixPick high = pick_bin(high_bins.data(), k);
-  const uint32_t high_bin = static_cast<uint32_t>(high.bin);
-  auto low_bins = histogram(
-      values, count, [high_bin](uint32_t key) { return (key >> kRadixBits) == high_bin; },
-      [](uint32_t key) { return key & (kRadixBins - 1); }, &all_finite);
-  const RadixPick low = pick_bin(low_bins.data(), k - high.count_greater);
-  const uint32_t threshold = (high_bin << kRadixBits) | static_cast<uint32_t>(low.bin);
-  const int64_t ties_wanted = k - high.count_greater - low.count_greater;
+  // Pass 3: the exact threshold among the candidates.
+  std::vector<float> pooled;
+  pooled.reserve(above + within);
+  for (const auto& c : candidates) pooled.insert(pooled.end(), c.begin(), c.end());
+  const float threshold = nth_largest(pooled, k - above);
 
-  // Ordered compaction: count per chunk, prefix-sum, then each chunk writes its own range.
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(count / kGrain, 4 * at::get_num_threads()));
-  const int64_t chunk_len = (count + chunks - 1) / chunks;
-  std::vector<int64_t> greater(chunks, 0), ties(chunks, 0);
-  at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t c = first; c < last; ++c) {
-      const int64_t end = std::min(count, (c + 1) * chunk_len);
-      for (int64_t i = c * chunk_len; i < end; ++i) {
-        const uint32_t key = ordered_key(values[i]);
-        greater[c] += key > threshold;
-        ties[c] += key == threshold;
-      }
-    }
-  });
+  // Output offsets and tie ranks per chunk, from the counts and the candidates alone.
+  int64_t greater_total = 0;
+  std::vector<int64_t> greater(chunks), ties(chunks);
+  for (int64_t c = 0; c < chunks; ++c) {
+    greater[c] = scans[c].above;
+    for (float v : candidates[c]) greater[c] += v > threshold, ties[c] += v == threshold;
+    greater_total += greater[c];
+  }
+  const int64_t ties_wanted = k - greater_total;
   std::vector<int64_t> out_offset(chunks), ties_before(chunks);
   int64_t written = 0, ties_seen = 0;
   for (int64_t c = 0; c < chunks; ++c) {
     out_offset[c] = written;
     ties_before[c] = ties_seen;
-    const int64_t ties_taken = std::max<int64_t>(0, std::min(ties[c], ties_wanted - ties_seen));
-    written += greater[c] + ties_taken;
+    written += greater[c] + std::max<int64_t>(0, std::min(ties[c], ties_wanted - ties_seen));
     ties_seen += ties[c];
   }
-  TORCH_INTERNAL_ASSERT(written == k, "radix select picked ", written, " of k = ", k);
+  TORCH_INTERNAL_ASSERT(written == k, "select_segments picked ", written, " of k = ", k);
 
+  // Pass 4: ordered write.
   at::Tensor indices = at::empty({k}, long_options);
   int64_t* out = indices.data_ptr<int64_t>();
   at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
     for (int64_t c = first; c < last; ++c) {
-      const int64_t end = std::min(count, (c + 1) * chunk_len);
-      int64_t position = out_offset[c], tie_rank = ties_before[c];
-      for (int64_t i = c * chunk_len; i < end; ++i) {
-        const uint32_t key = ordered_key(values[i]);
-        if (key > threshold || (key == threshold && tie_rank++ < ties_wanted)) out[position++] = i;
-      }
+      int64_t tie_rank = ties_before[c];
+      write_selected(values + chunk_begin(c), chunk_len(c), chunk_begin(c), threshold, &tie_rank,
+                     ties_wanted, out + out_offset[c]);
     }
   });
   return indices;

@@ -1,7 +1,9 @@
-// dct_encode / dct_decode: blockwise orthonormal DCT-II, keeping the `keep` lowest
-// frequencies, and its inverse. A direct O(block_size * keep) sum per value, accumulated in
-// double, with the cosines read from a quarter-wave table computed in double (cospi), so the
-// result is accurate to float32 rounding. See hetero_comm/reference.py for the spec.
+// dct_encode / dct_decode (and their out= forms dct_encode_into_ / dct_decode_into_):
+// blockwise orthonormal DCT-II, keeping the `keep` lowest frequencies, and its inverse. A
+// direct O(block_size * keep) sum per value, accumulated in double, with the cosines read from
+// a quarter-wave table computed in double (cospi), so the result is accurate to float32
+// rounding. Both forms of each op share one "write into a given tensor" function. See
+// hetero_comm/reference.py for the spec.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -91,33 +93,50 @@ at::Tensor cos_table(const at::Tensor& like, int64_t block_size, cudaStream_t st
   return table;
 }
 
-at::Tensor dct_encode_cuda(const at::Tensor& x, int64_t block_size, int64_t keep) {
+void check_encode(const at::Tensor& x, int64_t block_size, int64_t keep) {
   check_tensor(x, "x", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
   check_block_size(block_size);
   TORCH_CHECK_VALUE(keep >= 0 && keep <= block_size, "keep must satisfy 0 <= keep <= block_size (",
                     block_size, "); got ", keep);
+}
 
+// Assumes validated arguments; `coeffs` is float32 [ceil(numel / block_size), keep],
+// contiguous, on x's device, and every element of it is written.
+void encode_into(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
+  const int64_t num_coeffs = coeffs.numel();
+  if (num_coeffs == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t n = x.numel();
-  const int64_t num_blocks = num_segments(n, block_size);
-  at::Tensor coeffs = at::empty({num_blocks, keep}, x.options().dtype(at::kFloat));
-  const int64_t num_coeffs = num_blocks * keep;
-  if (num_coeffs == 0) return coeffs;
-
   const at::Tensor x_c = x.contiguous();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor table = cos_table(x, block_size, stream);
   dispatch_float_types(x.scalar_type(), "x", [&](auto tag) {
     using InT = decltype(tag);
     dct_encode_kernel<InT><<<grid_for(num_coeffs * 32), kThreads, 0, stream>>>(
-        x_c.const_data_ptr<InT>(), n, static_cast<uint32_t>(block_size), keep, num_coeffs,
-        table.const_data_ptr<double>(), coeffs.mutable_data_ptr<float>());
+        x_c.const_data_ptr<InT>(), x.numel(), static_cast<uint32_t>(block_size), coeffs.size(1),
+        num_coeffs, table.const_data_ptr<double>(), coeffs.mutable_data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+at::Tensor dct_encode_cuda(const at::Tensor& x, int64_t block_size, int64_t keep) {
+  check_encode(x, block_size, keep);
+  at::Tensor coeffs = at::empty({num_segments(x.numel(), block_size), keep},
+                                x.options().dtype(at::kFloat));
+  encode_into(x, block_size, coeffs);
   return coeffs;
 }
 
-at::Tensor dct_decode_cuda(const at::Tensor& coeffs, int64_t block_size, int64_t numel) {
+void dct_encode_into_cuda(const at::Tensor& x, int64_t block_size, at::Tensor& out) {
+  check_tensor(out, "out", {at::kFloat}, 2, /*writable=*/true);
+  check_encode(x, block_size, out.size(1));
+  check_same_device(x, "x", out, "out");
+  const int64_t num_blocks = num_segments(x.numel(), block_size);
+  TORCH_CHECK_VALUE(out.size(0) == num_blocks, "out must have shape [ceil(numel / block_size) = ",
+                    num_blocks, ", keep]; got ", out.sizes());
+  encode_into(x, block_size, out);
+}
+
+void check_decode(const at::Tensor& coeffs, int64_t block_size, int64_t numel) {
   check_tensor(coeffs, "coeffs", {at::kFloat}, 2);
   check_block_size(block_size);
   TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0; got ", numel);
@@ -126,19 +145,36 @@ at::Tensor dct_decode_cuda(const at::Tensor& coeffs, int64_t block_size, int64_t
                     "coeffs must have shape [ceil(numel / block_size) = ", num_blocks,
                     ", keep <= ", block_size, "]; got (", coeffs.size(0), ", ", coeffs.size(1),
                     ")");
+}
 
+// Assumes validated arguments; `x_hat` is float32 [numel], contiguous, on coeffs' device, and
+// every element of it is written.
+void decode_into(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat) {
+  const int64_t numel = x_hat.numel();
+  if (numel == 0) return;
   const c10::cuda::CUDAGuard guard(coeffs.device());
-  at::Tensor out = at::empty({numel}, coeffs.options());
-  if (numel == 0) return out;
-
   const at::Tensor coeffs_c = coeffs.contiguous();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor table = cos_table(coeffs, block_size, stream);
   dct_decode_kernel<<<grid_for(numel), kThreads, 0, stream>>>(
       coeffs_c.const_data_ptr<float>(), static_cast<uint32_t>(block_size), coeffs.size(1), numel,
-      table.const_data_ptr<double>(), out.mutable_data_ptr<float>());
+      table.const_data_ptr<double>(), x_hat.mutable_data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
+}
+
+at::Tensor dct_decode_cuda(const at::Tensor& coeffs, int64_t block_size, int64_t numel) {
+  check_decode(coeffs, block_size, numel);
+  at::Tensor x_hat = at::empty({numel}, coeffs.options());
+  decode_into(coeffs, block_size, x_hat);
+  return x_hat;
+}
+
+void dct_decode_into_cuda(const at::Tensor& coeffs, int64_t block_size, at::Tensor& out) {
+  // The schema has no numel: the output's length is out.numel().
+  check_tensor(out, "out", {at::kFloat}, 1, /*writable=*/true);
+  check_decode(coeffs, block_size, out.numel());
+  check_same_device(coeffs, "coeffs", out, "out");
+  decode_into(coeffs, block_size, out);
 }
 
 }  // namespace
@@ -147,5 +183,7 @@ at::Tensor dct_decode_cuda(const at::Tensor& coeffs, int64_t block_size, int64_t
 
 TORCH_LIBRARY_IMPL(hetero_comm, CUDA, m) {
   m.impl("dct_encode", &hetero_comm::cuda::dct_encode_cuda);
+  m.impl("dct_encode_into_", &hetero_comm::cuda::dct_encode_into_cuda);
   m.impl("dct_decode", &hetero_comm::cuda::dct_decode_cuda);
+  m.impl("dct_decode_into_", &hetero_comm::cuda::dct_decode_into_cuda);
 }

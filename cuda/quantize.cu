@@ -1,6 +1,8 @@
-// quantize / dequantize: blockwise symmetric integer quantization with round half to even.
-// Every rounding step goes through the helpers of csrc/kernels/common.h, which the CPU kernels
-// use too, so both backends give bit-identical results. See hetero_comm/reference.py.
+// quantize / dequantize (and their out= forms quantize_into_ / dequantize_into_): blockwise
+// symmetric integer quantization with round half to even. Every rounding step goes through the
+// helpers of csrc/kernels/common.h, which the CPU kernels use too, so both backends give
+// bit-identical results. Both forms of each op share one "write into a given tensor" function.
+// See hetero_comm/reference.py.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -77,51 +79,74 @@ at::Tensor block_multipliers(const at::Tensor& scale, int64_t levels, bool quant
   return multiplier;
 }
 
-at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
-                         at::ScalarType dtype) {
+void check_quantize(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
+                    at::ScalarType dtype) {
   check_tensor(x, "x", {at::kFloat}, 2);
   check_quant_dtype(dtype);
   check_scale(scale.cpu(), x.size(0));
   check_same_device(x, "x", scale, "scale");
   check_levels(levels, dtype);
+}
 
+// Assumes validated arguments; `q` is int8/int16/int32 of x's shape, contiguous, on x's
+// device. Checks that x is finite before the first write to q, so a rejected call leaves q
+// untouched (q may be the caller's out=); then writes every element of q.
+void quantize_into(const at::Tensor& x, const at::Tensor& scale, int64_t levels, at::Tensor& q) {
+  const int64_t numel = x.numel();
+  if (numel == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor x_c = x.contiguous();
-  const int64_t numel = x.numel();
-  if (numel > 0) {
-    at::Tensor nonfinite = at::zeros({1}, x.options().dtype(at::kInt));
-    find_nonfinite_kernel<<<grid_for(numel), kThreads, 0, stream>>>(
-        x_c.const_data_ptr<float>(), numel, nonfinite.mutable_data_ptr<int>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    TORCH_CHECK_VALUE(nonfinite.cpu().const_data_ptr<int>()[0] == 0,
-                      "x must be finite (found NaN or infinity)");
-  }
+  at::Tensor nonfinite = at::zeros({1}, x.options().dtype(at::kInt));
+  find_nonfinite_kernel<<<grid_for(numel), kThreads, 0, stream>>>(
+      x_c.const_data_ptr<float>(), numel, nonfinite.mutable_data_ptr<int>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  TORCH_CHECK_VALUE(nonfinite.cpu().const_data_ptr<int>()[0] == 0,
+                    "x must be finite (found NaN or infinity)");
 
-  at::Tensor q = at::empty({x.size(0), x.size(1)}, x.options().dtype(dtype));
-  if (numel == 0) return q;
   const at::Tensor factor = block_multipliers(scale, levels, /*quantizing=*/true, stream);
   const float bound = levels_bound(levels);
-  dispatch_quant_types(dtype, "dtype", [&](auto tag) {
+  dispatch_quant_types(q.scalar_type(), "dtype", [&](auto tag) {
     using QuantT = decltype(tag);
     quantize_kernel<QuantT><<<grid_for(numel), kThreads, 0, stream>>>(
         x_c.const_data_ptr<float>(), numel, x.size(1), factor.const_data_ptr<float>(), bound,
         q.mutable_data_ptr<QuantT>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
+                         at::ScalarType dtype) {
+  check_quantize(x, scale, levels, dtype);
+  at::Tensor q = at::empty({x.size(0), x.size(1)}, x.options().dtype(dtype));
+  quantize_into(x, scale, levels, q);
   return q;
 }
 
-at::Tensor dequantize_cuda(const at::Tensor& q, const at::Tensor& scale, int64_t levels) {
+void quantize_into_cuda(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
+                        at::Tensor& out) {
+  check_tensor(out, "out", {at::kChar, at::kShort, at::kInt}, 2, /*writable=*/true);
+  check_quantize(x, scale, levels, out.scalar_type());
+  check_same_device(x, "x", out, "out");
+  TORCH_CHECK_VALUE(out.sizes() == x.sizes(), "out must have the shape of x ", x.sizes(),
+                    "; got ", out.sizes());
+  quantize_into(x, scale, levels, out);
+}
+
+void check_dequantize(const at::Tensor& q, const at::Tensor& scale, int64_t levels) {
   check_tensor(q, "q", {at::kChar, at::kShort, at::kInt}, 2);
   check_scale(scale.cpu(), q.size(0));
   check_same_device(q, "q", scale, "scale");
   check_positive("levels", levels);
+}
 
-  const c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor x_hat = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+// Assumes validated arguments; `x_hat` is float32 of q's shape, contiguous, on q's device, and
+// every element of it is written.
+void dequantize_into(const at::Tensor& q, const at::Tensor& scale, int64_t levels,
+                     at::Tensor& x_hat) {
   const int64_t numel = q.numel();
-  if (numel == 0) return x_hat;
+  if (numel == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor q_c = q.contiguous();
   const at::Tensor step = block_multipliers(scale, levels, /*quantizing=*/false, stream);
@@ -132,7 +157,23 @@ at::Tensor dequantize_cuda(const at::Tensor& q, const at::Tensor& scale, int64_t
         x_hat.mutable_data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+at::Tensor dequantize_cuda(const at::Tensor& q, const at::Tensor& scale, int64_t levels) {
+  check_dequantize(q, scale, levels);
+  at::Tensor x_hat = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  dequantize_into(q, scale, levels, x_hat);
   return x_hat;
+}
+
+void dequantize_into_cuda(const at::Tensor& q, const at::Tensor& scale, int64_t levels,
+                          at::Tensor& out) {
+  check_tensor(out, "out", {at::kFloat}, 2, /*writable=*/true);
+  check_dequantize(q, scale, levels);
+  check_same_device(q, "q", out, "out");
+  TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "out must have the shape of q ", q.sizes(),
+                    "; got ", out.sizes());
+  dequantize_into(q, scale, levels, out);
 }
 
 }  // namespace
@@ -141,5 +182,7 @@ at::Tensor dequantize_cuda(const at::Tensor& q, const at::Tensor& scale, int64_t
 
 TORCH_LIBRARY_IMPL(hetero_comm, CUDA, m) {
   m.impl("quantize", &hetero_comm::cuda::quantize_cuda);
+  m.impl("quantize_into_", &hetero_comm::cuda::quantize_into_cuda);
   m.impl("dequantize", &hetero_comm::cuda::dequantize_cuda);
+  m.impl("dequantize_into_", &hetero_comm::cuda::dequantize_into_cuda);
 }

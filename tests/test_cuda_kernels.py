@@ -251,6 +251,62 @@ def test_dct_reads_non_contiguous_input():
                                rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("numel", (0, 1, 7, 1000, 4099))
+@pytest.mark.parametrize("block_size", (1, 8, 64, 1024))
+def test_dct_out_forms_write_the_given_buffers(numel, block_size, dtype):
+    x = random_tensor(numel, dtype, seed=numel + 1)
+    blocks = -(-numel // block_size)
+    for keep in sorted({0, 1, block_size // 2, block_size}):
+        expected = reference.dct_encode(x, block_size, keep, out=torch.empty(blocks, keep))
+        out = torch.full((blocks, keep), float("nan"), device="cuda")
+        assert ops.dct_encode(cuda(x), block_size, keep, out=out) is out
+        torch.testing.assert_close(out.cpu(), expected, **_dct_tolerance(expected))
+        # One kernel behind both forms: the out= form equals the allocating one bit for bit.
+        assert torch.equal(out, ops.dct_encode(cuda(x), block_size, keep))
+
+        expected_decoded = reference.dct_decode(expected, block_size, numel, out=torch.empty(numel))
+        decoded = torch.full((numel,), float("nan"), device="cuda")
+        assert ops.dct_decode(cuda(expected), block_size, numel, out=decoded) is decoded
+        torch.testing.assert_close(decoded.cpu(), expected_decoded,
+                                   **_dct_tolerance(expected_decoded))
+        assert torch.equal(decoded, ops.dct_decode(cuda(expected), block_size, numel))
+
+
+def test_dct_out_forms_read_non_contiguous_input():
+    x = random_tensor(1000, torch.float16, seed=6)
+    out = torch.full((16, 8), float("nan"), device="cuda")
+    ops.dct_encode(cuda_non_contiguous(x), 64, 8, out=out)
+    assert torch.equal(out, ops.dct_encode(cuda(x), 64, 8))
+    coeffs = ops.dct_encode(cuda(x), 64, 64)
+    strided = torch.zeros(16, 128, device="cuda")[:, ::2]
+    strided.copy_(coeffs)
+    decoded = torch.full((1000,), float("nan"), device="cuda")
+    ops.dct_decode(strided, 64, 1000, out=decoded)
+    assert torch.equal(decoded, ops.dct_decode(coeffs, 64, 1000))
+
+
+@pytest.mark.parametrize("op, out, match", [
+    ("encode", lambda: torch.zeros(3, 8, device="cuda"), "out must have shape"),
+    ("encode", lambda: torch.zeros(2, 8, dtype=torch.float64, device="cuda"), "out must have dtype"),
+    ("encode", lambda: torch.zeros(2, 16, device="cuda")[:, ::2], "must be contiguous"),
+    ("encode", lambda: torch.zeros(2, 8), "all tensors must be on one device"),
+    ("decode", lambda: torch.zeros(100, dtype=torch.float16, device="cuda"), "out must have dtype"),
+    ("decode", lambda: torch.zeros(200, device="cuda")[::2], "must be contiguous"),
+    ("decode", lambda: torch.zeros(100), "all tensors must be on one device"),
+])
+def test_dct_out_forms_reject_bad_buffers_untouched(op, out, match):
+    # The ops themselves (not the ops.* wrappers), so the CUDA kernel's checks are the ones hit.
+    out = out()
+    x = cuda(random_tensor(100, torch.float32, seed=1))
+    coeffs = cuda(random_tensor(2 * 8, torch.float32, seed=2).view(2, 8))
+    with untouched(out, x, coeffs), pytest.raises((ValueError, TypeError), match=match):
+        if op == "encode":
+            torch.ops.hetero_comm.dct_encode_into_.default(x, 64, out)
+        else:
+            torch.ops.hetero_comm.dct_decode_into_.default(coeffs, 64, out)
+
+
 # ----------------------------------------------------------------------------- quantize
 QUANT_CASES = [(torch.int8, 1), (torch.int8, 7), (torch.int8, 127), (torch.int16, 32767),
                (torch.int32, 1000), (torch.int32, 2 ** 31 - 1)]
@@ -300,3 +356,87 @@ def test_quantize_rejects_bad_scale():
         ops.quantize(x, cuda(torch.tensor([1.0, -1.0])), 127, torch.int8)
     with pytest.raises(ValueError, match="all tensors must be on one device"):
         ops.quantize(x, torch.ones(2), 127, torch.int8)
+
+
+@pytest.mark.parametrize("dtype, levels", QUANT_CASES)
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (1, 1), (7, 33), (100, 1000)])
+def test_quantize_out_forms_write_the_given_buffers(shape, dtype, levels):
+    x = random_tensor(shape[0] * shape[1], torch.float32, seed=shape[1]).view(shape)
+    scale = x.abs().amax(dim=1) if shape[1] else torch.ones(shape[0])
+    if shape[0] > 2:
+        scale[1] = 0.0
+        scale[2] *= 0.5
+    expected = reference.quantize(x, scale, levels, dtype, out=torch.empty(shape, dtype=dtype))
+    # iinfo.min is never a quantized value (|q| <= levels <= iinfo.max): an unwritten element
+    # would show.
+    q = torch.full(shape, torch.iinfo(dtype).min, dtype=dtype, device="cuda")
+    assert ops.quantize(cuda(x), cuda(scale), levels, dtype, out=q) is q
+    assert torch.equal(q.cpu(), expected)
+    assert torch.equal(q, ops.quantize(cuda(x), cuda(scale), levels, dtype))
+
+    expected_x_hat = reference.dequantize(expected, scale, levels, out=torch.empty(shape))
+    x_hat = torch.full(shape, float("nan"), device="cuda")
+    assert ops.dequantize(cuda(expected), cuda(scale), levels, out=x_hat) is x_hat
+    assert torch.equal(x_hat.cpu(), expected_x_hat)
+    assert torch.equal(x_hat, ops.dequantize(cuda(expected), cuda(scale), levels))
+
+
+def test_quantize_out_forms_read_non_contiguous_input():
+    x = random_tensor(20 * 30, torch.float32, seed=4).view(20, 30)
+    scale = x.abs().amax(dim=1)
+    q = torch.empty(20, 30, dtype=torch.int16, device="cuda")
+    ops.quantize(cuda(x).t().contiguous().t(), cuda(scale), 1000, torch.int16, out=q)
+    assert torch.equal(q.cpu(), reference.quantize(x, scale, 1000, torch.int16))
+    x_hat = torch.empty(20, 30, device="cuda")
+    ops.dequantize(q.t().contiguous().t(), cuda(scale), 1000, out=x_hat)
+    assert torch.equal(x_hat.cpu(), reference.dequantize(q.cpu(), scale, 1000))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("shape, where", [((4, 8), (2, 3)), ((300, 1000), (299, 999)),
+                                          ((300, 1000), (0, 0))])
+def test_quantize_out_rejects_non_finite_untouched(shape, where, bad):
+    # The finiteness check runs before the first write: the caller's out keeps its contents.
+    x = torch.ones(shape)
+    x[where] = bad
+    out = cuda(torch.randint(-100, 100, shape, generator=torch.Generator().manual_seed(0),
+                             dtype=torch.int8))
+    x_gpu, scale = cuda(x), cuda(torch.ones(shape[0]))
+    with untouched(out, x_gpu, scale), \
+            pytest.raises(ValueError, match=r"x must be finite \(found NaN or infinity\)"):
+        ops.quantize(x_gpu, scale, 127, torch.int8, out=out)
+    # Also when x is read through a contiguous copy.
+    strided = torch.zeros(shape[0], 2 * shape[1], device="cuda")[:, ::2]
+    strided.copy_(x_gpu)
+    with untouched(out), pytest.raises(ValueError, match="x must be finite"):
+        ops.quantize(strided, scale, 127, torch.int8, out=out)
+
+
+@pytest.mark.parametrize("op, case, match", [
+    ("quantize", dict(out=lambda: torch.zeros(4, 9, dtype=torch.int8, device="cuda")),
+     "out must have the shape of x"),
+    ("quantize", dict(out=lambda: torch.zeros(4, 16, dtype=torch.int8, device="cuda")[:, ::2]),
+     "must be contiguous"),
+    ("quantize", dict(out=lambda: torch.zeros(4, 8, dtype=torch.float32, device="cuda")),
+     "out must have dtype"),
+    ("quantize", dict(out=lambda: torch.zeros(4, 8, dtype=torch.int8)),
+     "all tensors must be on one device"),
+    ("quantize", dict(levels=200, out=lambda: torch.zeros(4, 8, dtype=torch.int8, device="cuda")),
+     "levels must satisfy 1 <= levels <= 127 for int8"),
+    ("dequantize", dict(out=lambda: torch.zeros(5, 8, device="cuda")),
+     "out must have the shape of q"),
+    ("dequantize", dict(out=lambda: torch.zeros(4, 8, dtype=torch.float64, device="cuda")),
+     "out must have dtype"),
+    ("dequantize", dict(out=lambda: torch.zeros(4, 8)), "all tensors must be on one device"),
+])
+def test_quantize_out_forms_reject_bad_buffers_untouched(op, case, match):
+    # The ops themselves (not the ops.* wrappers), so the CUDA kernel's checks are the ones hit.
+    out = case["out"]()
+    levels = case.get("levels", 127)
+    x, scale = cuda(torch.ones(4, 8)), cuda(torch.ones(4))
+    q = cuda(torch.ones(4, 8, dtype=torch.int8))
+    with untouched(out, x, scale, q), pytest.raises((ValueError, TypeError), match=match):
+        if op == "quantize":
+            torch.ops.hetero_comm.quantize_into_.default(x, scale, levels, out)
+        else:
+            torch.ops.hetero_comm.dequantize_into_.default(q, scale, levels, out)

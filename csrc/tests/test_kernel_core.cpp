@@ -121,14 +121,38 @@ static void test_segment_helpers() {
   EXPECT(out[0] == 0.0f && out[2] == 2.0f && out[3] == 4.0f && out[8] == 6.0f && out[9] == -1.0f);
 }
 
-static void test_pick_bin() {
-  std::vector<int64_t> histogram(hc::kRadixBins, 0);
-  histogram[10] = 3;
-  histogram[500] = 2;
-  histogram[0] = 1;
-  EXPECT(hc::pick_bin(histogram.data(), 1).bin == 500);
-  EXPECT(hc::pick_bin(histogram.data(), 3).bin == 10 && hc::pick_bin(histogram.data(), 3).count_greater == 2);
-  EXPECT(hc::pick_bin(histogram.data(), 6).bin == 0 && hc::pick_bin(histogram.data(), 6).count_greater == 5);
+static void test_select_passes() {
+  const float values[] = {1.0f, 5.0f, 3.0f, 5.0f, 3.0f, 3.0f, 0.0f, -0.0f, 7.0f, 2.0f,
+                          3.0f, 3.0f, 3.0f, 3.0f, 3.0f, 3.0f, 3.0f, 9.0f, 1.0f, 3.0f};
+  std::vector<float> within;
+  const hc::RangeScan scan = hc::scan_range(values, 20, 3.0f, 5.0f, within);
+  EXPECT(scan.above == 2 && scan.within == 13 && scan.finite && within.size() == 13);
+  EXPECT(within[0] == 5.0f && within[1] == 3.0f && within[12] == 3.0f);
+  std::vector<float> bad(40, 1.0f), unused;
+  bad[37] = NAN;  // in the scalar tail
+  EXPECT(!hc::scan_range(bad.data(), 40, 0.0f, 1.0f, unused).finite);
+  bad[37] = 1.0f;
+  bad[5] = -INFINITY;  // in a masked block
+  EXPECT(!hc::scan_range(bad.data(), 40, 0.0f, 1.0f, unused).finite);
+  // Threshold 3 with 2 ties wanted (20 values: one masked block, then the scalar tail): everything above 3, then the first two 3s.
+  int64_t out[20], tie_rank = 0;
+  const int64_t written = hc::write_selected(values, 20, 100, 3.0f, &tie_rank, 2, out);
+  const int64_t expected[] = {101, 102, 103, 104, 108, 117};
+  EXPECT(written == 6);
+  bool same = written == 6;
+  for (int64_t i = 0; same && i < 6; ++i) same = out[i] == expected[i];
+  EXPECT(same);
+  EXPECT(tie_rank == 11);  // every tie (eleven 3s) is counted, taken or not
+  // The vector and scalar paths agree on a long random input with ties.
+  std::mt19937 rng(4);
+  std::uniform_int_distribution<int> pick(0, 40);
+  std::vector<float> many(10007);
+  for (auto& v : many) v = static_cast<float>(pick(rng)) * 0.25f;
+  std::vector<float> fast_within, slow_within;
+  const hc::RangeScan fast = hc::scan_range(many.data(), 10007, 2.0f, 5.0f, fast_within);
+  hc::RangeScan slow;
+  hc::scan_range_scalar(many.data(), 0, 10007, 2.0f, 5.0f, slow, slow_within);
+  EXPECT(fast.above == slow.above && fast.within == slow.within && fast_within == slow_within);
 }
 
 int main() {
@@ -138,7 +162,7 @@ int main() {
   test_size_classes();
   test_dct_matches_the_definition();
   test_segment_helpers();
-  test_pick_bin();
+  test_select_passes();
   std::printf("kernel core: %d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }
