@@ -1,10 +1,11 @@
 """Benchmark every compiled hetero_comm CPU kernel against its pure-PyTorch reference.
 
-Run from the repository root, with the extension built in place::
+``make bench`` builds the package into .venv and runs this script; by hand, with hetero_comm
+installed (or built in place and PYTHONPATH=. set)::
 
-    PYTHONPATH=. python benchmarks/bench_kernels.py            # 1M, 4M and 25M elements
-    PYTHONPATH=. python benchmarks/bench_kernels.py --quick    # 1M and 4M, fewer repeats
-    PYTHONPATH=. python benchmarks/bench_kernels.py --sizes 2M,8M --threads 1 --json out.json
+    python benchmarks/bench_kernels.py            # 1M, 4M and 25M elements
+    python benchmarks/bench_kernels.py --quick    # 1M and 4M, fewer repeats
+    python benchmarks/bench_kernels.py --sizes 2M,8M --threads 1 --json out.json
 
 It first measures the machine's copy bandwidth (``dst.copy_(src)`` on preallocated float32
 tensors of the largest size, bytes = read + write), then prints one table per kernel:
@@ -281,54 +282,58 @@ def bench_quantize(sizes: Sequence[int], row_len: int = 64) -> List[Row]:
         x = torch.randn(numel // row_len, row_len)
         scale = block_scale(x)
         numel, num_blocks = x.numel(), x.shape[0]
+        q = torch.empty(x.shape, dtype=torch.int8)
+        x_hat = torch.empty(x.shape)
         config = f"n={count_label(numel)} [{num_blocks}, {row_len}] int8"
         quantize_rows.append(compare(
             "quantize", config, numel, 4 * numel + 4 * num_blocks + numel,
-            lambda: reference.quantize(x, scale, QUANT_LEVELS, torch.int8),
-            lambda: ops.quantize(x, scale, QUANT_LEVELS, torch.int8)))
-        q = ops.quantize(x, scale, QUANT_LEVELS, torch.int8)
+            lambda: reference.quantize(x, scale, QUANT_LEVELS, torch.int8, out=q),
+            lambda: ops.quantize(x, scale, QUANT_LEVELS, torch.int8, out=q)))
         dequantize_rows.append(compare(
             "dequantize", config, numel, numel + 4 * num_blocks + 4 * numel,
-            lambda: reference.dequantize(q, scale, QUANT_LEVELS),
-            lambda: ops.dequantize(q, scale, QUANT_LEVELS)))
-    print_table(f"quantize(x, scale=|x|.amax(1), levels={QUANT_LEVELS}, int8)  "
-                "[output allocated: the API has no out=]", quantize_rows)
-    print_table(f"dequantize(q, scale, levels={QUANT_LEVELS})  [output allocated: no out=]",
-                dequantize_rows)
+            lambda: reference.dequantize(q, scale, QUANT_LEVELS, out=x_hat),
+            lambda: ops.dequantize(q, scale, QUANT_LEVELS, out=x_hat)))
+    print_table(f"quantize(x, scale=|x|.amax(1), levels={QUANT_LEVELS}, int8, out=q)  "
+                "[out= preallocated, compiled and reference]", quantize_rows)
+    print_table(f"dequantize(q, scale, levels={QUANT_LEVELS}, out=x_hat)  "
+                "[out= preallocated, compiled and reference]", dequantize_rows)
     return quantize_rows + dequantize_rows
 
 
-def encode_and_quantize(encode, quantize, x, block_size, keep):
-    coeffs = encode(x, block_size, keep)
-    return quantize(coeffs, block_scale(coeffs), QUANT_LEVELS, torch.int8)
+def encode_and_quantize(encode, quantize, x, block_size, keep, coeffs, q):
+    encode(x, block_size, keep, out=coeffs)
+    return quantize(coeffs, block_scale(coeffs), QUANT_LEVELS, torch.int8, out=q)
 
 
 def bench_dct(sizes: Sequence[int]) -> List[Row]:
     encode_rows, decode_rows, pipeline_rows = [], [], []
     for numel in sizes:
         x = torch.randn(numel)
+        x_hat = torch.empty(numel)
         for block_size, keep in DCT_CONFIGS:
             blocks = reference.num_segments(numel, block_size)
+            coeffs = torch.empty(blocks, keep)
+            q = torch.empty(blocks, keep, dtype=torch.int8)
             config = f"n={count_label(numel)} B={block_size} keep={keep}"
             encode_rows.append(compare(
                 "dct_encode", config, numel, 4 * numel + 4 * blocks * keep,
-                lambda: reference.dct_encode(x, block_size, keep),
-                lambda: ops.dct_encode(x, block_size, keep)))
-            coeffs = ops.dct_encode(x, block_size, keep)
+                lambda: reference.dct_encode(x, block_size, keep, out=coeffs),
+                lambda: ops.dct_encode(x, block_size, keep, out=coeffs)))
             decode_rows.append(compare(
                 "dct_decode", config, numel, 4 * blocks * keep + 4 * numel,
-                lambda: reference.dct_decode(coeffs, block_size, numel),
-                lambda: ops.dct_decode(coeffs, block_size, numel)))
+                lambda: reference.dct_decode(coeffs, block_size, numel, out=x_hat),
+                lambda: ops.dct_decode(coeffs, block_size, numel, out=x_hat)))
             pipeline_rows.append(compare(
                 "dct_encode + quantize", config, numel, 4 * numel + blocks * keep + 4 * blocks,
                 lambda: encode_and_quantize(reference.dct_encode, reference.quantize,
-                                            x, block_size, keep),
+                                            x, block_size, keep, coeffs, q),
                 lambda: encode_and_quantize(ops.dct_encode, ops.quantize,
-                                            x, block_size, keep)))
-    print_table("dct_encode(x, block_size, keep)  [output allocated: no out=]", encode_rows)
-    print_table("dct_decode(coeffs, block_size, n)  [output allocated: no out=]", decode_rows)
-    print_table(f"dct_encode + quantize (scale = |coeffs|.amax(1), levels={QUANT_LEVELS}, int8)",
-                pipeline_rows, ["both columns use torch's abs().amax(1) for the scale"])
+                                            x, block_size, keep, coeffs, q)))
+    print_table("dct_encode(x, block_size, keep, out=coeffs)  [out= preallocated, both]", encode_rows)
+    print_table("dct_decode(coeffs, block_size, n, out=x_hat)  [out= preallocated, both]", decode_rows)
+    print_table(f"dct_encode + quantize (scale = |coeffs|.amax(1), levels={QUANT_LEVELS}, int8, "
+                "out= preallocated)", pipeline_rows,
+                ["both columns use torch's abs().amax(1) for the scale"])
     return encode_rows + decode_rows + pipeline_rows
 
 

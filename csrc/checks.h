@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <initializer_list>
 #include <string>
 
@@ -117,5 +118,88 @@ inline void check_scale(const at::Tensor& host_scale, int64_t num_blocks) {
   for (int64_t i = 0; i < num_blocks; ++i) ok = ok && s[i] >= 0.0f && s[i] <= 3.4028235e38f;
   TORCH_CHECK_VALUE(ok, "scale must be finite and >= 0");
 }
+
+// ------------------------------------------------------------------ per-op argument checks
+// One definition per op, called by its CPU and its CUDA kernel. Data-dependent checks read a
+// host copy (`.cpu()` is free for a CPU tensor).
+
+inline void check_segment_accumulate(const at::Tensor& residual, const at::Tensor& grad,
+                                     int64_t segment_size) {
+  check_tensor(residual, "residual", {at::kFloat}, 1, /*writable=*/true);
+  check_tensor(grad, "grad", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
+  check_same_device(residual, "residual", grad, "grad");
+  TORCH_CHECK_VALUE(grad.numel() == residual.numel(),
+                    "grad must have as many elements as residual (", residual.numel(), "); got ",
+                    grad.numel());
+  check_positive("segment_size", segment_size);
+}
+
+inline void check_select(const at::Tensor& importance, int64_t k) {
+  check_tensor(importance, "importance", {at::kFloat}, 1);
+  check_k(k, importance.numel());
+}
+
+// A caller's out= buffer: dtype, exact shape, contiguous, on the device of `other`.
+inline void check_out_shape(const at::Tensor& out, std::initializer_list<at::ScalarType> dtypes,
+                            at::IntArrayRef shape, const at::Tensor& other, const char* other_name) {
+  check_tensor(out, "out", dtypes, static_cast<int64_t>(shape.size()), /*writable=*/true);
+  check_same_device(other, other_name, out, "out");
+  TORCH_CHECK_VALUE(out.sizes() == shape, "out must have shape ", shape, "; got ", out.sizes());
+}
+
+inline void check_pack(const at::Tensor& residual, const at::Tensor& indices, int64_t segment_size) {
+  check_tensor(residual, "residual", {at::kFloat}, 1, /*writable=*/true);
+  check_positive("segment_size", segment_size);
+  check_same_device(residual, "residual", indices, "indices");
+  check_indices(indices.cpu(), num_segments(residual.numel(), segment_size));
+}
+
+inline void check_unpack(const at::Tensor& packed, const at::Tensor& indices, int64_t segment_size,
+                         int64_t numel, double scale) {
+  check_tensor(packed, "packed", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
+  check_positive("segment_size", segment_size);
+  TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0; got ", numel);
+  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite; got ", scale);
+  check_same_device(packed, "packed", indices, "indices");
+  check_indices(indices.cpu(), num_segments(numel, segment_size));
+  TORCH_CHECK_VALUE(packed.numel() == indices.numel() * segment_size,
+                    "packed must have k * segment_size = ", indices.numel() * segment_size,
+                    " elements; got ", packed.numel());
+}
+
+inline void check_dct_encode(const at::Tensor& x, int64_t block_size, int64_t keep) {
+  check_tensor(x, "x", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
+  check_block_size(block_size);
+  TORCH_CHECK_VALUE(keep >= 0 && keep <= block_size, "keep must satisfy 0 <= keep <= block_size (",
+                    block_size, "); got ", keep);
+}
+
+inline void check_dct_decode(const at::Tensor& coeffs, int64_t block_size, int64_t numel) {
+  check_tensor(coeffs, "coeffs", {at::kFloat}, 2);
+  check_block_size(block_size);
+  TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0; got ", numel);
+  const int64_t blocks = num_segments(numel, block_size);
+  TORCH_CHECK_VALUE(coeffs.size(0) == blocks && coeffs.size(1) <= block_size,
+                    "coeffs must have shape [ceil(numel / block_size) = ", blocks, ", keep <= ",
+                    block_size, "]; got ", coeffs.sizes());
+}
+
+inline void check_quantize(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
+                           at::ScalarType dtype) {
+  check_tensor(x, "x", {at::kFloat}, 2);
+  check_quant_dtype(dtype);
+  check_scale(scale.cpu(), x.size(0));
+  check_same_device(x, "x", scale, "scale");
+  check_levels(levels, dtype);
+}
+
+inline void check_dequantize(const at::Tensor& q, const at::Tensor& scale, int64_t levels) {
+  check_tensor(q, "q", {at::kChar, at::kShort, at::kInt}, 2);
+  check_scale(scale.cpu(), q.size(0));
+  check_same_device(q, "q", scale, "scale");
+  check_positive("levels", levels);
+}
+
+constexpr const char* kNotFiniteX = "x must be finite (found NaN or infinity)";
 
 }  // namespace hetero_comm

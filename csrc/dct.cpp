@@ -99,13 +99,6 @@ void decode_fast(const float* coeffs, int64_t keep, int64_t block_size, int64_t 
   });
 }
 
-void check_encode(const at::Tensor& x, int64_t block_size, int64_t keep) {
-  check_tensor(x, "x", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
-  check_block_size(block_size);
-  TORCH_CHECK_VALUE(keep >= 0 && keep <= block_size, "keep must satisfy 0 <= keep <= block_size (",
-                    block_size, "); got ", keep);
-}
-
 // Assumes validated arguments; coeffs is float32 [blocks, keep], contiguous.
 void encode_into(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
   const int64_t keep = coeffs.size(1);
@@ -119,30 +112,18 @@ void encode_into(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
 }
 
 at::Tensor dct_encode_cpu(const at::Tensor& x, int64_t block_size, int64_t keep) {
-  check_encode(x, block_size, keep);
+  check_dct_encode(x, block_size, keep);
   at::Tensor coeffs = at::empty({num_segments(x.numel(), block_size), keep}, x.options().dtype(at::kFloat));
   encode_into(x, block_size, coeffs);
   return coeffs;
 }
 
 void dct_encode_into_cpu(const at::Tensor& x, int64_t block_size, at::Tensor& out) {
+  // The schema has no keep: it is out's second dimension.
   check_tensor(out, "out", {at::kFloat}, 2, /*writable=*/true);
-  check_encode(x, block_size, out.size(1));
-  check_same_device(x, "x", out, "out");
-  const int64_t blocks = num_segments(x.numel(), block_size);
-  TORCH_CHECK_VALUE(out.size(0) == blocks, "out must have shape [ceil(numel / block_size) = ",
-                    blocks, ", keep]; got ", out.sizes());
+  check_dct_encode(x, block_size, out.size(1));
+  check_out_shape(out, {at::kFloat}, {num_segments(x.numel(), block_size), out.size(1)}, x, "x");
   encode_into(x, block_size, out);
-}
-
-void check_decode(const at::Tensor& coeffs, int64_t block_size, int64_t numel) {
-  check_tensor(coeffs, "coeffs", {at::kFloat}, 2);
-  check_block_size(block_size);
-  TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0; got ", numel);
-  const int64_t blocks = num_segments(numel, block_size);
-  TORCH_CHECK_VALUE(coeffs.size(0) == blocks && coeffs.size(1) <= block_size,
-                    "coeffs must have shape [ceil(numel / block_size) = ", blocks, ", keep <= ",
-                    block_size, "]; got ", coeffs.sizes());
 }
 
 // Assumes validated arguments; writes every element of the contiguous float32 `x_hat`.
@@ -159,16 +140,16 @@ void decode_into(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat
 }
 
 at::Tensor dct_decode_cpu(const at::Tensor& coeffs, int64_t block_size, int64_t numel) {
-  check_decode(coeffs, block_size, numel);
+  check_dct_decode(coeffs, block_size, numel);
   at::Tensor x_hat = at::empty({numel}, coeffs.options());
   decode_into(coeffs, block_size, x_hat);
   return x_hat;
 }
 
 void dct_decode_into_cpu(const at::Tensor& coeffs, int64_t block_size, at::Tensor& out) {
-  check_tensor(out, "out", {at::kFloat}, 1, /*writable=*/true);
-  check_decode(coeffs, block_size, out.numel());
-  check_same_device(coeffs, "coeffs", out, "out");
+  // The schema has no numel: the result's length is out's.
+  check_dct_decode(coeffs, block_size, out.numel());
+  check_out_shape(out, {at::kFloat}, {out.numel()}, coeffs, "coeffs");
   decode_into(coeffs, block_size, out);
 }
 

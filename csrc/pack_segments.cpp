@@ -20,21 +20,6 @@ int64_t grain_segments(int64_t segment_size) {
   return std::max<int64_t>(1, kGrainElements / segment_size);
 }
 
-void check_pack_args(const at::Tensor& residual, const at::Tensor& indices, int64_t segment_size) {
-  check_tensor(residual, "residual", {at::kFloat}, 1, /*writable=*/true);
-  check_positive("segment_size", segment_size);
-  check_same_device(residual, "residual", indices, "indices");
-  check_indices(indices, num_segments(residual.numel(), segment_size));
-}
-
-void check_out(const at::Tensor& out, const at::Tensor& other, const char* other_name,
-               int64_t expected, const char* expected_what) {
-  check_tensor(out, "out", {at::kFloat, at::kBFloat16, at::kHalf}, 1, /*writable=*/true);
-  check_same_device(other, other_name, out, "out");
-  TORCH_CHECK_VALUE(out.numel() == expected, "out must have ", expected_what, " = ", expected,
-                    " elements; got ", out.numel());
-}
-
 // Assumes validated arguments.
 void pack_into(at::Tensor& residual, const at::Tensor& indices, int64_t segment_size,
                at::Tensor& out) {
@@ -55,7 +40,7 @@ void pack_into(at::Tensor& residual, const at::Tensor& indices, int64_t segment_
 }
 
 at::Tensor pack_segments_cpu(at::Tensor& residual, const at::Tensor& indices, int64_t segment_size) {
-  check_pack_args(residual, indices, segment_size);
+  check_pack(residual, indices, segment_size);
   at::Tensor out = at::empty({indices.numel() * segment_size}, residual.options());
   pack_into(residual, indices, segment_size, out);
   return out;
@@ -63,22 +48,10 @@ at::Tensor pack_segments_cpu(at::Tensor& residual, const at::Tensor& indices, in
 
 void pack_segments_into_cpu(at::Tensor& residual, const at::Tensor& indices, int64_t segment_size,
                             at::Tensor& out) {
-  check_pack_args(residual, indices, segment_size);
-  check_out(out, residual, "residual", indices.numel() * segment_size, "k * segment_size");
+  check_pack(residual, indices, segment_size);
+  check_out_shape(out, {at::kFloat, at::kBFloat16, at::kHalf}, {indices.numel() * segment_size},
+                  residual, "residual");
   pack_into(residual, indices, segment_size, out);
-}
-
-void check_unpack_args(const at::Tensor& packed, const at::Tensor& indices, int64_t segment_size,
-                       int64_t numel, double scale) {
-  check_tensor(packed, "packed", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
-  check_positive("segment_size", segment_size);
-  TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0; got ", numel);
-  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite; got ", scale);
-  check_same_device(packed, "packed", indices, "indices");
-  check_indices(indices, num_segments(numel, segment_size));
-  TORCH_CHECK_VALUE(packed.numel() == indices.numel() * segment_size,
-                    "packed must have k * segment_size = ", indices.numel() * segment_size,
-                    " elements; got ", packed.numel());
 }
 
 // Assumes validated arguments; writes every element of `out`.
@@ -106,7 +79,7 @@ void unpack_into(const at::Tensor& packed, const at::Tensor& indices, int64_t se
 
 at::Tensor unpack_segments_cpu(const at::Tensor& packed, const at::Tensor& indices,
                                int64_t segment_size, int64_t numel, double scale) {
-  check_unpack_args(packed, indices, segment_size, numel, scale);
+  check_unpack(packed, indices, segment_size, numel, scale);
   at::Tensor out = at::empty({numel}, packed.options().dtype(at::kFloat));
   unpack_into(packed, indices, segment_size, scale, out);
   return out;
@@ -114,8 +87,9 @@ at::Tensor unpack_segments_cpu(const at::Tensor& packed, const at::Tensor& indic
 
 void unpack_segments_into_cpu(const at::Tensor& packed, const at::Tensor& indices,
                               int64_t segment_size, double scale, at::Tensor& out) {
-  check_unpack_args(packed, indices, segment_size, out.numel(), scale);
-  check_out(out, packed, "packed", out.numel(), "numel");
+  // The schema has no numel: the result's length is out's.
+  check_unpack(packed, indices, segment_size, out.numel(), scale);
+  check_out_shape(out, {at::kFloat, at::kBFloat16, at::kHalf}, {out.numel()}, packed, "packed");
   unpack_into(packed, indices, segment_size, scale, out);
 }
 

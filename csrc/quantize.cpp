@@ -23,15 +23,6 @@ int64_t grain_rows(int64_t row_len) {
   AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kChar, __VA_ARGS__) \
                      AT_DISPATCH_CASE(at::kShort, __VA_ARGS__) AT_DISPATCH_CASE(at::kInt, __VA_ARGS__))
 
-void check_quantize(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
-                    at::ScalarType dtype) {
-  check_tensor(x, "x", {at::kFloat}, 2);
-  check_quant_dtype(dtype);
-  check_scale(scale, x.size(0));
-  check_same_device(x, "x", scale, "scale");
-  check_levels(levels, dtype);
-}
-
 // Assumes validated arguments. Returns false if x holds a non-finite value (q is then garbage).
 bool quantize_into(const at::Tensor& x, const at::Tensor& scale, int64_t levels, at::Tensor& q) {
   const int64_t rows = x.size(0), row_len = x.size(1);
@@ -54,37 +45,27 @@ bool quantize_into(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
   return all_finite;
 }
 
-constexpr const char* kNotFinite = "x must be finite (found NaN or infinity)";
-
 at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
                         at::ScalarType dtype) {
   check_quantize(x, scale, levels, dtype);
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
   // q is our own new tensor, so checking after the pass still leaves every input untouched.
-  TORCH_CHECK_VALUE(quantize_into(x, scale, levels, q), kNotFinite);
+  TORCH_CHECK_VALUE(quantize_into(x, scale, levels, q), kNotFiniteX);
   return q;
 }
 
 void quantize_into_cpu(const at::Tensor& x, const at::Tensor& scale, int64_t levels, at::Tensor& out) {
+  // The schema has no dtype: it is out's.
   check_tensor(out, "out", {at::kChar, at::kShort, at::kInt}, 2, /*writable=*/true);
   check_quantize(x, scale, levels, out.scalar_type());
-  check_same_device(x, "x", out, "out");
-  TORCH_CHECK_VALUE(out.sizes() == x.sizes(), "out must have the shape of x ", x.sizes(), "; got ",
-                    out.sizes());
+  check_out_shape(out, {out.scalar_type()}, x.sizes(), x, "x");
   // The caller's out would be written before the check: test finiteness first instead.
   bool finite = true;
   const at::Tensor x_contiguous = x.contiguous();
   const float* in = x_contiguous.const_data_ptr<float>();
   for (int64_t i = 0; i < x.numel() && finite; ++i) finite = std::isfinite(in[i]);
-  TORCH_CHECK_VALUE(finite, kNotFinite);
+  TORCH_CHECK_VALUE(finite, kNotFiniteX);
   quantize_into(x, scale, levels, out);
-}
-
-void check_dequantize(const at::Tensor& q, const at::Tensor& scale, int64_t levels) {
-  check_tensor(q, "q", {at::kChar, at::kShort, at::kInt}, 2);
-  check_scale(scale, q.size(0));
-  check_same_device(q, "q", scale, "scale");
-  check_positive("levels", levels);
 }
 
 // Assumes validated arguments.
@@ -111,11 +92,8 @@ at::Tensor dequantize_cpu(const at::Tensor& q, const at::Tensor& scale, int64_t 
 }
 
 void dequantize_into_cpu(const at::Tensor& q, const at::Tensor& scale, int64_t levels, at::Tensor& out) {
-  check_tensor(out, "out", {at::kFloat}, 2, /*writable=*/true);
   check_dequantize(q, scale, levels);
-  check_same_device(q, "q", out, "out");
-  TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "out must have the shape of q ", q.sizes(), "; got ",
-                    out.sizes());
+  check_out_shape(out, {at::kFloat}, q.sizes(), q, "q");
   dequantize_into(q, scale, levels, out);
 }
 

@@ -16,13 +16,7 @@ constexpr int64_t kGrainElements = 1 << 16;
 
 at::Tensor segment_accumulate_cpu(at::Tensor& residual, const at::Tensor& grad,
                                   int64_t segment_size) {
-  check_tensor(residual, "residual", {at::kFloat}, 1, /*writable=*/true);
-  check_tensor(grad, "grad", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
-  check_same_device(residual, "residual", grad, "grad");
-  TORCH_CHECK_VALUE(grad.numel() == residual.numel(),
-                    "grad must have as many elements as residual (", residual.numel(), "); got ",
-                    grad.numel());
-  check_positive("segment_size", segment_size);
+  check_segment_accumulate(residual, grad, segment_size);
 
   const int64_t numel = residual.numel();
   const int64_t segments = num_segments(numel, segment_size);

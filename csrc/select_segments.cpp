@@ -64,9 +64,8 @@ Bracket sample_bracket(const float* values, int64_t count, int64_t k) {
 }
 
 at::Tensor select_segments_cpu(const at::Tensor& importance, int64_t k) {
-  check_tensor(importance, "importance", {at::kFloat}, 1);
+  check_select(importance, k);
   const int64_t count = importance.numel();
-  check_k(k, count);
   const at::Tensor contiguous = importance.contiguous();
   const float* values = contiguous.const_data_ptr<float>();
   const auto long_options = importance.options().dtype(at::kLong);

@@ -93,13 +93,6 @@ at::Tensor cos_table(const at::Tensor& like, int64_t block_size, cudaStream_t st
   return table;
 }
 
-void check_encode(const at::Tensor& x, int64_t block_size, int64_t keep) {
-  check_tensor(x, "x", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
-  check_block_size(block_size);
-  TORCH_CHECK_VALUE(keep >= 0 && keep <= block_size, "keep must satisfy 0 <= keep <= block_size (",
-                    block_size, "); got ", keep);
-}
-
 // Assumes validated arguments; `coeffs` is float32 [ceil(numel / block_size), keep],
 // contiguous, on x's device, and every element of it is written.
 void encode_into(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
@@ -119,7 +112,7 @@ void encode_into(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
 }
 
 at::Tensor dct_encode_cuda(const at::Tensor& x, int64_t block_size, int64_t keep) {
-  check_encode(x, block_size, keep);
+  check_dct_encode(x, block_size, keep);
   at::Tensor coeffs = at::empty({num_segments(x.numel(), block_size), keep},
                                 x.options().dtype(at::kFloat));
   encode_into(x, block_size, coeffs);
@@ -127,24 +120,11 @@ at::Tensor dct_encode_cuda(const at::Tensor& x, int64_t block_size, int64_t keep
 }
 
 void dct_encode_into_cuda(const at::Tensor& x, int64_t block_size, at::Tensor& out) {
+  // The schema has no keep: it is out's second dimension.
   check_tensor(out, "out", {at::kFloat}, 2, /*writable=*/true);
-  check_encode(x, block_size, out.size(1));
-  check_same_device(x, "x", out, "out");
-  const int64_t num_blocks = num_segments(x.numel(), block_size);
-  TORCH_CHECK_VALUE(out.size(0) == num_blocks, "out must have shape [ceil(numel / block_size) = ",
-                    num_blocks, ", keep]; got ", out.sizes());
+  check_dct_encode(x, block_size, out.size(1));
+  check_out_shape(out, {at::kFloat}, {num_segments(x.numel(), block_size), out.size(1)}, x, "x");
   encode_into(x, block_size, out);
-}
-
-void check_decode(const at::Tensor& coeffs, int64_t block_size, int64_t numel) {
-  check_tensor(coeffs, "coeffs", {at::kFloat}, 2);
-  check_block_size(block_size);
-  TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0; got ", numel);
-  const int64_t num_blocks = num_segments(numel, block_size);
-  TORCH_CHECK_VALUE(coeffs.size(0) == num_blocks && coeffs.size(1) <= block_size,
-                    "coeffs must have shape [ceil(numel / block_size) = ", num_blocks,
-                    ", keep <= ", block_size, "]; got (", coeffs.size(0), ", ", coeffs.size(1),
-                    ")");
 }
 
 // Assumes validated arguments; `x_hat` is float32 [numel], contiguous, on coeffs' device, and
@@ -163,17 +143,16 @@ void decode_into(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat
 }
 
 at::Tensor dct_decode_cuda(const at::Tensor& coeffs, int64_t block_size, int64_t numel) {
-  check_decode(coeffs, block_size, numel);
+  check_dct_decode(coeffs, block_size, numel);
   at::Tensor x_hat = at::empty({numel}, coeffs.options());
   decode_into(coeffs, block_size, x_hat);
   return x_hat;
 }
 
 void dct_decode_into_cuda(const at::Tensor& coeffs, int64_t block_size, at::Tensor& out) {
-  // The schema has no numel: the output's length is out.numel().
-  check_tensor(out, "out", {at::kFloat}, 1, /*writable=*/true);
-  check_decode(coeffs, block_size, out.numel());
-  check_same_device(coeffs, "coeffs", out, "out");
+  // The schema has no numel: the result's length is out's.
+  check_dct_decode(coeffs, block_size, out.numel());
+  check_out_shape(out, {at::kFloat}, {out.numel()}, coeffs, "coeffs");
   decode_into(coeffs, block_size, out);
 }
 

@@ -63,17 +63,11 @@ __global__ void unpack_kernel(const PackedT* __restrict__ packed, int64_t packed
 
 void pack_impl(at::Tensor& residual, const at::Tensor& indices, int64_t segment_size,
                const std::optional<at::Tensor>& given_out, at::Tensor& out) {
-  check_tensor(residual, "residual", {at::kFloat}, 1, /*writable=*/true);
-  check_positive("segment_size", segment_size);
-  check_indices(indices.cpu(), num_segments(residual.numel(), segment_size));
-  check_same_device(residual, "residual", indices, "indices");
+  check_pack(residual, indices, segment_size);
   const int64_t packed_numel = indices.numel() * segment_size;
   if (given_out.has_value()) {
     out = *given_out;
-    check_tensor(out, "out", {at::kFloat, at::kBFloat16, at::kHalf}, 1, /*writable=*/true);
-    check_same_device(residual, "residual", out, "out");
-    TORCH_CHECK_VALUE(out.numel() == packed_numel, "out must have k * segment_size = ",
-                      packed_numel, " elements; got ", out.numel());
+    check_out_shape(out, {at::kFloat, at::kBFloat16, at::kHalf}, {packed_numel}, residual, "residual");
   }
 
   const c10::cuda::CUDAGuard guard(residual.device());
@@ -107,21 +101,11 @@ void pack_segments_into_cuda(at::Tensor& residual, const at::Tensor& indices,
 void unpack_impl(const at::Tensor& packed, const at::Tensor& indices, int64_t segment_size,
                  int64_t numel, double scale, const std::optional<at::Tensor>& given_out,
                  at::Tensor& out) {
-  check_tensor(packed, "packed", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
-  check_positive("segment_size", segment_size);
-  TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0; got ", numel);
-  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite; got ", scale);
-  check_indices(indices.cpu(), num_segments(numel, segment_size));
-  check_same_device(packed, "packed", indices, "indices");
-  const int64_t packed_numel = indices.numel() * segment_size;
-  TORCH_CHECK_VALUE(packed.numel() == packed_numel, "packed must have k * segment_size = ",
-                    packed_numel, " elements; got ", packed.numel());
+  check_unpack(packed, indices, segment_size, numel, scale);
+  const int64_t packed_numel = packed.numel();  // k * segment_size, checked above
   if (given_out.has_value()) {
     out = *given_out;
-    check_tensor(out, "out", {at::kFloat, at::kBFloat16, at::kHalf}, 1, /*writable=*/true);
-    check_same_device(packed, "packed", out, "out");
-    TORCH_CHECK_VALUE(out.numel() == numel, "out must have numel = ", numel,
-                      " elements; got ", out.numel());
+    check_out_shape(out, {at::kFloat, at::kBFloat16, at::kHalf}, {numel}, packed, "packed");
   }
 
   const c10::cuda::CUDAGuard guard(packed.device());

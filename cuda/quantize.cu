@@ -79,15 +79,6 @@ at::Tensor block_multipliers(const at::Tensor& scale, int64_t levels, bool quant
   return multiplier;
 }
 
-void check_quantize(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
-                    at::ScalarType dtype) {
-  check_tensor(x, "x", {at::kFloat}, 2);
-  check_quant_dtype(dtype);
-  check_scale(scale.cpu(), x.size(0));
-  check_same_device(x, "x", scale, "scale");
-  check_levels(levels, dtype);
-}
-
 // Assumes validated arguments; `q` is int8/int16/int32 of x's shape, contiguous, on x's
 // device. Checks that x is finite before the first write to q, so a rejected call leaves q
 // untouched (q may be the caller's out=); then writes every element of q.
@@ -101,8 +92,7 @@ void quantize_into(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
   find_nonfinite_kernel<<<grid_for(numel), kThreads, 0, stream>>>(
       x_c.const_data_ptr<float>(), numel, nonfinite.mutable_data_ptr<int>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  TORCH_CHECK_VALUE(nonfinite.cpu().const_data_ptr<int>()[0] == 0,
-                    "x must be finite (found NaN or infinity)");
+  TORCH_CHECK_VALUE(nonfinite.cpu().const_data_ptr<int>()[0] == 0, kNotFiniteX);
 
   const at::Tensor factor = block_multipliers(scale, levels, /*quantizing=*/true, stream);
   const float bound = levels_bound(levels);
@@ -125,19 +115,11 @@ at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& scale, int64_t l
 
 void quantize_into_cuda(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
                         at::Tensor& out) {
+  // The schema has no dtype: it is out's.
   check_tensor(out, "out", {at::kChar, at::kShort, at::kInt}, 2, /*writable=*/true);
   check_quantize(x, scale, levels, out.scalar_type());
-  check_same_device(x, "x", out, "out");
-  TORCH_CHECK_VALUE(out.sizes() == x.sizes(), "out must have the shape of x ", x.sizes(),
-                    "; got ", out.sizes());
+  check_out_shape(out, {out.scalar_type()}, x.sizes(), x, "x");
   quantize_into(x, scale, levels, out);
-}
-
-void check_dequantize(const at::Tensor& q, const at::Tensor& scale, int64_t levels) {
-  check_tensor(q, "q", {at::kChar, at::kShort, at::kInt}, 2);
-  check_scale(scale.cpu(), q.size(0));
-  check_same_device(q, "q", scale, "scale");
-  check_positive("levels", levels);
 }
 
 // Assumes validated arguments; `x_hat` is float32 of q's shape, contiguous, on q's device, and
@@ -168,11 +150,8 @@ at::Tensor dequantize_cuda(const at::Tensor& q, const at::Tensor& scale, int64_t
 
 void dequantize_into_cuda(const at::Tensor& q, const at::Tensor& scale, int64_t levels,
                           at::Tensor& out) {
-  check_tensor(out, "out", {at::kFloat}, 2, /*writable=*/true);
   check_dequantize(q, scale, levels);
-  check_same_device(q, "q", out, "out");
-  TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "out must have the shape of q ", q.sizes(),
-                    "; got ", out.sizes());
+  check_out_shape(out, {at::kFloat}, q.sizes(), q, "q");
   dequantize_into(q, scale, levels, out);
 }
 

@@ -76,13 +76,7 @@ __global__ void accumulate_block_kernel(float* __restrict__ residual,
 
 at::Tensor segment_accumulate_cuda(at::Tensor& residual, const at::Tensor& grad,
                                    int64_t segment_size) {
-  check_tensor(residual, "residual", {at::kFloat}, 1, /*writable=*/true);
-  check_tensor(grad, "grad", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
-  check_same_device(residual, "residual", grad, "grad");
-  TORCH_CHECK_VALUE(grad.numel() == residual.numel(),
-                    "grad must have as many elements as residual (", residual.numel(),
-                    "); got ", grad.numel());
-  check_positive("segment_size", segment_size);
+  check_segment_accumulate(residual, grad, segment_size);
 
   const c10::cuda::CUDAGuard guard(residual.device());
   const int64_t n = residual.numel();

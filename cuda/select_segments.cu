@@ -207,9 +207,8 @@ __global__ void tile_write_kernel(const float* __restrict__ importance, int64_t 
 }
 
 at::Tensor select_segments_cuda(const at::Tensor& importance, int64_t k) {
-  check_tensor(importance, "importance", {at::kFloat}, 1);
+  check_select(importance, k);
   const int64_t count = importance.numel();
-  check_k(k, count);
 
   const c10::cuda::CUDAGuard guard(importance.device());
   const auto long_options = importance.options().dtype(at::kLong);

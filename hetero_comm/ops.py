@@ -103,8 +103,7 @@ def unpack_segments(packed: torch.Tensor, indices: torch.Tensor, segment_size: i
         return reference.unpack_segments(packed, indices, segment_size, numel, scale, out=out)
     if out is None:
         return torch.ops.hetero_comm.unpack_segments.default(packed, indices, segment_size, numel, scale)
-    if out.numel() != numel:
-        raise ValueError(f"out must have numel = {numel} elements; got {out.numel()}")
+    _check_out_matches(out, "numel =", numel, out.numel())
     torch.ops.hetero_comm.unpack_segments_into_.default(packed, indices, segment_size, scale, out)
     return out
 

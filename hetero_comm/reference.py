@@ -186,10 +186,7 @@ def pack_segments_(residual: torch.Tensor, indices: torch.Tensor, segment_size: 
     _check_same_device(residual=residual, indices=indices)
     packed_numel = indices.numel() * segment_size
     if out is not None:
-        _check_tensor("out", out, GRAD_DTYPES, 1, writable=True)
-        _check_same_device(residual=residual, out=out)
-        if out.numel() != packed_numel:
-            raise ValueError(f"out must have k * segment_size = {packed_numel} elements; got {out.numel()}")
+        _check_out(out, GRAD_DTYPES, (packed_numel,), residual, "residual")
     else:
         out = torch.empty(packed_numel, dtype=torch.float32, device=residual.device)
     segments = _padded_segment_view(residual, segment_size)
@@ -231,10 +228,7 @@ def unpack_segments(packed: torch.Tensor, indices: torch.Tensor, segment_size: i
         raise ValueError(f"packed must have k * segment_size = {indices.numel() * segment_size} "
                          f"elements; got {packed.numel()}")
     if out is not None:
-        _check_tensor("out", out, GRAD_DTYPES, 1, writable=True)
-        _check_same_device(packed=packed, out=out)
-        if out.numel() != numel:
-            raise ValueError(f"out must have numel = {numel} elements; got {out.numel()}")
+        _check_out(out, GRAD_DTYPES, (numel,), packed, "packed")
     else:
         out = torch.empty(numel, dtype=torch.float32, device=packed.device)
     full = torch.zeros(num_segments(numel, segment_size), segment_size, dtype=torch.float32,
