@@ -59,11 +59,13 @@ void quantize_into_cpu(const at::Tensor& x, const at::Tensor& scale, int64_t lev
   check_tensor(out, "out", {at::kChar, at::kShort, at::kInt}, 2, /*writable=*/true);
   check_quantize(x, scale, levels, out.scalar_type());
   check_out_shape(out, {out.scalar_type()}, x.sizes(), x, "x");
-  // The caller's out would be written before the check: test finiteness first instead.
-  bool finite = true;
+  // The caller's out would be written before the fused check: test finiteness first.
   const at::Tensor x_contiguous = x.contiguous();
   const float* in = x_contiguous.const_data_ptr<float>();
-  for (int64_t i = 0; i < x.numel() && finite; ++i) finite = std::isfinite(in[i]);
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, x.numel(), int64_t{1} << 16, [&](int64_t first, int64_t last) {
+    if (!all_finite(in + first, last - first)) finite = false;
+  });
   TORCH_CHECK_VALUE(finite, kNotFiniteX);
   quantize_into(x, scale, levels, out);
 }

@@ -2,6 +2,7 @@
 // One definition of each rule, so both backends round, order and scale identically.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -30,15 +31,17 @@ HC_HOST_DEVICE uint32_t ordered_key(float value) {
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
-// Round half to even for any float, in the default rounding mode, without libm: for a
-// magnitude m < 2^23, m + 2^23 lies in [2^23, 2^24) where the float spacing is exactly 1,
-// so the addition rounds m to an integer (half to even); floats >= 2^23 already are.
-HC_HOST_DEVICE float round_half_even(float v) {
-  const float two_pow_23 = 8388608.0f;
-  // IEEE semantics (no -ffast-math) forbid folding (m + 2^23) - 2^23 to m.
-  const float magnitude = v < 0.0f ? -v : v;
-  const float rounded = (magnitude + two_pow_23) - two_pow_23;
-  return magnitude >= two_pow_23 ? v : (v < 0.0f ? -rounded : rounded);
+// Round half to even to an integer (|v| < 2^31) in the default rounding mode: one
+// cvtps2dq on x86 (GCC vectorises __builtin_irintf given -fno-math-errno), __float2int_rn
+// on the GPU.
+HC_HOST_DEVICE int32_t round_half_even_to_int(float v) {
+#if defined(__CUDA_ARCH__)
+  return __float2int_rn(v);
+#elif defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+  return __builtin_irintf(v);
+#else
+  return static_cast<int32_t>(std::lrintf(v));
+#endif
 }
 
 // Quantization factor levels / scale, computed in double and rounded once to float; a
@@ -70,11 +73,13 @@ HC_HOST_DEVICE float levels_bound(int64_t levels) {
   return bound;
 }
 
-// One quantized value: round_half_even(clamp(x * factor, -bound, bound)).
-HC_HOST_DEVICE float quantize_value(float x, float factor, float bound) {
+// One quantized value: round_half_even(clamp(x * factor, -bound, bound)). The clamps are
+// written in the shape of minps / maxps.
+HC_HOST_DEVICE int32_t quantize_value(float x, float factor, float bound) {
   float v = x * factor;
-  v = v < -bound ? -bound : (v > bound ? bound : v);
-  return round_half_even(v);
+  v = v < bound ? v : bound;
+  v = v > -bound ? v : -bound;
+  return round_half_even_to_int(v);
 }
 
 }  // namespace hetero_comm
@@ -91,6 +96,16 @@ bool quantize_row(const float* __restrict in, Int* __restrict out, int64_t len, 
     const float difference = in[j] - in[j];  // NaN exactly when in[j] is not finite
     finite &= difference == difference;
     out[j] = static_cast<Int>(quantize_value(in[j], factor, bound));
+  }
+  return finite != 0;
+}
+
+// Whether every value is finite; no early exit, so it vectorises.
+inline bool all_finite(const float* __restrict values, int64_t count) {
+  int finite = 1;
+  for (int64_t i = 0; i < count; ++i) {
+    const float difference = values[i] - values[i];
+    finite &= difference == difference;
   }
   return finite != 0;
 }

@@ -28,16 +28,16 @@ static int passed = 0, failed = 0;
 
 static void test_round_half_even_matches_the_fpu() {
   std::mt19937 rng(1);
-  std::uniform_real_distribution<float> wide(-3e9f, 3e9f), narrow(-100.0f, 100.0f);
+  std::uniform_real_distribution<float> wide(-2.1e9f, 2.1e9f), narrow(-100.0f, 100.0f);
   std::fesetround(FE_TONEAREST);
   bool all_equal = true;
   for (int i = 0; i < 200000; ++i) {
     const float v = i % 2 ? wide(rng) : narrow(rng);
-    all_equal = all_equal && hc::round_half_even(v) == std::nearbyint(v);
+    all_equal = all_equal && hc::round_half_even_to_int(v) == static_cast<int64_t>(std::nearbyint(v));
   }
   EXPECT(all_equal);
   const float halves[] = {0.5f, 1.5f, 2.5f, -0.5f, -2.5f, 4194304.5f, 8388607.5f, -8388607.5f};
-  for (float h : halves) EXPECT(hc::round_half_even(h) == std::nearbyint(h));
+  for (float h : halves) EXPECT(hc::round_half_even_to_int(h) == static_cast<int64_t>(std::nearbyint(h)));
 }
 
 static void test_ordered_key_preserves_order_and_ties_signed_zeros() {
@@ -55,11 +55,22 @@ static void test_ordered_key_preserves_order_and_ties_signed_zeros() {
   EXPECT(hc::ordered_key(1e-45f) > hc::ordered_key(0.0f));
 }
 
+static void test_all_finite() {
+  std::vector<float> values(100, 1.0f);
+  EXPECT(hc::all_finite(values.data(), 100));
+  values[63] = INFINITY;
+  EXPECT(!hc::all_finite(values.data(), 100));
+  values[63] = NAN;
+  EXPECT(!hc::all_finite(values.data(), 100));
+}
+
 static void test_quantize_value_clamps_and_bound_fits() {
   EXPECT(hc::levels_bound(2147483647) <= 2147483647.0);
   EXPECT(hc::levels_bound(127) == 127.0f);
-  EXPECT(hc::quantize_value(10.0f, 100.0f, 127.0f) == 127.0f);
-  EXPECT(hc::quantize_value(-10.0f, 100.0f, 127.0f) == -127.0f);
+  EXPECT(hc::quantize_value(10.0f, 100.0f, 127.0f) == 127);
+  EXPECT(hc::quantize_value(-10.0f, 100.0f, 127.0f) == -127);
+  EXPECT(hc::quantize_value(1.0f, 2.5f, 127.0f) == 2);  // 2.5 rounds to even
+  EXPECT(hc::quantize_value(1e30f, 1.0f, hc::levels_bound(2147483647)) == 2147483520);
   EXPECT(hc::quantize_factor(0.0f, 127) == 0.0f);
   EXPECT(hc::dequantize_step(2.0f, 4) == 0.5f);
 }
@@ -159,6 +170,7 @@ int main() {
   test_round_half_even_matches_the_fpu();
   test_ordered_key_preserves_order_and_ties_signed_zeros();
   test_quantize_value_clamps_and_bound_fits();
+  test_all_finite();
   test_size_classes();
   test_dct_matches_the_definition();
   test_segment_helpers();
