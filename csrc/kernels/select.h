@@ -93,7 +93,18 @@ inline int64_t write_selected(const float* values, int64_t count, int64_t first_
     for (int part = 1; part < 4; ++part) {
       at_least = _mm_or_ps(at_least, _mm_cmpge_ps(_mm_loadu_ps(values + i + 4 * part), threshold4));
     }
-    if (_mm_movemask_ps(at_least) != 0) take(i, i + kScanBlock);
+    if (_mm_movemask_ps(at_least) == 0) continue;  // most blocks: nothing wanted
+    uint32_t greater = 0, equal = 0;
+    for (int part = 0; part < 4; ++part) {
+      const __m128 v = _mm_loadu_ps(values + i + 4 * part);
+      greater |= static_cast<uint32_t>(_mm_movemask_ps(_mm_cmpgt_ps(v, threshold4))) << (4 * part);
+      equal |= static_cast<uint32_t>(_mm_movemask_ps(_mm_cmpeq_ps(v, threshold4))) << (4 * part);
+    }
+    // Visit the wanted values in index order: all above the threshold, ties while wanted.
+    for (uint32_t wanted = greater | equal; wanted; wanted &= wanted - 1) {
+      const int j = __builtin_ctz(wanted);
+      if ((greater >> j & 1u) || (*tie_rank)++ < ties_wanted) out[written++] = first_index + i + j;
+    }
   }
 #endif
   take(i, count);
