@@ -44,6 +44,9 @@ def _extensions():
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     include_dirs = [os.path.join(ROOT, "csrc")]
     if with_cuda:
+        # Without a visible GPU torch cannot guess the architectures; select_segments needs
+        # sm_70+ (__match_any_sync). Override with TORCH_CUDA_ARCH_LIST.
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         sources += sorted(glob.glob(os.path.join("cuda", "*.cu")))
         extension = cpp_extension.CUDAExtension(
             "hetero_comm._C", sources, include_dirs=include_dirs,

@@ -7,8 +7,10 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "kernels/common.h"
 
@@ -139,12 +141,26 @@ inline void check_select(const at::Tensor& importance, int64_t k) {
   check_k(k, importance.numel());
 }
 
-// A caller's out= buffer: dtype, exact shape, contiguous, on the device of `other`.
+// [first, last) bytes that a tensor's elements can touch (an over-estimate when strided).
+inline std::pair<uintptr_t, uintptr_t> byte_range(const at::Tensor& t) {
+  int64_t span = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) span += (t.size(d) - 1) * std::abs(t.stride(d));
+  const uintptr_t start = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {start, start + static_cast<uintptr_t>(span) * t.element_size()};
+}
+
+// A caller's out= buffer: dtype, exact shape, contiguous, on the device of `other`, and not
+// sharing memory with it (the kernels read `other` while writing `out`).
 inline void check_out_shape(const at::Tensor& out, std::initializer_list<at::ScalarType> dtypes,
                             at::IntArrayRef shape, const at::Tensor& other, const char* other_name) {
   check_tensor(out, "out", dtypes, static_cast<int64_t>(shape.size()), /*writable=*/true);
   check_same_device(other, other_name, out, "out");
   TORCH_CHECK_VALUE(out.sizes() == shape, "out must have shape ", shape, "; got ", out.sizes());
+  if (out.numel() > 0 && other.numel() > 0) {
+    const auto [a, b] = byte_range(out);
+    const auto [c, d] = byte_range(other);
+    TORCH_CHECK_VALUE(!(a < d && c < b), "out must not overlap ", other_name, " in memory");
+  }
 }
 
 inline void check_pack(const at::Tensor& residual, const at::Tensor& indices, int64_t segment_size) {

@@ -61,12 +61,29 @@ def _check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"all tensors must be on one device; got {listed}")
 
 
+def _byte_range(t: torch.Tensor) -> tuple:
+    """[first, last) bytes of storage that ``t``'s elements can touch (an over-estimate for
+    strided tensors)."""
+    start = t.data_ptr()
+    span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) + 1
+    return start, start + span * t.element_size()
+
+
+def _check_no_overlap(out: torch.Tensor, other: torch.Tensor, other_name: str) -> None:
+    if out.numel() and other.numel():
+        (a, b), (c, d) = _byte_range(out), _byte_range(other)
+        if a < d and c < b:
+            raise ValueError(f"out must not overlap {other_name} in memory")
+
+
 def _check_out(out: torch.Tensor, dtypes, shape, like: torch.Tensor, like_name: str) -> None:
-    """Validate a caller's ``out=`` buffer: dtype, exact shape, contiguity, device."""
+    """Validate a caller's ``out=`` buffer: dtype, exact shape, contiguity, device, and no
+    memory shared with the input ``like``."""
     _check_tensor("out", out, dtypes, len(shape), writable=True)
     _check_same_device(**{like_name: like, "out": out})
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"out must have shape {list(shape)}; got {list(out.shape)}")
+    _check_no_overlap(out, like, like_name)
 
 
 def _check_positive(name: str, value: int, upper: Optional[int] = None) -> None:
@@ -189,11 +206,11 @@ def pack_segments_(residual: torch.Tensor, indices: torch.Tensor, segment_size: 
         _check_out(out, GRAD_DTYPES, (packed_numel,), residual, "residual")
     else:
         out = torch.empty(packed_numel, dtype=torch.float32, device=residual.device)
-    segments = _padded_segment_view(residual, segment_size)
-    picked = segments[indices]
-    out.copy_(picked.view(-1))
-    segments[indices] = 0
-    _store_padded(residual, segments)
+    if indices.numel():
+        positions, inside = _segment_positions(indices, segment_size, residual.numel())
+        picked = torch.where(inside, residual[positions.clamp(max=residual.numel() - 1)], 0.0)
+        out.copy_(picked.view(-1))
+        residual[positions[inside]] = 0
     return out
 
 
@@ -231,11 +248,18 @@ def unpack_segments(packed: torch.Tensor, indices: torch.Tensor, segment_size: i
         _check_out(out, GRAD_DTYPES, (numel,), packed, "packed")
     else:
         out = torch.empty(numel, dtype=torch.float32, device=packed.device)
-    full = torch.zeros(num_segments(numel, segment_size), segment_size, dtype=torch.float32,
-                       device=packed.device)
-    full[indices] = packed.float().view(-1, segment_size) * scale
-    out.copy_(full.view(-1)[:numel])
-    return out
+    result = torch.zeros(numel, dtype=torch.float32, device=packed.device)
+    if indices.numel():
+        positions, inside = _segment_positions(indices, segment_size, numel)
+        result[positions[inside]] = (packed.float().view(-1, segment_size) * scale)[inside]
+    return out.copy_(result)
+
+
+def _segment_positions(indices: torch.Tensor, segment_size: int, numel: int):
+    """[k, segment_size] element positions of the selected segments, and which are < numel
+    (a short last segment is padded)."""
+    positions = indices.unsqueeze(1) * segment_size + torch.arange(segment_size, device=indices.device)
+    return positions, positions < numel
 
 
 def _padded_segment_view(flat: torch.Tensor, segment_size: int) -> torch.Tensor:
@@ -244,10 +268,6 @@ def _padded_segment_view(flat: torch.Tensor, segment_size: int) -> torch.Tensor:
                            dtype=torch.float32, device=flat.device)
     segments.view(-1)[: flat.numel()] = flat
     return segments
-
-
-def _store_padded(flat: torch.Tensor, segments: torch.Tensor) -> None:
-    flat.copy_(segments.view(-1)[: flat.numel()])
 
 
 # ------------------------------------------------------------------------------------ DCT
@@ -334,7 +354,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, levels: int, dtype: torch.dty
     """Quantize each block of ``x`` to integers in [-levels, levels].
 
     With ``f = float32(levels / scale)`` per block (computed in float64, 0 where scale is 0):
-    ``q = round_half_to_even(clamp(x * f, -L, L))`` where ``L`` is the largest float32 not
+    ``q = round_half_to_even(clamp(x * f, -L, L))`` (``0 * f`` counts as 0 when ``f`` overflows) where ``L`` is the largest float32 not
     above ``levels``; rounding is round half to even (deterministic, no randomness).
 
     Args:
@@ -359,7 +379,8 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, levels: int, dtype: torch.dty
         raise ValueError("x must be finite (found NaN or infinity)")
     factor = torch.where(scale > 0, levels / scale.double(), torch.zeros_like(scale, dtype=torch.float64))
     bound = largest_float32_at_most(levels)
-    scaled = (x * factor.float().unsqueeze(1)).clamp_(-bound, bound)
+    # A scale so small that levels / scale overflows gives an infinite factor: 0 * inf is 0.
+    scaled = torch.nan_to_num(x * factor.float().unsqueeze(1), nan=0.0).clamp_(-bound, bound)
     q = torch.round(scaled).to(dtype)
     return q if out is None else out.copy_(q)
 

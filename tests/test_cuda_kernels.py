@@ -4,12 +4,13 @@ Runs only on a machine with a GPU and an extension built with its CUDA kernels; 
 every test is skipped with the reason.
 """
 
+import os
+
 import pytest
 import torch
 
 import hetero_comm
 from hetero_comm import ops, reference
-from hetero_comm._backend import KERNEL_OPS
 from kernel_cases import GRAD_DTYPES, random_tensor, untouched
 
 
@@ -18,6 +19,10 @@ def _skip_reason() -> str:
         return "no CUDA device"
     backend = hetero_comm.kernel_backend("cuda")
     if backend != "compiled":
+        # A build asked to include CUDA must not pass as green by skipping everything.
+        assert os.environ.get("HETERO_COMM_BUILD_CUDA") != "1", (
+            "HETERO_COMM_BUILD_CUDA=1 but the CUDA kernels are not registered: "
+            f"{hetero_comm._backend.load_error}")
         return f"the CUDA kernels are not built (kernel_backend('cuda') is {backend!r})"
     return ""
 
@@ -42,9 +47,45 @@ def cuda_non_contiguous(t: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def test_every_kernel_has_a_cuda_implementation():
-    for op in KERNEL_OPS:
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"hetero_comm::{op}", "CUDA"), op
+@pytest.mark.parametrize("numel", [5_000_001])
+def test_large_inputs_take_the_grid_stride_loops_more_than_once(numel):
+    # Launches are capped near 2.1M threads: these sizes make each thread loop.
+    grad = random_tensor(numel, torch.float32, seed=1)
+    residual = torch.zeros(numel)
+    on_gpu = cuda(residual)
+    for segment_size in (1, 8):
+        on_gpu.zero_()
+        importance = ops.segment_accumulate_(on_gpu, cuda(grad), segment_size)
+        expected = reference.segment_accumulate_(torch.zeros(numel), grad, segment_size)
+        torch.testing.assert_close(importance.cpu(), expected, rtol=1e-5, atol=1e-6)
+    importance = torch.rand(3_000_000, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(ops.select_segments(cuda(importance), 30_000).cpu(),
+                       reference.select_segments(importance, 30_000))
+    x = random_tensor(3_000_000, torch.float32, seed=3).view(3000, 1000)
+    scale = x.abs().amax(dim=1)
+    assert torch.equal(ops.quantize(cuda(x), cuda(scale), 127, torch.int8).cpu(),
+                       reference.quantize(x, scale, 127, torch.int8))
+
+
+def test_kernels_run_on_the_current_stream():
+    x = random_tensor(100_000, torch.float32, seed=4)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        coeffs = ops.dct_encode(cuda(x), 256, 32)
+        decoded = ops.dct_decode(coeffs, 256, x.numel())
+    stream.synchronize()
+    torch.testing.assert_close(decoded.cpu(), reference.dct_decode(reference.dct_encode(x, 256, 32), 256,
+                                                                   x.numel()), rtol=0, atol=1e-4)
+
+
+def test_regressions_found_in_review():
+    # ceil(n / segment_size) must not overflow; 0 * inf (a tiny scale) quantizes to 0.
+    residual = cuda(torch.zeros(10))
+    importance = ops.segment_accumulate_(residual, cuda(torch.ones(10)), 2**63 - 1)
+    torch.testing.assert_close(importance.cpu(), torch.tensor([10 ** 0.5]))
+    x = torch.tensor([[0.0, 1e-37, -1e-37]])
+    q = ops.quantize(cuda(x), cuda(torch.tensor([1e-37])), 127, torch.int8)
+    assert q.cpu().tolist() == [[0, 127, -127]]
 
 
 # ---------------------------------------------------------------------- segment_accumulate_

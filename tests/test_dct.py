@@ -157,3 +157,14 @@ def test_dct_out_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.hetero_comm.dct_encode_into_.default, (x, 64, torch.empty(16, 8)))
     torch.library.opcheck(torch.ops.hetero_comm.dct_decode_into_.default,
                           (torch.rand(16, 8), 64, torch.empty(1000)))
+
+
+@BACKENDS
+def test_dct_out_overlapping_the_input_is_rejected(backend):
+    buffer = torch.zeros(200)
+    coeffs, out = buffer[:16].view(2, 8), buffer[10:110]
+    with untouched(buffer), pytest.raises(ValueError, match="out must not overlap coeffs"):
+        backend.dct_decode(coeffs, 64, 100, out=out)
+    x, coeffs_out = buffer[:100], buffer[50:66].view(2, 8)
+    with untouched(buffer), pytest.raises(ValueError, match="out must not overlap x"):
+        backend.dct_encode(x, 64, 8, out=coeffs_out)

@@ -151,3 +151,19 @@ def test_quantize_out_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.hetero_comm.quantize_into_.default, (x, scale, 127, q))
     torch.library.opcheck(torch.ops.hetero_comm.dequantize_into_.default,
                           (ops.quantize(x, scale, 127, torch.int8), scale, 127, torch.empty(10, 16)))
+
+
+@BACKENDS
+def test_a_scale_too_small_for_a_finite_factor_still_maps_zero_to_zero(backend):
+    # levels / scale overflows float32 to inf; 0 * inf must quantize to 0, not to +levels.
+    x = torch.tensor([[0.0, 1e-37, -1e-37, 5e-38]])
+    q = backend.quantize(x, torch.tensor([1e-37]), 127, torch.int8)
+    assert q.tolist() == [[0, 127, -127, 127]]
+
+
+@BACKENDS
+def test_out_overlapping_x_is_rejected(backend):
+    x = torch.ones(4, 8)
+    aliased = x.view(-1).view(torch.int8)[:32].view(4, 8)   # int8 view of x's own bytes
+    with untouched(x), pytest.raises(ValueError, match="out must not overlap x"):
+        backend.quantize(x, torch.ones(4), 127, torch.int8, out=aliased)

@@ -234,3 +234,26 @@ def test_segment_ops_pass_opcheck():
     packed = torch.rand(96)
     torch.library.opcheck(hc.unpack_segments.default, (packed, indices, 32, 1000, 0.5))
     torch.library.opcheck(hc.unpack_segments_into_.default, (packed, indices, 32, 0.5, torch.empty(1000)))
+
+
+@BACKENDS
+@pytest.mark.parametrize("segment_size", [2**40, 2**62, 2**63 - 1])
+def test_huge_segment_sizes_make_one_segment(backend, segment_size):
+    # ceil(n / segment_size) must not overflow int64.
+    residual = torch.zeros(10)
+    importance = backend.segment_accumulate_(residual, torch.ones(10), segment_size)
+    torch.testing.assert_close(importance, torch.tensor([10 ** 0.5]))
+    assert torch.equal(residual, torch.ones(10))
+    empty = torch.empty(0, dtype=torch.int64)
+    assert torch.equal(backend.unpack_segments(torch.empty(0), empty, segment_size, 10), torch.zeros(10))
+
+
+@BACKENDS
+def test_out_buffers_overlapping_an_input_are_rejected(backend):
+    storage = torch.arange(40.0)
+    residual, out = storage[:20], storage[12:20]
+    with untouched(storage), pytest.raises(ValueError, match="out must not overlap residual"):
+        backend.pack_segments_(residual, torch.tensor([0, 1]), 4, out=out)
+    packed, flat = storage[:8], storage[4:24]
+    with untouched(storage), pytest.raises(ValueError, match="out must not overlap packed"):
+        backend.unpack_segments(packed, torch.tensor([0, 1]), 4, 20, out=flat)

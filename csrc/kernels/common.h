@@ -14,8 +14,10 @@
 
 namespace hetero_comm {
 
+// ceil(numel / segment_size) for numel >= 0, segment_size >= 1, without overflowing when
+// segment_size is near the int64 limit.
 HC_HOST_DEVICE int64_t num_segments(int64_t numel, int64_t segment_size) {
-  return (numel + segment_size - 1) / segment_size;
+  return numel == 0 ? 0 : 1 + (numel - 1) / segment_size;
 }
 
 // Order-preserving map from a finite float to uint32: a < b  <=>  key(a) < key(b).
@@ -73,10 +75,12 @@ HC_HOST_DEVICE float levels_bound(int64_t levels) {
   return bound;
 }
 
-// One quantized value: round_half_even(clamp(x * factor, -bound, bound)). The clamps are
-// written in the shape of minps / maxps.
+// One quantized value: round_half_even(clamp(x * factor, -bound, bound)). A scale so small
+// that levels / scale overflows makes the factor inf, and 0 * inf is NaN: that value is 0.
+// The clamps are written in the shape of minps / maxps.
 HC_HOST_DEVICE int32_t quantize_value(float x, float factor, float bound) {
   float v = x * factor;
+  v = v == v ? v : 0.0f;
   v = v < bound ? v : bound;
   v = v > -bound ? v : -bound;
   return round_half_even_to_int(v);
