@@ -149,6 +149,13 @@ inline std::pair<uintptr_t, uintptr_t> byte_range(const at::Tensor& t) {
   return {start, start + static_cast<uintptr_t>(span) * t.element_size()};
 }
 
+inline void check_no_overlap(const at::Tensor& out, const at::Tensor& other, const char* other_name) {
+  if (out.numel() == 0 || other.numel() == 0) return;
+  const auto [a, b] = byte_range(out);
+  const auto [c, d] = byte_range(other);
+  TORCH_CHECK_VALUE(!(a < d && c < b), "out must not overlap ", other_name, " in memory");
+}
+
 // A caller's out= buffer: dtype, exact shape, contiguous, on the device of `other`, and not
 // sharing memory with it (the kernels read `other` while writing `out`).
 inline void check_out_shape(const at::Tensor& out, std::initializer_list<at::ScalarType> dtypes,
@@ -156,11 +163,7 @@ inline void check_out_shape(const at::Tensor& out, std::initializer_list<at::Sca
   check_tensor(out, "out", dtypes, static_cast<int64_t>(shape.size()), /*writable=*/true);
   check_same_device(other, other_name, out, "out");
   TORCH_CHECK_VALUE(out.sizes() == shape, "out must have shape ", shape, "; got ", out.sizes());
-  if (out.numel() > 0 && other.numel() > 0) {
-    const auto [a, b] = byte_range(out);
-    const auto [c, d] = byte_range(other);
-    TORCH_CHECK_VALUE(!(a < d && c < b), "out must not overlap ", other_name, " in memory");
-  }
+  check_no_overlap(out, other, other_name);
 }
 
 inline void check_pack(const at::Tensor& residual, const at::Tensor& indices, int64_t segment_size) {

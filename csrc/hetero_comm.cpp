@@ -8,7 +8,10 @@
 
 TORCH_LIBRARY(hetero_comm, m) {
   m.def("segment_accumulate_(Tensor(a!) residual, Tensor grad, int segment_size) -> Tensor");
+  m.def("segment_accumulate_into_(Tensor(a!) residual, Tensor grad, int segment_size, "
+        "Tensor(b!) out) -> ()");
   m.def("select_segments(Tensor importance, int k) -> Tensor");
+  m.def("select_segments_into_(Tensor importance, Tensor(a!) out) -> ()");
   m.def("pack_segments_(Tensor(a!) residual, Tensor indices, int segment_size) -> Tensor");
   m.def("pack_segments_into_(Tensor(a!) residual, Tensor indices, int segment_size, "
         "Tensor(b!) out) -> ()");

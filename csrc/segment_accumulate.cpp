@@ -14,13 +14,11 @@ namespace {
 // Elements per parallel task: big enough to amortise scheduling, small enough to balance.
 constexpr int64_t kGrainElements = 1 << 16;
 
-at::Tensor segment_accumulate_cpu(at::Tensor& residual, const at::Tensor& grad,
-                                  int64_t segment_size) {
-  check_segment_accumulate(residual, grad, segment_size);
-
+// Assumes validated arguments; importance is float32 [S], contiguous.
+void accumulate_into(at::Tensor& residual, const at::Tensor& grad, int64_t segment_size,
+                     at::Tensor& importance) {
   const int64_t numel = residual.numel();
-  const int64_t segments = num_segments(numel, segment_size);
-  at::Tensor importance = at::empty({segments}, residual.options());
+  const int64_t segments = importance.numel();
   const at::Tensor grad_contiguous = grad.contiguous();
   float* residual_data = residual.data_ptr<float>();
   float* importance_data = importance.data_ptr<float>();
@@ -37,13 +35,31 @@ at::Tensor segment_accumulate_cpu(at::Tensor& residual, const at::Tensor& grad,
       }
     });
   });
+}
+
+at::Tensor segment_accumulate_cpu(at::Tensor& residual, const at::Tensor& grad,
+                                  int64_t segment_size) {
+  check_segment_accumulate(residual, grad, segment_size);
+  at::Tensor importance =
+      at::empty({num_segments(residual.numel(), segment_size)}, residual.options());
+  accumulate_into(residual, grad, segment_size, importance);
   return importance;
+}
+
+void segment_accumulate_into_cpu(at::Tensor& residual, const at::Tensor& grad,
+                                 int64_t segment_size, at::Tensor& out) {
+  check_segment_accumulate(residual, grad, segment_size);
+  check_out_shape(out, {at::kFloat}, {num_segments(residual.numel(), segment_size)}, residual,
+                  "residual");
+  check_no_overlap(out, grad, "grad");
+  accumulate_into(residual, grad, segment_size, out);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hetero_comm, CPU, m) {
   m.impl("segment_accumulate_", &segment_accumulate_cpu);
+  m.impl("segment_accumulate_into_", &segment_accumulate_into_cpu);
 }
 
 }  // namespace hetero_comm

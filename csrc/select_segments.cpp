@@ -8,7 +8,6 @@
 // The selected set depends only on the values, never on the sample or the thread count.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -63,12 +62,13 @@ Bracket sample_bracket(const float* values, int64_t count, int64_t k) {
   return bracket;
 }
 
-at::Tensor select_segments_cpu(const at::Tensor& importance, int64_t k) {
-  check_select(importance, k);
-  const int64_t count = importance.numel();
+// Assumes validated arguments; `out` is int64 [k], contiguous. Checks finiteness before the
+// first write into `out`.
+void select_into(const at::Tensor& importance, at::Tensor& out) {
+  const int64_t count = importance.numel(), k = out.numel();
   const at::Tensor contiguous = importance.contiguous();
   const float* values = contiguous.const_data_ptr<float>();
-  const auto long_options = importance.options().dtype(at::kLong);
+  int64_t* out_data = out.data_ptr<int64_t>();
   const int64_t chunks = std::max<int64_t>(1, num_segments(count, kChunk));
   auto chunk_begin = [&](int64_t c) { return std::min(count, c * kChunk); };
   auto chunk_len = [&](int64_t c) { return chunk_begin(c + 1) - chunk_begin(c); };
@@ -90,8 +90,13 @@ at::Tensor select_segments_cpu(const at::Tensor& importance, int64_t k) {
   bool finite = true;
   for (const RangeScan& c : scans) above += c.above, within += c.within, finite &= c.finite;
   TORCH_CHECK_VALUE(finite, "importance must be finite (found NaN or infinity)");
-  if (k == count) return at::arange(count, long_options);
-  if (k == 0) return at::empty({0}, long_options);
+  if (k == count) {
+    at::parallel_for(0, count, kChunk, [&](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last; ++i) out_data[i] = i;
+    });
+    return;
+  }
+  if (k == 0) return;
   if (above >= k || above + within < k) {  // the sample's bracket missed: take every value
     bracket = Bracket{};
     scan_all();
@@ -124,22 +129,35 @@ at::Tensor select_segments_cpu(const at::Tensor& importance, int64_t k) {
   TORCH_INTERNAL_ASSERT(written == k, "select_segments picked ", written, " of k = ", k);
 
   // Pass 4: ordered write.
-  at::Tensor indices = at::empty({k}, long_options);
-  int64_t* out = indices.data_ptr<int64_t>();
   at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
     for (int64_t c = first; c < last; ++c) {
       int64_t tie_rank = ties_before[c];
       write_selected(values + chunk_begin(c), chunk_len(c), chunk_begin(c), threshold, &tie_rank,
-                     ties_wanted, out + out_offset[c]);
+                     ties_wanted, out_data + out_offset[c]);
     }
   });
+}
+
+at::Tensor select_segments_cpu(const at::Tensor& importance, int64_t k) {
+  check_select(importance, k);
+  at::Tensor indices = at::empty({k}, importance.options().dtype(at::kLong));
+  select_into(importance, indices);
   return indices;
+}
+
+void select_segments_into_cpu(const at::Tensor& importance, at::Tensor& out) {
+  // The schema has no k: it is out's length.
+  check_tensor(out, "out", {at::kLong}, 1, /*writable=*/true);
+  check_select(importance, out.numel());
+  check_out_shape(out, {at::kLong}, {out.numel()}, importance, "importance");
+  select_into(importance, out);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hetero_comm, CPU, m) {
   m.impl("select_segments", &select_segments_cpu);
+  m.impl("select_segments_into_", &select_segments_into_cpu);
 }
 
 }  // namespace hetero_comm

@@ -74,15 +74,13 @@ __global__ void accumulate_block_kernel(float* __restrict__ residual,
   }
 }
 
-at::Tensor segment_accumulate_cuda(at::Tensor& residual, const at::Tensor& grad,
-                                   int64_t segment_size) {
-  check_segment_accumulate(residual, grad, segment_size);
-
+// Assumes validated arguments; `norms` is float32 [S], contiguous, on residual's device.
+void accumulate_into(at::Tensor& residual, const at::Tensor& grad, int64_t segment_size,
+                     at::Tensor& norms) {
   const c10::cuda::CUDAGuard guard(residual.device());
   const int64_t n = residual.numel();
-  const int64_t segments = num_segments(n, segment_size);
-  at::Tensor norms = at::empty({segments}, residual.options());
-  if (segments == 0) return norms;
+  const int64_t segments = norms.numel();
+  if (segments == 0) return;
 
   const at::Tensor grad_c = grad.contiguous();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -106,7 +104,23 @@ at::Tensor segment_accumulate_cuda(at::Tensor& residual, const at::Tensor& grad,
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+at::Tensor segment_accumulate_cuda(at::Tensor& residual, const at::Tensor& grad,
+                                   int64_t segment_size) {
+  check_segment_accumulate(residual, grad, segment_size);
+  at::Tensor norms = at::empty({num_segments(residual.numel(), segment_size)}, residual.options());
+  accumulate_into(residual, grad, segment_size, norms);
   return norms;
+}
+
+void segment_accumulate_into_cuda(at::Tensor& residual, const at::Tensor& grad,
+                                  int64_t segment_size, at::Tensor& out) {
+  check_segment_accumulate(residual, grad, segment_size);
+  check_out_shape(out, {at::kFloat}, {num_segments(residual.numel(), segment_size)}, residual,
+                  "residual");
+  check_no_overlap(out, grad, "grad");
+  accumulate_into(residual, grad, segment_size, out);
 }
 
 }  // namespace
@@ -115,4 +129,5 @@ at::Tensor segment_accumulate_cuda(at::Tensor& residual, const at::Tensor& grad,
 
 TORCH_LIBRARY_IMPL(hetero_comm, CUDA, m) {
   m.impl("segment_accumulate_", &hetero_comm::cuda::segment_accumulate_cuda);
+  m.impl("segment_accumulate_into_", &hetero_comm::cuda::segment_accumulate_into_cuda);
 }

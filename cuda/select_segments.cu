@@ -206,14 +206,13 @@ __global__ void tile_write_kernel(const float* __restrict__ importance, int64_t 
   }
 }
 
-at::Tensor select_segments_cuda(const at::Tensor& importance, int64_t k) {
-  check_select(importance, k);
-  const int64_t count = importance.numel();
-
+// Assumes validated arguments; `out` is int64 [k], contiguous, on importance's device. The
+// finiteness check is read back before the first write into `out`.
+void select_into(const at::Tensor& importance, at::Tensor& out) {
+  const int64_t count = importance.numel(), k = out.numel();
   const c10::cuda::CUDAGuard guard(importance.device());
   const auto long_options = importance.options().dtype(at::kLong);
-  at::Tensor out = at::empty({k}, long_options);
-  if (count == 0) return out;
+  if (count == 0) return;
 
   const at::Tensor values = importance.contiguous();
   const float* values_ptr = values.const_data_ptr<float>();
@@ -230,7 +229,7 @@ at::Tensor select_segments_cuda(const at::Tensor& importance, int64_t k) {
   const at::Tensor nonfinite = workspace.narrow(0, 2 * kRadixBins + kNonFinite, 1).cpu();
   TORCH_CHECK_VALUE(nonfinite.const_data_ptr<int64_t>()[0] == 0,
                     "importance must be finite (found NaN or infinity)");
-  if (k == 0) return out;
+  if (k == 0) return;
 
   radix_find_bin_kernel<<<1, kFindThreads, 0, stream>>>(high_hist, k, nullptr,
                                                         slots + kHighBin,
@@ -256,7 +255,21 @@ at::Tensor select_segments_cuda(const at::Tensor& importance, int64_t k) {
   tile_write_kernel<<<tile_blocks, kThreads, 0, stream>>>(values_ptr, count, slots, tile_bases,
                                                            out.mutable_data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor select_segments_cuda(const at::Tensor& importance, int64_t k) {
+  check_select(importance, k);
+  at::Tensor out = at::empty({k}, importance.options().dtype(at::kLong));
+  select_into(importance, out);
   return out;
+}
+
+void select_segments_into_cuda(const at::Tensor& importance, at::Tensor& out) {
+  // The schema has no k: it is out's length.
+  check_tensor(out, "out", {at::kLong}, 1, /*writable=*/true);
+  check_select(importance, out.numel());
+  check_out_shape(out, {at::kLong}, {out.numel()}, importance, "importance");
+  select_into(importance, out);
 }
 
 }  // namespace
@@ -265,4 +278,5 @@ at::Tensor select_segments_cuda(const at::Tensor& importance, int64_t k) {
 
 TORCH_LIBRARY_IMPL(hetero_comm, CUDA, m) {
   m.impl("select_segments", &hetero_comm::cuda::select_segments_cuda);
+  m.impl("select_segments_into_", &hetero_comm::cuda::select_segments_into_cuda);
 }

@@ -31,35 +31,47 @@ def _compiled(tensor: torch.Tensor) -> bool:
     return kernel_backend(tensor.device) == "compiled"
 
 
-def segment_accumulate_(residual: torch.Tensor, grad: torch.Tensor, segment_size: int) -> torch.Tensor:
+def segment_accumulate_(residual: torch.Tensor, grad: torch.Tensor, segment_size: int,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``residual += grad`` in place; returns float32 [S] per-segment L2 norms.
 
     Args:
         residual: float32 [n], contiguous, updated in place.
         grad: float32, bfloat16 or float16 [n].
         segment_size: elements per segment, >= 1.
+        out: optional float32 [ceil(n / segment_size)], contiguous.
 
     Returns:
-        importance: float32 [ceil(n / segment_size)].
+        importance: ``out``, or a new float32 [ceil(n / segment_size)].
     """
     if not _compiled(residual):
-        return reference.segment_accumulate_(residual, grad, segment_size)
-    return torch.ops.hetero_comm.segment_accumulate_.default(residual, grad, segment_size)
+        return reference.segment_accumulate_(residual, grad, segment_size, out=out)
+    if out is None:
+        return torch.ops.hetero_comm.segment_accumulate_.default(residual, grad, segment_size)
+    torch.ops.hetero_comm.segment_accumulate_into_.default(residual, grad, segment_size, out)
+    return out
 
 
-def select_segments(importance: torch.Tensor, k: int) -> torch.Tensor:
+def select_segments(importance: torch.Tensor, k: int,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Indices of the ``k`` largest values, ascending; ties go to the lower index.
 
     Args:
         importance: float32 [S], finite.
         k: 0 <= k <= S.
+        out: optional int64 [k], contiguous.
 
     Returns:
-        int64 [k], strictly increasing; the same on every machine for the same input.
+        ``out``, or a new int64 [k]; strictly increasing, the same on every machine for the
+        same input.
     """
     if not _compiled(importance):
-        return reference.select_segments(importance, k)
-    return torch.ops.hetero_comm.select_segments.default(importance, k)
+        return reference.select_segments(importance, k, out=out)
+    if out is None:
+        return torch.ops.hetero_comm.select_segments.default(importance, k)
+    _check_out_matches(out, "k = out.numel() =", k, out.numel())
+    torch.ops.hetero_comm.select_segments_into_.default(importance, out)
+    return out
 
 
 def pack_segments_(residual: torch.Tensor, indices: torch.Tensor, segment_size: int,
@@ -208,6 +220,14 @@ if extension_loaded():
     @torch.library.register_fake("hetero_comm::segment_accumulate_")
     def _segment_accumulate_fake(residual, grad, segment_size):
         return residual.new_empty(num_segments(residual.numel(), segment_size))
+
+    @torch.library.register_fake("hetero_comm::segment_accumulate_into_")
+    def _segment_accumulate_into_fake(residual, grad, segment_size, out):
+        return None
+
+    @torch.library.register_fake("hetero_comm::select_segments_into_")
+    def _select_segments_into_fake(importance, out):
+        return None
 
     @torch.library.register_fake("hetero_comm::select_segments")
     def _select_segments_fake(importance, k):

@@ -128,16 +128,19 @@ def _check_scale(scale: torch.Tensor, num_blocks: int) -> None:
 
 
 # ------------------------------------------------------------------------------ segments
-def segment_accumulate_(residual: torch.Tensor, grad: torch.Tensor, segment_size: int) -> torch.Tensor:
+def segment_accumulate_(residual: torch.Tensor, grad: torch.Tensor, segment_size: int,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Add ``grad`` into ``residual`` in place and return the L2 norm of each segment.
 
     Args:
         residual: float32 [n], contiguous; updated in place to ``residual + grad``.
         grad: float32, bfloat16 or float16 [n].
         segment_size: elements per segment, >= 1.
+        out: optional float32 [S], contiguous, to write the importance into.
 
     Returns:
-        importance: float32 [S], the L2 norm of each segment of the updated residual.
+        importance: ``out``, or a new float32 [S]: the L2 norm of each segment of the
+        updated residual.
     """
     _check_tensor("residual", residual, (torch.float32,), 1, writable=True)
     _check_tensor("grad", grad, GRAD_DTYPES, 1)
@@ -145,6 +148,10 @@ def segment_accumulate_(residual: torch.Tensor, grad: torch.Tensor, segment_size
     if grad.numel() != residual.numel():
         raise ValueError(f"grad must have as many elements as residual ({residual.numel()}); got {grad.numel()}")
     _check_positive("segment_size", segment_size)
+    if out is not None:
+        _check_out(out, (torch.float32,), (num_segments(residual.numel(), segment_size),),
+                   residual, "residual")
+        _check_no_overlap(out, grad, "grad")
     residual.add_(grad)
     n = residual.numel()
     full = n // segment_size
@@ -152,10 +159,11 @@ def segment_accumulate_(residual: torch.Tensor, grad: torch.Tensor, segment_size
     sums = squares[: full * segment_size].view(full, segment_size).sum(dim=1)
     if n % segment_size:
         sums = torch.cat([sums, squares[full * segment_size:].sum().view(1)])
-    return sums.sqrt()
+    return sums.sqrt() if out is None else out.copy_(sums.sqrt())
 
 
-def select_segments(importance: torch.Tensor, k: int) -> torch.Tensor:
+def select_segments(importance: torch.Tensor, k: int,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Return the indices of the ``k`` largest importance values, in ascending order.
 
     Ties go to the lower index and ``-0.0`` ties with ``0.0``, so the selected set is a
@@ -164,19 +172,23 @@ def select_segments(importance: torch.Tensor, k: int) -> torch.Tensor:
     Args:
         importance: float32 [S], every value finite.
         k: number of segments to select, 0 <= k <= S.
+        out: optional int64 [k], contiguous, to write the indices into.
 
     Returns:
-        int64 [k], strictly increasing.
+        ``out``, or a new int64 [k]; strictly increasing.
     """
     _check_tensor("importance", importance, (torch.float32,), 1)
     count = importance.numel()
     if k < 0 or k > count:
         raise ValueError(f"k must satisfy 0 <= k <= {count} (the number of segments); got {k}")
+    if out is not None:
+        _check_out(out, (torch.int64,), (k,), importance, "importance")
     if count and not bool(torch.isfinite(importance).all()):
         raise ValueError("importance must be finite (found NaN or infinity)")
     # A stable descending sort keeps equal values in index order: ties go to the lower index.
     order = torch.sort(importance, descending=True, stable=True).indices[:k]
-    return torch.sort(order).values
+    indices = torch.sort(order).values
+    return indices if out is None else out.copy_(indices)
 
 
 def pack_segments_(residual: torch.Tensor, indices: torch.Tensor, segment_size: int,

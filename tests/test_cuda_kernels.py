@@ -481,3 +481,14 @@ def test_quantize_out_forms_reject_bad_buffers_untouched(op, case, match):
             torch.ops.hetero_comm.quantize_into_.default(x, scale, levels, out)
         else:
             torch.ops.hetero_comm.dequantize_into_.default(q, scale, levels, out)
+
+
+def test_segment_accumulate_and_select_out_forms():
+    grad = random_tensor(100_003, torch.bfloat16, seed=31)
+    residual, importance = cuda(torch.zeros(100_003)), cuda(torch.full((391,), float("nan")))
+    assert ops.segment_accumulate_(residual, cuda(grad), 256, out=importance) is importance
+    expected = reference.segment_accumulate_(torch.zeros(100_003), grad, 256)
+    torch.testing.assert_close(importance.cpu(), expected, rtol=1e-5, atol=1e-6)
+    indices = cuda(torch.full((40,), -1, dtype=torch.int64))
+    assert ops.select_segments(importance, 40, out=indices) is indices
+    assert torch.equal(indices.cpu(), reference.select_segments(importance.cpu(), 40))

@@ -257,3 +257,49 @@ def test_out_buffers_overlapping_an_input_are_rejected(backend):
     packed, flat = storage[:8], storage[4:24]
     with untouched(storage), pytest.raises(ValueError, match="out must not overlap packed"):
         backend.unpack_segments(packed, torch.tensor([0, 1]), 4, 20, out=flat)
+
+
+@BACKENDS
+def test_segment_accumulate_and_select_out_forms_write_the_given_buffers(backend):
+    grad = random_tensor(10_000, torch.bfloat16, seed=21)
+    residual, expected_residual = torch.zeros(10_000), torch.zeros(10_000)
+    importance = torch.full((40,), 7.0)
+    assert backend.segment_accumulate_(residual, grad, 256, out=importance) is importance
+    torch.testing.assert_close(importance, reference.segment_accumulate_(expected_residual, grad, 256))
+    assert torch.equal(residual, expected_residual)
+    indices = torch.full((5,), -1, dtype=torch.int64)
+    assert backend.select_segments(importance, 5, out=indices) is indices
+    assert torch.equal(indices, reference.select_segments(importance, 5))
+
+
+@BACKENDS
+@pytest.mark.parametrize("case, match", [
+    ("importance_shape", r"out must have shape \[3\]"),
+    ("importance_dtype", "out must have dtype"),
+    ("importance_over_grad", "out must not overlap grad"),
+    ("indices_k", "out must have"),
+    ("indices_dtype", "out must have dtype"),
+])
+def test_segment_accumulate_and_select_reject_bad_out(backend, case, match):
+    storage = torch.ones(20)
+    residual, grad = torch.zeros(10), storage[:10]
+    importance = torch.rand(10)
+    with untouched(storage, residual, importance), pytest.raises((ValueError, TypeError), match=match):
+        if case == "importance_shape":
+            backend.segment_accumulate_(residual, grad, 4, out=torch.zeros(4))
+        elif case == "importance_dtype":
+            backend.segment_accumulate_(residual, grad, 4, out=torch.zeros(3, dtype=torch.float64))
+        elif case == "importance_over_grad":
+            backend.segment_accumulate_(residual, grad, 4, out=storage[8:11])
+        elif case == "indices_k":
+            backend.select_segments(importance, 3, out=torch.zeros(4, dtype=torch.int64))
+        else:
+            backend.select_segments(importance, 3, out=torch.zeros(3, dtype=torch.int32))
+
+
+def test_segment_and_select_out_ops_pass_opcheck():
+    hc = torch.ops.hetero_comm
+    torch.library.opcheck(hc.segment_accumulate_into_.default,
+                          (torch.zeros(1000), random_tensor(1000, torch.float32, 3), 32, torch.empty(32)))
+    torch.library.opcheck(hc.select_segments_into_.default,
+                          (torch.rand(100), torch.empty(10, dtype=torch.int64)))
