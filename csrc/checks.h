@@ -219,6 +219,62 @@ inline void check_dequantize(const at::Tensor& q, const at::Tensor& scale, int64
   check_positive("levels", levels);
 }
 
+// ------------------------------------------------------ the out= forms (`*_into_` ops)
+// Each of these schemas leaves out the one argument that `out` determines (k, numel, keep or
+// dtype): it is read from `out`, which is then checked like any other argument.
+
+inline void check_segment_accumulate_into(const at::Tensor& residual, const at::Tensor& grad,
+                                          int64_t segment_size, const at::Tensor& out) {
+  check_segment_accumulate(residual, grad, segment_size);
+  check_out_shape(out, {at::kFloat}, {num_segments(residual.numel(), segment_size)}, residual,
+                  "residual");
+  check_no_overlap(out, grad, "grad");
+}
+
+inline void check_select_into(const at::Tensor& importance, const at::Tensor& out) {
+  check_tensor(out, "out", {at::kLong}, 1, /*writable=*/true);
+  check_select(importance, out.numel());
+  check_out_shape(out, {at::kLong}, {out.numel()}, importance, "importance");
+}
+
+inline void check_pack_into(const at::Tensor& residual, const at::Tensor& indices,
+                            int64_t segment_size, const at::Tensor& out) {
+  check_pack(residual, indices, segment_size);
+  check_out_shape(out, {at::kFloat, at::kBFloat16, at::kHalf}, {indices.numel() * segment_size},
+                  residual, "residual");
+}
+
+inline void check_unpack_into(const at::Tensor& packed, const at::Tensor& indices,
+                              int64_t segment_size, double scale, const at::Tensor& out) {
+  check_unpack(packed, indices, segment_size, out.numel(), scale);
+  check_out_shape(out, {at::kFloat, at::kBFloat16, at::kHalf}, {out.numel()}, packed, "packed");
+}
+
+inline void check_dct_encode_into(const at::Tensor& x, int64_t block_size, const at::Tensor& out) {
+  check_tensor(out, "out", {at::kFloat}, 2, /*writable=*/true);
+  check_dct_encode(x, block_size, out.size(1));
+  check_out_shape(out, {at::kFloat}, {num_segments(x.numel(), block_size), out.size(1)}, x, "x");
+}
+
+inline void check_dct_decode_into(const at::Tensor& coeffs, int64_t block_size,
+                                  const at::Tensor& out) {
+  check_dct_decode(coeffs, block_size, out.numel());
+  check_out_shape(out, {at::kFloat}, {out.numel()}, coeffs, "coeffs");
+}
+
+inline void check_quantize_into(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
+                                const at::Tensor& out) {
+  check_tensor(out, "out", {at::kChar, at::kShort, at::kInt}, 2, /*writable=*/true);
+  check_quantize(x, scale, levels, out.scalar_type());
+  check_out_shape(out, {out.scalar_type()}, x.sizes(), x, "x");
+}
+
+inline void check_dequantize_into(const at::Tensor& q, const at::Tensor& scale, int64_t levels,
+                                  const at::Tensor& out) {
+  check_dequantize(q, scale, levels);
+  check_out_shape(out, {at::kFloat}, q.sizes(), q, "q");
+}
+
 constexpr const char* kNotFiniteX = "x must be finite (found NaN or infinity)";
 
 }  // namespace hetero_comm

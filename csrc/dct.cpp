@@ -119,10 +119,7 @@ at::Tensor dct_encode_cpu(const at::Tensor& x, int64_t block_size, int64_t keep)
 }
 
 void dct_encode_into_cpu(const at::Tensor& x, int64_t block_size, at::Tensor& out) {
-  // The schema has no keep: it is out's second dimension.
-  check_tensor(out, "out", {at::kFloat}, 2, /*writable=*/true);
-  check_dct_encode(x, block_size, out.size(1));
-  check_out_shape(out, {at::kFloat}, {num_segments(x.numel(), block_size), out.size(1)}, x, "x");
+  check_dct_encode_into(x, block_size, out);
   encode_into(x, block_size, out);
 }
 
@@ -147,9 +144,7 @@ at::Tensor dct_decode_cpu(const at::Tensor& coeffs, int64_t block_size, int64_t 
 }
 
 void dct_decode_into_cpu(const at::Tensor& coeffs, int64_t block_size, at::Tensor& out) {
-  // The schema has no numel: the result's length is out's.
-  check_dct_decode(coeffs, block_size, out.numel());
-  check_out_shape(out, {at::kFloat}, {out.numel()}, coeffs, "coeffs");
+  check_dct_decode_into(coeffs, block_size, out);
   decode_into(coeffs, block_size, out);
 }
 

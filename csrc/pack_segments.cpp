@@ -48,9 +48,7 @@ at::Tensor pack_segments_cpu(at::Tensor& residual, const at::Tensor& indices, in
 
 void pack_segments_into_cpu(at::Tensor& residual, const at::Tensor& indices, int64_t segment_size,
                             at::Tensor& out) {
-  check_pack(residual, indices, segment_size);
-  check_out_shape(out, {at::kFloat, at::kBFloat16, at::kHalf}, {indices.numel() * segment_size},
-                  residual, "residual");
+  check_pack_into(residual, indices, segment_size, out);
   pack_into(residual, indices, segment_size, out);
 }
 
@@ -87,9 +85,7 @@ at::Tensor unpack_segments_cpu(const at::Tensor& packed, const at::Tensor& indic
 
 void unpack_segments_into_cpu(const at::Tensor& packed, const at::Tensor& indices,
                               int64_t segment_size, double scale, at::Tensor& out) {
-  // The schema has no numel: the result's length is out's.
-  check_unpack(packed, indices, segment_size, out.numel(), scale);
-  check_out_shape(out, {at::kFloat, at::kBFloat16, at::kHalf}, {out.numel()}, packed, "packed");
+  check_unpack_into(packed, indices, segment_size, scale, out);
   unpack_into(packed, indices, segment_size, scale, out);
 }
 

@@ -63,12 +63,13 @@ __global__ void unpack_kernel(const PackedT* __restrict__ packed, int64_t packed
 
 void pack_impl(at::Tensor& residual, const at::Tensor& indices, int64_t segment_size,
                const std::optional<at::Tensor>& given_out, at::Tensor& out) {
-  check_pack(residual, indices, segment_size);
-  const int64_t packed_numel = indices.numel() * segment_size;
   if (given_out.has_value()) {
+    check_pack_into(residual, indices, segment_size, *given_out);
     out = *given_out;
-    check_out_shape(out, {at::kFloat, at::kBFloat16, at::kHalf}, {packed_numel}, residual, "residual");
+  } else {
+    check_pack(residual, indices, segment_size);
   }
+  const int64_t packed_numel = indices.numel() * segment_size;
 
   const c10::cuda::CUDAGuard guard(residual.device());
   if (!given_out.has_value()) out = at::empty({packed_numel}, residual.options());
@@ -101,12 +102,13 @@ void pack_segments_into_cuda(at::Tensor& residual, const at::Tensor& indices,
 void unpack_impl(const at::Tensor& packed, const at::Tensor& indices, int64_t segment_size,
                  int64_t numel, double scale, const std::optional<at::Tensor>& given_out,
                  at::Tensor& out) {
-  check_unpack(packed, indices, segment_size, numel, scale);
-  const int64_t packed_numel = packed.numel();  // k * segment_size, checked above
   if (given_out.has_value()) {
+    check_unpack_into(packed, indices, segment_size, scale, *given_out);  // numel = out's
     out = *given_out;
-    check_out_shape(out, {at::kFloat, at::kBFloat16, at::kHalf}, {numel}, packed, "packed");
+  } else {
+    check_unpack(packed, indices, segment_size, numel, scale);
   }
+  const int64_t packed_numel = packed.numel();  // k * segment_size, checked above
 
   const c10::cuda::CUDAGuard guard(packed.device());
   if (!given_out.has_value()) out = at::empty({numel}, packed.options().dtype(at::kFloat));

@@ -115,10 +115,7 @@ at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& scale, int64_t l
 
 void quantize_into_cuda(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
                         at::Tensor& out) {
-  // The schema has no dtype: it is out's.
-  check_tensor(out, "out", {at::kChar, at::kShort, at::kInt}, 2, /*writable=*/true);
-  check_quantize(x, scale, levels, out.scalar_type());
-  check_out_shape(out, {out.scalar_type()}, x.sizes(), x, "x");
+  check_quantize_into(x, scale, levels, out);
   quantize_into(x, scale, levels, out);
 }
 
@@ -150,8 +147,7 @@ at::Tensor dequantize_cuda(const at::Tensor& q, const at::Tensor& scale, int64_t
 
 void dequantize_into_cuda(const at::Tensor& q, const at::Tensor& scale, int64_t levels,
                           at::Tensor& out) {
-  check_dequantize(q, scale, levels);
-  check_out_shape(out, {at::kFloat}, q.sizes(), q, "q");
+  check_dequantize_into(q, scale, levels, out);
   dequantize_into(q, scale, levels, out);
 }
 

@@ -116,10 +116,7 @@ at::Tensor segment_accumulate_cuda(at::Tensor& residual, const at::Tensor& grad,
 
 void segment_accumulate_into_cuda(at::Tensor& residual, const at::Tensor& grad,
                                   int64_t segment_size, at::Tensor& out) {
-  check_segment_accumulate(residual, grad, segment_size);
-  check_out_shape(out, {at::kFloat}, {num_segments(residual.numel(), segment_size)}, residual,
-                  "residual");
-  check_no_overlap(out, grad, "grad");
+  check_segment_accumulate_into(residual, grad, segment_size, out);
   accumulate_into(residual, grad, segment_size, out);
 }
 

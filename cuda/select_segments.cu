@@ -265,10 +265,7 @@ at::Tensor select_segments_cuda(const at::Tensor& importance, int64_t k) {
 }
 
 void select_segments_into_cuda(const at::Tensor& importance, at::Tensor& out) {
-  // The schema has no k: it is out's length.
-  check_tensor(out, "out", {at::kLong}, 1, /*writable=*/true);
-  check_select(importance, out.numel());
-  check_out_shape(out, {at::kLong}, {out.numel()}, importance, "importance");
+  check_select_into(importance, out);
   select_into(importance, out);
 }
 
