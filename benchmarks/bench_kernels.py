@@ -117,20 +117,25 @@ class Row:
 
     def __post_init__(self) -> None:
         self.speedup = self.reference_ms / self.compiled_ms
-        self.compiled_gbps = self.bytes / (self.compiled_ms * 1e-3) / 1e9
+        self.compiled_gbps = gbps(self.bytes, self.compiled_ms)
         self.pct_of_copy = 100.0 * self.compiled_gbps / copy_bandwidth_gbps
         if self.topk_ms is not None:
             self.speedup_vs_topk = self.topk_ms / self.compiled_ms
 
 
 copy_bandwidth_gbps = float("nan")  # set once by main(), before any Row is made
+extra_results: dict = {}  # measurements that are not kernel rows, saved with --json
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
 
 
 def measure_copy_bandwidth(numel: int) -> dict:
     src = torch.randn(numel)
     dst = torch.zeros(numel)  # zero_ touches every page: no page faults in the timed copies
     ms = measure(lambda: dst.copy_(src))
-    return {"numel": numel, "ms": ms, "gbps": 8 * numel / (ms * 1e-3) / 1e9}
+    return {"numel": numel, "ms": ms, "gbps": gbps(8 * numel, ms)}
 
 
 def compare(kernel: str, config: str, numel: int, nbytes: int, reference_fn, compiled_fn,
@@ -277,7 +282,7 @@ def block_scale(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def bench_quantize(sizes: Sequence[int], row_len: int = 64) -> List[Row]:
-    quantize_rows, dequantize_rows = [], []
+    quantize_rows, dequantize_rows, cast_floor = [], [], []
     for numel in sizes:
         x = torch.randn(numel // row_len, row_len)
         scale = block_scale(x)
@@ -289,12 +294,20 @@ def bench_quantize(sizes: Sequence[int], row_len: int = 64) -> List[Row]:
             "quantize", config, numel, 4 * numel + 4 * num_blocks + numel,
             lambda: reference.quantize(x, scale, QUANT_LEVELS, torch.int8, out=q),
             lambda: ops.quantize(x, scale, QUANT_LEVELS, torch.int8, out=q)))
+        # The floor of any float32 -> int8 kernel on this machine: torch's own cast copy.
+        cast_ms = measure(lambda: q.copy_(x))
+        cast_floor.append(f"{count_label(numel)}: {cast_ms:.3f} ms, "
+                          f"{gbps(5 * numel, cast_ms):.1f} GB/s")
+        extra_results.setdefault("quantize_cast_floor", []).append(
+            {"numel": numel, "ms": cast_ms, "gbps": gbps(5 * numel, cast_ms)})
         dequantize_rows.append(compare(
             "dequantize", config, numel, numel + 4 * num_blocks + 4 * numel,
             lambda: reference.dequantize(q, scale, QUANT_LEVELS, out=x_hat),
             lambda: ops.dequantize(q, scale, QUANT_LEVELS, out=x_hat)))
     print_table(f"quantize(x, scale=|x|.amax(1), levels={QUANT_LEVELS}, int8, out=q)  "
-                "[out= preallocated, compiled and reference]", quantize_rows)
+                "[out= preallocated, compiled and reference]", quantize_rows,
+                ["floor: torch's plain float32 -> int8 cast, q.copy_(x), same bytes: "
+                 + "; ".join(cast_floor)])
     print_table(f"dequantize(q, scale, levels={QUANT_LEVELS}, out=x_hat)  "
                 "[out= preallocated, compiled and reference]", dequantize_rows)
     return quantize_rows + dequantize_rows
@@ -335,6 +348,31 @@ def bench_dct(sizes: Sequence[int]) -> List[Row]:
                 "out= preallocated)", pipeline_rows,
                 ["both columns use torch's abs().amax(1) for the scale"])
     return encode_rows + decode_rows + pipeline_rows
+
+
+def dct_accuracy(block_sizes=(64, 256, 1024, 4096), blocks: int = 512) -> List[dict]:
+    """Max abs error of the compiled DCT against a float64 computation, unit-variance data."""
+    results = []
+    for block_size in block_sizes:
+        x = torch.randn(block_size * blocks, generator=torch.Generator().manual_seed(block_size))
+        n = torch.arange(block_size, dtype=torch.float64)
+        exact_basis = torch.cos(torch.pi * (2 * n + 1) * n.view(-1, 1) / (2 * block_size))
+        exact_basis *= (2.0 / block_size) ** 0.5
+        exact_basis[0] /= 2 ** 0.5
+        exact = x.double().view(blocks, block_size) @ exact_basis.T
+        encode_error = (ops.dct_encode(x, block_size, block_size).double() - exact).abs().max()
+        decoded = ops.dct_decode(exact.float(), block_size, x.numel()).double()
+        decode_error = (decoded - x.double()).abs().max()
+        results.append({"block_size": block_size, "encode_max_error": float(encode_error),
+                        "decode_max_error": float(decode_error),
+                        "tested_bound": 3e-7 * block_size + 2e-6})
+    print("\ndct accuracy: max abs error of the compiled kernels against float64, unit-variance data "
+          f"({blocks} blocks); the tests assert the bound 3e-7 * B + 2e-6")
+    print(f"  {'block size':>10}  {'encode':>9}  {'decode':>9}  {'bound':>9}")
+    for r in results:
+        print(f"  {r['block_size']:>10}  {r['encode_max_error']:>9.2e}  {r['decode_max_error']:>9.2e}"
+              f"  {r['tested_bound']:>9.2e}")
+    return results
 
 
 # ------------------------------------------------------------------------------- aims
@@ -458,6 +496,7 @@ def main(argv=None) -> int:
     rows += bench_pack_unpack(sizes)
     rows += bench_quantize(sizes)
     rows += bench_dct(sizes)
+    extra_results["dct_accuracy"] = dct_accuracy()
 
     aims = evaluate_aims(rows, largest_size)
     print_aims(aims, largest_size)
@@ -480,6 +519,7 @@ def main(argv=None) -> int:
             "byte_models": BYTE_MODELS,
             "rows": [dataclasses.asdict(r) for r in rows],
             "aims": aims,
+            **extra_results,
             "elapsed_s": elapsed,
         }
         with open(args.json, "w") as f:
