@@ -17,7 +17,7 @@ namespace {
 
 // Run-time instruction-set dispatch (GCC function multi-versioning). Every result here is
 // exact on every instruction set (IEEE multiply, round-half-even conversion, no fused
-// multiply-add), so the AVX2 clone changes the speed (2.6x on one core here), never a value.
+// multiply-add), so the AVX2 clone changes the speed, never a value.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define HC_ISA_CLONES __attribute__((target_clones("avx2", "default")))
 #else
