@@ -1,0 +1,272 @@
+"""Small, real multi-process training runs: the demo, the hook benchmark and the convergence
+tests all use these.
+
+The data is scikit-learn's digits (1,797 8x8 images, 10 classes; it ships with the package,
+nothing is downloaded). Workers are local processes talking gloo over 127.0.0.1 on a free
+port; each takes its share of every global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import queue
+import socket
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .hooks import (AllreduceState, DCTQuantState, SegmentSparseState, allreduce_hook,
+                    dct_quant_hook, segment_sparse_hook)
+
+__all__ = ["TrainConfig", "HOOKS", "run_training", "free_port", "load_digits_split",
+           "make_model", "count_collective_bytes"]
+
+HOOKS = ("dense", "sparse", "dct", "fp16", "powersgd")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """One training run. Hook names: ``dense`` (weighted allreduce), ``sparse``
+    (:func:`~hetero_comm.hooks.segment_sparse_hook`), ``dct``
+    (:func:`~hetero_comm.hooks.dct_quant_hook`), ``fp16`` and ``powersgd`` (PyTorch's own)."""
+
+    hook: str = "dense"
+    workers: int = 2
+    epochs: int = 8
+    global_batch: int = 64
+    lr: float = 0.02
+    momentum: float = 0.9
+    seed: int = 0
+    hidden: int = 256
+    # segment_sparse_hook
+    density: float = 0.01
+    segment_size: int = 256
+    selection: str = "current"
+    hook_momentum: float = 0.0  # > 0: momentum correction in the hook, optimizer momentum off
+    density_warmup_steps: int = 0
+    # dct_quant_hook
+    block_size: int = 256
+    keep_ratio: float = 0.125
+    bits: int = 8
+    band: str = "cycling"
+    # powerSGD_hook
+    powersgd_rank: int = 1
+    warmup_steps: int = 1
+
+    def validate(self) -> None:
+        if self.hook not in HOOKS:
+            raise ValueError(f"hook must be one of {HOOKS}; got {self.hook!r}")
+        for name in ("workers", "epochs", "global_batch", "hidden", "powersgd_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.global_batch % self.workers:
+            raise ValueError(f"global_batch ({self.global_batch}) must be a multiple of "
+                             f"workers ({self.workers})")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_digits_split(seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Standardised digits: 1,437 training and 360 test images (a fixed shuffled split)."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.int64)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    x, y = x[order], y[order]
+    split = len(x) - 360
+    mean, std = x[:split].mean(0), x[:split].std(0) + 1e-3
+    x = (x - mean) / std
+    return x[:split], y[:split], x[split:], y[split:]
+
+
+def make_model(hidden: int = 256) -> nn.Module:
+    """The default model: an MLP 64 -> hidden -> hidden -> 10."""
+    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, 10))
+
+
+@contextlib.contextmanager
+def count_collective_bytes(totals: Dict[str, int]):
+    """Add the bytes this rank hands to ``dist.all_reduce`` / ``all_gather`` (any hook, ours
+    or PyTorch's) to ``totals["bytes"]`` while active."""
+    original_allreduce, original_allgather = dist.all_reduce, dist.all_gather
+
+    def all_reduce(tensor, *args, **kwargs):
+        totals["bytes"] += tensor.numel() * tensor.element_size()
+        return original_allreduce(tensor, *args, **kwargs)
+
+    def all_gather(tensor_list, tensor, *args, **kwargs):
+        totals["bytes"] += tensor.numel() * tensor.element_size()
+        return original_allgather(tensor_list, tensor, *args, **kwargs)
+
+    dist.all_reduce, dist.all_gather = all_reduce, all_gather
+    try:
+        yield totals
+    finally:
+        dist.all_reduce, dist.all_gather = original_allreduce, original_allgather
+
+
+def _make_hook(config: TrainConfig):
+    """(state, hook, optimizer momentum) for ``config.hook``."""
+    if config.hook == "dense":
+        return AllreduceState(), allreduce_hook, config.momentum
+    if config.hook == "sparse":
+        state = SegmentSparseState(density=config.density, segment_size=config.segment_size,
+                                   selection=config.selection, momentum=config.hook_momentum,
+                                   density_warmup_steps=config.density_warmup_steps,
+                                   warmup_steps=config.warmup_steps)
+        # Momentum correction replaces the optimizer's momentum.
+        return state, segment_sparse_hook, (0.0 if config.hook_momentum else config.momentum)
+    if config.hook == "dct":
+        state = DCTQuantState(block_size=config.block_size, keep_ratio=config.keep_ratio,
+                              bits=config.bits, band=config.band, warmup_steps=config.warmup_steps)
+        return state, dct_quant_hook, config.momentum
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    if config.hook == "fp16":
+        return None, default_hooks.fp16_compress_hook, config.momentum
+    state = powerSGD_hook.PowerSGDState(process_group=None,
+                                        matrix_approximation_rank=config.powersgd_rank,
+                                        start_powerSGD_iter=max(2, config.warmup_steps),
+                                        random_seed=config.seed)
+    return state, powerSGD_hook.powerSGD_hook, config.momentum
+
+
+def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Tuple[float, float]:
+    with torch.no_grad():
+        logits = model(x)
+        return (float(nn.functional.cross_entropy(logits, y)),
+                float((logits.argmax(1) == y).float().mean()))
+
+
+def train_worker(rank: int, config: TrainConfig, port: int, results: "mp.Queue",
+                 progress: Optional["mp.Queue"] = None) -> None:
+    """One rank of a run; rank 0 puts its record (see :func:`run_training`) on ``results``."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=config.workers)
+    try:
+        record = _train(rank, config, progress)
+        # Every rank's parameters must be bitwise identical: compare each against rank 0.
+        flat = torch.cat([p.detach().reshape(-1) for p in record.pop("model").parameters()])
+        reference = flat.clone()
+        dist.broadcast(reference, 0)
+        same = torch.tensor([int(torch.equal(flat, reference))])
+        dist.all_reduce(same)
+        record["ranks_identical"] = int(same) == config.workers
+        if rank == 0:
+            record["final_parameters"] = flat.numpy()  # numpy: pickled by value, not shared memory
+            results.put(record)
+    except BaseException as error:
+        results.put({"rank": rank, "error": f"{type(error).__name__}: {error}"})
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank: int, config: TrainConfig, progress) -> dict:
+    x_train, y_train, x_test, y_test = load_digits_split(config.seed)
+    torch.manual_seed(config.seed)
+    model = make_model(config.hidden)
+    ddp = DistributedDataParallel(model)
+    state, hook, optimizer_momentum = _make_hook(config)
+    ddp.register_comm_hook(state, hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=optimizer_momentum)
+    local_batch = config.global_batch // config.workers
+    steps_per_epoch = len(x_train) // config.global_batch
+    history: Dict[str, List[float]] = {"step": [], "loss": [], "bytes": [], "seconds": []}
+    epochs: Dict[str, List[float]] = {"epoch": [], "step": [], "test_accuracy": [],
+                                      "test_loss": [], "bytes": []}
+    bytes_sent = {"bytes": 0}
+    step = 0
+    with count_collective_bytes(bytes_sent):
+        for epoch in range(config.epochs):
+            order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(
+                config.seed * 1000 + epoch))
+            for batch in range(steps_per_epoch):
+                start = batch * config.global_batch + rank * local_batch
+                index = order[start: start + local_batch]
+                began = time.perf_counter()
+                optimizer.zero_grad(set_to_none=True)
+                loss = nn.functional.cross_entropy(ddp(x_train[index]), y_train[index])
+                loss.backward()
+                optimizer.step()
+                step += 1
+                history["step"].append(step)
+                history["loss"].append(loss.item())
+                history["bytes"].append(bytes_sent["bytes"])
+                history["seconds"].append(time.perf_counter() - began)
+            test_loss, accuracy = _evaluate(model, x_test, y_test)
+            for name, value in (("epoch", epoch + 1), ("step", step), ("test_accuracy", accuracy),
+                                ("test_loss", test_loss), ("bytes", bytes_sent["bytes"])):
+                epochs[name].append(value)
+            if progress is not None and rank == 0:
+                progress.put((epoch + 1, accuracy))
+    hook_stats = state.stats() if hasattr(state, "stats") and callable(state.stats) else None
+    dense_bytes_per_step = sum(p.numel() * 4 for p in model.parameters())
+    return {"config": dataclasses.asdict(config), "history": history, "epochs": epochs,
+            "final_accuracy": epochs["test_accuracy"][-1], "steps": step,
+            "bytes_per_step": bytes_sent["bytes"] / step, "bytes_total": bytes_sent["bytes"],
+            "dense_bytes_per_step": dense_bytes_per_step,
+            "hook_stats": hook_stats, "model": model}
+
+
+def run_training(config: TrainConfig, on_epoch: Optional[Callable[[int, float], None]] = None,
+                 timeout: float = 600.0) -> dict:
+    """Train ``config.workers`` local processes and return rank 0's record.
+
+    Returns:
+        dict with ``final_accuracy``, ``epochs`` (per-epoch test accuracy/loss and bytes sent),
+        ``history`` (per-step loss, cumulative bytes this rank handed to collectives, step
+        seconds), ``bytes_per_step``, ``dense_bytes_per_step``, ``hook_stats`` (for our
+        hooks), ``ranks_identical`` (every rank ended with bitwise identical parameters) and
+        ``final_parameters``. ``on_epoch(epoch, test_accuracy)`` is called after each epoch.
+    """
+    config.validate()
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    progress = context.Queue() if on_epoch is not None else None
+    port = free_port()
+    processes = [context.Process(target=train_worker, args=(rank, config, port, results, progress),
+                                 daemon=True) for rank in range(config.workers)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                record = results.get(timeout=0.2)
+                break
+            except queue.Empty:
+                while progress is not None and not progress.empty():
+                    on_epoch(*progress.get())
+                failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"a training worker exited with code {failed[0]} "
+                                       f"before reporting (see its output above)") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"training did not finish within {timeout} s") from None
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    while progress is not None and not progress.empty():
+        on_epoch(*progress.get())
+    if "error" in record:
+        raise RuntimeError(f"training worker {record['rank']} failed: {record['error']}")
+    return record

@@ -1,0 +1,152 @@
+"""Multi-process helpers for the hook tests: real gloo ranks on 127.0.0.1 (free port).
+
+Worker functions live here (not in a test module) so spawned processes can import them.
+"""
+
+import copy
+import os
+import queue
+import traceback
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hetero_comm.hooks import (AllreduceState, DCTQuantState, SegmentSparseState, allreduce_hook,
+                               dct_quant_hook, segment_sparse_hook)
+from hetero_comm.training import free_port
+
+HOOKS = {
+    "dense": (AllreduceState, allreduce_hook),
+    "sparse": (SegmentSparseState, segment_sparse_hook),
+    "dct": (DCTQuantState, dct_quant_hook),
+}
+
+
+def spawn(world_size: int, target, *args, timeout: float = 180.0) -> list:
+    """Run ``target(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each
+    rank's result (re-raising a rank's exception as ``RuntimeError`` with its traceback)."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=_entry, args=(rank, world_size, port, target, args, results))
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    collected = {}
+    try:
+        while len(collected) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(collected))} did "
+                                   f"not report within {timeout} s") from None
+            collected[rank] = (ok, value)
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    for rank in range(world_size):
+        ok, value = collected[rank]
+        if not ok:
+            raise RuntimeError(f"rank {rank} failed:\n{value}")
+    return [collected[rank][1] for rank in range(world_size)]
+
+
+def _entry(rank, world_size, port, target, args, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    try:
+        results.put((rank, True, target(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def make_model(seed: int = 0, dtype=torch.float32) -> nn.Module:
+    """Three layers of uneven sizes (1,490 parameters in six tensors)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(20, 30), nn.ReLU(), nn.Linear(30, 17), nn.Tanh(),
+                         nn.Linear(17, 5)).to(dtype)
+
+
+def batch(rank: int, step: int, dtype=torch.float32):
+    """Deterministic data, different on every rank and step."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 20, generator=g).to(dtype), torch.randn(8, 5, generator=g).to(dtype)
+
+
+def flat(tensors) -> np.ndarray:
+    return torch.cat([t.detach().reshape(-1).double() for t in tensors]).numpy()
+
+
+def train(rank, world_size, hook, settings, steps, options=None):
+    """Train with ``hook`` for ``steps`` steps (plain SGD, lr 0.05) and record per step the
+    gradient this rank produced, the weighted result the hook applied, and at the end what
+    the hook still holds back, the parameters, stats and a state_dict.
+
+    ``options``: ``dtype`` (parameters and gradients), ``bucket_cap_mb``, ``weights`` (one
+    rank_weight per rank), ``no_sync_every`` (accumulate locally on every n-th step),
+    ``nan_at`` ((rank, step): that rank's gradient becomes NaN), ``resume_at`` (save all
+    state there, rebuild model, DDP and hook state from the checkpoint and continue).
+    """
+    options = options or {}
+    dtype = options.get("dtype", torch.float32)
+    weights = options.get("weights")
+    model = make_model(dtype=dtype)
+    state_class, hook_fn = HOOKS[hook]
+    kwargs = dict(settings)
+    if weights is not None:
+        kwargs["rank_weight"] = weights[rank]
+    weight = weights[rank] if weights is not None else 1.0 / world_size
+
+    def build(module, checkpoint=None):
+        ddp = DistributedDataParallel(module, bucket_cap_mb=options.get("bucket_cap_mb", 25))
+        state = state_class(**kwargs)
+        if checkpoint is not None:
+            state.load_state_dict(checkpoint)
+        ddp.register_comm_hook(state, hook_fn)
+        return ddp, state
+
+    ddp, state = build(model)
+    produced, applied, pool_allocations = [], [], []
+    pending = [torch.zeros_like(p, dtype=torch.float32) for p in model.parameters()]
+    for step in range(steps):
+        if options.get("resume_at") == step:
+            checkpoint = copy.deepcopy(state.state_dict())
+            model = copy.deepcopy(model)  # new parameter objects, as in a new process
+            ddp, state = build(model, checkpoint)
+        x, y = batch(rank, step, dtype)
+        local = list(torch.autograd.grad(nn.functional.mse_loss(model(x), y), list(model.parameters())))
+        if options.get("nan_at") == (rank, step):
+            x = x * float("nan")
+        for acc, g in zip(pending, local):
+            acc.add_(g.float(), alpha=weight)
+        every = options.get("no_sync_every", 0)
+        if every and step % every == 0:
+            with ddp.no_sync():
+                nn.functional.mse_loss(ddp(x), y).backward()
+            continue  # gradients stay in .grad and join the next synchronised step
+        nn.functional.mse_loss(ddp(x), y).backward()
+        produced.append(flat(pending))
+        applied.append(flat(p.grad for p in model.parameters()))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.05 * p.grad)
+                p.grad = None
+        pending = [torch.zeros_like(p, dtype=torch.float32) for p in model.parameters()]
+        if hasattr(state, "pool"):
+            pool_allocations.append(state.pool.stats()["allocations"])
+    return {
+        "produced": np.stack(produced), "applied": np.stack(applied),
+        "held_back": flat(state.held_back(list(model.parameters()))),
+        "params": flat(model.parameters()),
+        "stats": {k: v for k, v in state.stats().items() if k != "pool"},
+        "pool_allocations": pool_allocations,
+    }

@@ -1,0 +1,224 @@
+"""DDP communication hooks on real gloo ranks (world size 2 and 3, CPU)."""
+
+import math
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from hetero_comm.hooks import AllreduceState, DCTQuantState, SegmentSparseState
+from hetero_comm.hooks.dct_quant import pack_int16_pairs, quantization_levels, unpack_int16_pair_sums
+from hook_workers import spawn, train
+
+SPARSE = dict(segment_size=16, density=0.05, warmup_steps=2)
+DCT = dict(block_size=16, keep_ratio=0.25, bits=8, warmup_steps=2)
+
+
+def weighted_sum(results):
+    """sum_i w_i g_i per step, from what each rank produced (already weighted)."""
+    return sum(r["produced"] for r in results)
+
+
+def assert_ranks_identical(results):
+    for r in results[1:]:
+        np.testing.assert_array_equal(r["params"], results[0]["params"])
+        np.testing.assert_array_equal(r["applied"], results[0]["applied"])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("selection", ["current", "lagged"])
+def test_sparse_at_full_density_equals_dense_allreduce(world_size, selection):
+    settings_ = dict(segment_size=16, density=1.0, warmup_steps=1, selection=selection)
+    results = spawn(world_size, train, "sparse", settings_, 5)
+    dense = spawn(world_size, train, "dense", {}, 5)
+    np.testing.assert_allclose(results[0]["applied"], weighted_sum(results), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(results[0]["params"], dense[0]["params"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(results[0]["held_back"], 0.0, atol=1e-7)
+    assert_ranks_identical(results)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("bits", [16, 32])
+def test_dct_keeping_every_coefficient_is_within_quantization_error(world_size, bits):
+    block = 16
+    results = spawn(world_size, train, "dct", dict(block_size=block, keep_ratio=1.0, bits=bits,
+                                                   band="low", warmup_steps=1), 5)
+    expected, applied = weighted_sum(results), results[0]["applied"]
+    levels = quantization_levels(bits, world_size)
+    # Per coefficient each rank rounds by at most scale / (2 levels), scale <= sqrt(B) max|x|,
+    # and the orthonormal inverse spreads at most sqrt(B) times that onto one element;
+    # error feedback carries last step's rounding (the same bound) into this step; plus the
+    # float32 rounding of the transform itself (about 1e-7 * B relative, see dct_encode).
+    largest = max(np.abs(r["produced"]).max() for r in results) * 2
+    bound = 2 * world_size * block * largest / (2 * levels) + 1e-6 * block * largest
+    assert np.abs(applied - expected).max() <= bound
+    assert bound < 1e-2 * np.abs(expected).max()
+    assert_ranks_identical(results)
+
+
+@pytest.mark.parametrize("hook,settings_", [
+    ("sparse", SPARSE),
+    ("sparse", dict(SPARSE, selection="lagged")),
+    ("sparse", dict(SPARSE, wire_dtype="float16", density_warmup_steps=3)),
+    ("dct", DCT),
+    ("dct", dict(DCT, bits=16, band="low")),
+    ("dct", dict(DCT, bits=32)),
+])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_conservation_law(hook, settings_, world_size):
+    """Applied updates plus what every rank still holds back equals everything produced."""
+    results = spawn(world_size, train, hook, settings_, 12)
+    produced = weighted_sum(results).sum(axis=0)
+    held = sum(r["held_back"] for r in results)
+    applied = results[0]["applied"].sum(axis=0)
+    if settings_.get("wire_dtype") == "float16":
+        # The allreduce sums in float16: rounding the sum (half an ulp of each applied value)
+        # happens after every rank's error feedback and is not held back by anyone.
+        bound = 2.0 ** -11 * np.abs(results[0]["applied"]).sum(axis=0) + 1e-5
+        assert (np.abs(applied + held - produced) <= bound).all()
+    else:
+        np.testing.assert_allclose(applied + held, produced, rtol=1e-4, atol=1e-5)
+    assert np.abs(held).max() > 1e-3  # something really was held back (compression happened)
+    assert_ranks_identical(results)
+    stats = results[0]["stats"]
+    assert stats["steps"] == 12 and stats["compression_ratio"] > 1
+
+
+def test_unequal_rank_weights_and_uneven_buckets():
+    weights = [0.2, 0.3, 0.5]
+    options = dict(weights=weights, bucket_cap_mb=0.002)  # several uneven buckets
+    for hook, settings_ in (("dense", {}), ("sparse", dict(SPARSE, density=1.0))):
+        results = spawn(3, train, hook, settings_, 4, options)
+        np.testing.assert_allclose(results[0]["applied"], weighted_sum(results), rtol=1e-5, atol=1e-7)
+    results = spawn(3, train, "sparse", SPARSE, 8, options)
+    produced = weighted_sum(results).sum(axis=0)
+    held = sum(r["held_back"] for r in results)
+    np.testing.assert_allclose(results[0]["applied"].sum(axis=0) + held, produced, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("hook,settings_", [("sparse", dict(SPARSE, density=1.0)),
+                                            ("dct", dict(DCT, keep_ratio=1.0, bits=32, band="low"))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_gradients(hook, settings_, dtype):
+    results = spawn(2, train, hook, settings_, 4, dict(dtype=dtype))
+    dense = weighted_sum(results)
+    tolerance = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    np.testing.assert_allclose(results[0]["applied"], dense, rtol=4 * tolerance, atol=1e-3)
+    assert_ranks_identical(results)
+
+
+@pytest.mark.parametrize("hook,settings_", [("sparse", SPARSE), ("dct", DCT)])
+def test_no_sync_gradient_accumulation(hook, settings_):
+    results = spawn(2, train, hook, settings_, 12, dict(no_sync_every=3))
+    produced = weighted_sum(results).sum(axis=0)
+    held = sum(r["held_back"] for r in results)
+    np.testing.assert_allclose(results[0]["applied"].sum(axis=0) + held, produced, rtol=1e-4, atol=1e-5)
+    assert_ranks_identical(results)
+
+
+@pytest.mark.parametrize("hook,settings_", [
+    ("sparse", SPARSE),
+    ("sparse", dict(SPARSE, selection="lagged", momentum=0.9)),
+    ("dct", DCT),
+])
+@pytest.mark.parametrize("bucket_cap_mb", [25, 0.002])
+def test_resume_from_state_dict_continues_exactly(hook, settings_, bucket_cap_mb):
+    """A new model, DDP and hook state loaded from a checkpoint (which sees DDP's provisional
+    bucket layout again) ends bitwise where the uninterrupted run ends."""
+    options = dict(bucket_cap_mb=bucket_cap_mb)
+    uninterrupted = spawn(2, train, hook, settings_, 10, options)
+    resumed = spawn(2, train, hook, settings_, 10, dict(options, resume_at=6))
+    for a, b in zip(uninterrupted, resumed):
+        np.testing.assert_array_equal(a["params"], b["params"])
+        np.testing.assert_array_equal(a["held_back"], b["held_back"])
+
+
+@pytest.mark.parametrize("hook,settings_", [("sparse", SPARSE), ("dct", DCT)])
+def test_steady_state_steps_allocate_no_pool_storage(hook, settings_):
+    results = spawn(2, train, hook, settings_, 10)
+    allocations = results[0]["pool_allocations"]
+    assert allocations[3] > 0
+    assert allocations[-1] == allocations[3]
+
+
+@pytest.mark.parametrize("hook,settings_", [("sparse", SPARSE), ("sparse", dict(SPARSE, selection="lagged")),
+                                            ("dct", DCT)])
+def test_non_finite_gradient_raises_a_clear_error_on_every_rank(hook, settings_):
+    with pytest.raises(RuntimeError, match=r"non-finite gradient \(NaN or infinity\) in DDP bucket 0"):
+        spawn(2, train, hook, settings_, 6, dict(nan_at=(1, 4)))
+
+
+def test_stats_count_bytes_on_the_wire():
+    results = spawn(2, train, "sparse", SPARSE, 6)
+    stats = results[0]["stats"]
+    numel = results[0]["params"].size
+    dense = numel * 4
+    segments = math.ceil(numel / 16)
+    k = math.ceil(0.05 * segments)
+    # 2 dense warm-up steps, then 4 steps of importance (S float32) + k segments (float32).
+    assert stats["bytes_dense"] == 6 * dense
+    assert stats["bytes_sent"] == 2 * dense + 4 * (segments * 4 + k * 16 * 4)
+    assert stats["compression_ratio"] == pytest.approx(dense / (segments * 4 + k * 16 * 4))
+    assert stats["encode_seconds"] > 0 and stats["decode_seconds"] > 0
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: SegmentSparseState(density=0.0), r"density must be a number in \(0.0, 1.0\]"),
+    (lambda: SegmentSparseState(density=1.5), "density"),
+    (lambda: SegmentSparseState(segment_size=0), r"segment_size must be an integer in \[1, 1048576\]"),
+    (lambda: SegmentSparseState(selection="stale"), "selection must be one of"),
+    (lambda: SegmentSparseState(momentum=1.0), "momentum"),
+    (lambda: SegmentSparseState(wire_dtype="int8"), "wire_dtype must be one of"),
+    (lambda: SegmentSparseState(warmup_steps=0), r"warmup_steps must be an integer >= 1"),
+    (lambda: SegmentSparseState(min_compress_numel=-1), "min_compress_numel"),
+    (lambda: SegmentSparseState(rank_weight=-0.5), "rank_weight"),
+    (lambda: SegmentSparseState(density_warmup_steps=-1), "density_warmup_steps"),
+    (lambda: DCTQuantState(block_size=100), "block_size must be a power of two"),
+    (lambda: DCTQuantState(block_size=1), "block_size"),
+    (lambda: DCTQuantState(keep_ratio=0.0), "keep_ratio"),
+    (lambda: DCTQuantState(bits=12), "bits must be 8, 16 or 32"),
+    (lambda: DCTQuantState(band="high"), "band must be one of"),
+    (lambda: AllreduceState(rank_weight=float("nan")), "rank_weight"),
+])
+def test_bad_settings_raise(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_state_pickles_without_process_group_and_checks_checkpoint_settings():
+    state = SegmentSparseState(process_group=object(), density=0.02)
+    clone = pickle.loads(pickle.dumps(state))
+    assert clone.process_group is None and clone.density == 0.02
+    with pytest.raises(ValueError, match="saved with density=0.02"):
+        SegmentSparseState(density=0.05).load_state_dict(state.state_dict())
+    with pytest.raises(ValueError, match="saved by 'SegmentSparseState'"):
+        DCTQuantState().load_state_dict(state.state_dict())
+
+
+def test_density_schedule_and_cycling_band():
+    state = SegmentSparseState(density=0.01, density_warmup_steps=3, warmup_steps=2)
+    densities = [state.density_at(step) for step in range(7)]
+    assert densities[:2] == [1.0, 1.0] and densities[5:] == [0.01, 0.01]
+    assert densities[2] > densities[3] > densities[4] > 0.01
+    dct = DCTQuantState(block_size=16, keep_ratio=0.25)
+    seen = set()
+    for step in range(12):
+        band = dct.frequencies(step).tolist()
+        assert band[:2] == [0, 1] and len(band) == 4 and band == sorted(set(band))
+        seen.update(band)
+    assert seen == set(range(16))  # every frequency is sent eventually
+
+
+@settings(max_examples=200, deadline=None)
+@given(world_size=st.integers(1, 8), data=st.data())
+def test_int16_pairs_sum_exactly_through_int32(world_size, data):
+    levels = quantization_levels(16, world_size)
+    m = data.draw(st.integers(1, 41))
+    ranks = [torch.tensor(data.draw(st.lists(st.integers(-levels, levels), min_size=m, max_size=m)),
+                          dtype=torch.int16) for _ in range(world_size)]
+    words = sum(pack_int16_pairs(q, levels, torch.empty((m + 1) // 2, dtype=torch.int32))
+                for q in ranks)
+    summed = unpack_int16_pair_sums(words, levels, world_size, m, torch.empty(m, dtype=torch.int32))
+    torch.testing.assert_close(summed, sum(q.int() for q in ranks), rtol=0, atol=0)
