@@ -1,14 +1,15 @@
-# Two entry points, each self-contained on a fresh machine (Python 3.11 + a C++ compiler):
-#   make bench   the main job for now: build, then run the kernel benchmark
+# Entry points, each self-contained on a fresh machine (Python 3.11 + a C++ compiler):
+#   make demo    the main job: build, then `hetero-comm demo` (every hook on 2 local workers)
 #   make test    build, then run the full test suite
+#   make bench   the kernel and hook benchmarks
 # Both create .venv, install torch 2.13.0 (CPU) and build hetero_comm from source into it.
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-SOURCES := pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*.cpp csrc/*.h csrc/kernels/*.h cuda/*.cu cuda/*.cuh hetero_comm/*.py)
+SOURCES := pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*.cpp csrc/*.h csrc/kernels/*.h cuda/*.cu cuda/*.cuh hetero_comm/*.py hetero_comm/*/*.py)
 
-.PHONY: test bench clean
+.PHONY: demo test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +25,12 @@ $(VENV)/.installed: $(BIN)/python $(SOURCES)
 test: $(VENV)/.installed
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest tests
 
+demo: $(VENV)/.installed
+	$(BIN)/hetero-comm demo
+
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_kernels.py
+	$(BIN)/python benchmarks/bench_hooks.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

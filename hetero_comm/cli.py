@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="dct_quant_hook: fraction of DCT coefficients sent")
     demo.add_argument("--bits", type=int, choices=(8, 16, 32), default=8,
                       help="dct_quant_hook: integer width on the wire")
+    demo.add_argument("--lr", type=_positive(float), default=0.02, help="SGD learning rate")
+    demo.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    demo.add_argument("--selection", choices=("current", "lagged"), default="current",
+                      help="segment_sparse_hook: selection mode")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default="hetero_comm_demo", help="output directory")
     demo.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -74,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo" and not 0 <= args.momentum < 1:
+        parser.error(f"argument --momentum: must be in [0, 1); got {args.momentum}")
     if args.command == "demo":
         return demo(args)
     return 2
@@ -88,12 +95,14 @@ def demo(args) -> int:
     except ImportError:  # progress bar is optional
         tqdm = None
     print(f"hetero-comm demo: {args.workers} workers (gloo, 127.0.0.1), digits MLP, "
-          f"{args.epochs} epochs, global batch {global_batch}, hooks: {', '.join(args.hooks)}")
+          f"{args.epochs} epochs, global batch {global_batch}, SGD lr {args.lr} momentum "
+          f"{args.momentum}, hooks: {', '.join(args.hooks)}")
     records = {}
     for hook in args.hooks:
         config = TrainConfig(hook=hook, workers=args.workers, epochs=args.epochs,
                              global_batch=global_batch, seed=args.seed, density=args.density,
-                             keep_ratio=args.keep_ratio, bits=args.bits)
+                             keep_ratio=args.keep_ratio, bits=args.bits, lr=args.lr,
+                             momentum=args.momentum, selection=args.selection)
         bar = tqdm(total=args.epochs, desc=f"{hook:9s}", unit="epoch") if tqdm else None
 
         def on_epoch(epoch, accuracy, bar=bar):
@@ -102,9 +111,16 @@ def demo(args) -> int:
                 bar.set_postfix(test_acc=f"{accuracy:.3f}")
 
         started = time.perf_counter()
-        record = run_training(config, on_epoch=on_epoch)
-        if bar is not None:
-            bar.close()
+        try:
+            record = run_training(config, on_epoch=on_epoch)
+        except RuntimeError as error:
+            if "non-finite gradient" not in str(error):
+                raise
+            # Training diverged: the hook said so; report it and go on with the next hook.
+            record = {"diverged": str(error).splitlines()[-1]}
+        finally:
+            if bar is not None:
+                bar.close()
         record["wall_seconds"] = time.perf_counter() - started
         records[hook] = record
     print()
@@ -122,6 +138,9 @@ def format_table(records: dict) -> str:
     rows = [("hook", "test accuracy", "bytes/step", "compression", "step time (ms)",
              "ranks identical")]
     for hook, r in records.items():
+        if "diverged" in r:
+            rows.append((HOOK_TITLES[hook], "diverged", "-", "-", "-", "-"))
+            continue
         compression = r["dense_bytes_per_step"] / r["bytes_per_step"]
         step_ms = 1000 * sorted(r["history"]["seconds"])[len(r["history"]["seconds"]) // 2]
         rows.append((HOOK_TITLES[hook], f"{100 * r['final_accuracy']:.1f}%",
@@ -146,6 +165,8 @@ def plot(records: dict, path: str) -> str:
 
     figure, axes = plt.subplots(2, 2, figsize=(11, 8))
     for hook, r in records.items():
+        if "diverged" in r:
+            continue
         h, e = r["history"], r["epochs"]
         window = max(1, len(h["loss"]) // 40)
         smooth = [sum(h["loss"][max(0, i - window + 1): i + 1]) / len(h["loss"][max(0, i - window + 1): i + 1])
@@ -165,6 +186,8 @@ def plot(records: dict, path: str) -> str:
         ax.grid(alpha=0.3)
     for ax in axes[0][1], axes[1][1]:
         ax.set_xscale("log")
+    for ax in axes[0]:
+        ax.set_yscale("log")
     axes[0][0].legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -49,6 +49,7 @@ def test_demo_writes_table_json_and_plot(tmp_path, capsys):
     (["--density", "1.5"], "must be in (0, 1]"),
     (["--epochs", "two"], "expected an integer"),
     (["--bits", "12"], "invalid choice"),
+    (["--momentum", "1.0"], "must be in [0, 1)"),
 ])
 def test_demo_rejects_bad_flags(flags, message):
     result = subprocess.run([sys.executable, "-m", "hetero_comm", "demo", *flags],
