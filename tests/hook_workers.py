@@ -150,3 +150,23 @@ def train(rank, world_size, hook, settings, steps, options=None):
         "stats": {k: v for k, v in state.stats().items() if k != "pool"},
         "pool_allocations": pool_allocations,
     }
+
+
+def weighted_step(rank, world_size, sizes, hook, settings):
+    """One DDP step with unequal local batches (``sizes``) and ``rank_weight = b_i / B``;
+    returns the gradient the hook applied."""
+    model = make_model()
+    ddp = DistributedDataParallel(model)
+    state_class, hook_fn = HOOKS[hook]
+    state = state_class(rank_weight=sizes[rank] / sum(sizes), **settings)
+    ddp.register_comm_hook(state, hook_fn)
+    x, y = global_batch(sum(sizes))
+    start = sum(sizes[:rank])
+    local = slice(start, start + sizes[rank])
+    nn.functional.mse_loss(ddp(x[local]), y[local]).backward()
+    return flat(p.grad for p in model.parameters())
+
+
+def global_batch(size: int):
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(size, 20, generator=g), torch.randn(size, 5, generator=g)

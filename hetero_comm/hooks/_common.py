@@ -336,8 +336,9 @@ class HookState:
     # ----------------------------------------------------------------------- running
     def _compress(self, plan_bucket: PlanBucket, grad: torch.Tensor, index: int) -> torch.futures.Future:
         """Send ``grad`` (flat, laid out like ``plan_bucket``) compressed; the future's value
-        is ``grad`` overwritten with the weighted sum over ranks. Hooks implement this."""
-        raise NotImplementedError
+        is ``grad`` overwritten with the weighted sum over ranks. Compressing hooks override
+        this; a state without a compressed form (``AllreduceState``) never gets here."""
+        raise TypeError(f"{type(self).__name__} has no compressed form")
 
     def _dense(self, grad: torch.Tensor, compressed_step: bool) -> torch.futures.Future:
         """Weighted dense allreduce of ``grad`` in place."""

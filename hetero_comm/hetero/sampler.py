@@ -1,0 +1,93 @@
+"""A batch sampler that gives each rank a share of every global batch proportional to its
+speed (seed 000, step S24)."""
+
+from typing import Iterator, List, Optional, Sequence
+
+import torch
+
+from .planning import plan_batch_sizes
+
+__all__ = ["HeteroSampler"]
+
+
+class HeteroSampler:
+    """Yield this rank's index lists, one per step, for a dataset of ``num_samples`` items.
+
+    Every epoch the indices ``0 .. num_samples-1`` are shuffled with ``seed + epoch`` (the same
+    on every rank) and cut into consecutive global batches of ``global_batch_size``; each
+    global batch is cut between ranks by ``batch_sizes`` (rank 0 first). So across ranks every
+    sample is used exactly once per epoch and every rank runs the same number of steps. With
+    ``drop_last=False`` the final, smaller global batch is split in proportion to the same
+    sizes (:func:`plan_batch_sizes` with ``minimum=0`` if it has fewer samples than ranks, so
+    a rank may then get an empty batch); ``drop_last=True`` skips it.
+
+    The first epoch uses an equal split unless ``batch_sizes`` is given; call
+    :meth:`set_batch_sizes` (e.g. from measured speeds) to change the split from the next
+    epoch, and :meth:`set_epoch` before each epoch. Use as ``DataLoader(dataset,
+    batch_sampler=sampler)``.
+
+    Args:
+        num_samples: dataset length, >= 1.
+        global_batch_size: samples per step over all ranks, >= world_size.
+        rank, world_size: this rank and the number of ranks.
+        batch_sizes: per-rank sizes summing to ``global_batch_size`` (default: equal split).
+        seed: shuffling seed shared by all ranks.
+        drop_last: skip the final smaller global batch.
+    """
+
+    def __init__(self, num_samples: int, global_batch_size: int, rank: int, world_size: int,
+                 batch_sizes: Optional[Sequence[int]] = None, seed: int = 0,
+                 drop_last: bool = False) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1; got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an integer in [0, {world_size - 1}]; got {rank!r}")
+        if not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples must be an integer >= 1; got {num_samples!r}")
+        if not isinstance(global_batch_size, int) or global_batch_size < world_size:
+            raise ValueError(f"global_batch_size must be an integer >= world_size ({world_size}); "
+                             f"got {global_batch_size!r}")
+        self.num_samples, self.global_batch_size = num_samples, global_batch_size
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.drop_last = seed, drop_last
+        self.epoch = 0
+        self.set_batch_sizes(batch_sizes if batch_sizes is not None else
+                             plan_batch_sizes([1.0] * world_size, global_batch_size))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Shuffle for ``epoch`` (call on every rank before iterating)."""
+        self.epoch = epoch
+
+    def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
+        """Per-rank batch sizes (each >= 1, summing to ``global_batch_size``) for the
+        following iterations."""
+        sizes = [int(b) for b in batch_sizes]
+        if len(sizes) != self.world_size or min(sizes) < 1 or sum(sizes) != self.global_batch_size:
+            raise ValueError(f"batch_sizes must be {self.world_size} integers >= 1 summing to "
+                             f"global_batch_size ({self.global_batch_size}); got {list(batch_sizes)}")
+        self.batch_sizes = sizes
+
+    def step_sizes(self) -> List[List[int]]:
+        """For each step of the epoch, every rank's batch size."""
+        full, rest = divmod(self.num_samples, self.global_batch_size)
+        steps = [list(self.batch_sizes)] * full
+        if rest and not self.drop_last:
+            steps.append(plan_batch_sizes(self.batch_sizes, rest,
+                                          minimum=1 if rest >= self.world_size else 0))
+        return steps
+
+    def rank_weights(self) -> List[float]:
+        """This rank's share of each step's global batch (its hook's ``rank_weight``)."""
+        return [sizes[self.rank] / sum(sizes) for sizes in self.step_sizes()]
+
+    def __len__(self) -> int:
+        return len(self.step_sizes())
+
+    def __iter__(self) -> Iterator[List[int]]:
+        order = torch.randperm(self.num_samples,
+                               generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        start = 0
+        for sizes in self.step_sizes():
+            mine = start + sum(sizes[: self.rank])
+            yield order[mine: mine + sizes[self.rank]].tolist()
+            start += sum(sizes)
