@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hetero_comm.training import TrainConfig, free_port, run_training
+from hetero_comm.training import TrainConfig, free_port, make_hook, run_training
 
 CONFIGS = [
     ("dense allreduce", dict(hook="dense")),
@@ -49,11 +49,6 @@ def _noop_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Ten
     return future
 
 
-def _hook_for(config: TrainConfig):
-    from hetero_comm import training
-    return training._make_hook(config)[:2]
-
-
 def hook_cost_ms_per_mb(config: TrainConfig, repeats: int) -> float:
     """Extra backward time per MB of gradient that the hook adds (world size 1)."""
     torch.manual_seed(0)
@@ -72,7 +67,7 @@ def hook_cost_ms_per_mb(config: TrainConfig, repeats: int) -> float:
             model.zero_grad(set_to_none=False)
         return statistics.median(times[3:])
 
-    state, hook = _hook_for(config)
+    state, hook, _ = make_hook(config)
     with_hook = median_backward(hook, state)
     without = median_backward(_noop_hook, None)
     return 1000 * (with_hook - without) / megabytes

@@ -25,8 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 from .hooks import (AllreduceState, DCTQuantState, SegmentSparseState, allreduce_hook,
                     dct_quant_hook, segment_sparse_hook)
 
-__all__ = ["TrainConfig", "HOOKS", "run_training", "free_port", "load_digits_split",
-           "make_model", "count_collective_bytes"]
+__all__ = ["TrainConfig", "HOOKS", "run_training", "make_hook", "free_port",
+           "load_digits_split", "make_model", "count_collective_bytes"]
 
 HOOKS = ("dense", "sparse", "dct", "fp16", "powersgd")
 
@@ -120,7 +120,7 @@ def count_collective_bytes(totals: Dict[str, int]):
         dist.all_reduce, dist.all_gather = original_allreduce, original_allgather
 
 
-def _make_hook(config: TrainConfig):
+def make_hook(config: TrainConfig):
     """(state, hook, optimizer momentum) for ``config.hook``."""
     if config.hook == "dense":
         return AllreduceState(), allreduce_hook, config.momentum
@@ -183,7 +183,7 @@ def _train(rank: int, config: TrainConfig, progress) -> dict:
     torch.manual_seed(config.seed)
     model = make_model(config.hidden)
     ddp = DistributedDataParallel(model)
-    state, hook, optimizer_momentum = _make_hook(config)
+    state, hook, optimizer_momentum = make_hook(config)
     ddp.register_comm_hook(state, hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=optimizer_momentum)
     local_batch = config.global_batch // config.workers

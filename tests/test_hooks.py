@@ -143,8 +143,13 @@ def test_steady_state_steps_allocate_no_pool_storage(hook, settings_):
     assert allocations[-1] == allocations[3]
 
 
-@pytest.mark.parametrize("hook,settings_", [("sparse", SPARSE), ("sparse", dict(SPARSE, selection="lagged")),
-                                            ("dct", DCT)])
+@pytest.mark.parametrize("hook,settings_", [
+    ("sparse", SPARSE),
+    ("sparse", dict(SPARSE, selection="lagged")),
+    # Every segment is sent, so zeroing the sent importance would hide the NaN.
+    ("sparse", dict(SPARSE, selection="lagged", density=1.0, wire_dtype="float16")),
+    ("dct", DCT),
+])
 def test_non_finite_gradient_raises_a_clear_error_on_every_rank(hook, settings_):
     with pytest.raises(RuntimeError, match=r"non-finite gradient \(NaN or infinity\) in DDP bucket 0"):
         spawn(2, train, hook, settings_, 6, dict(nan_at=(1, 4)))

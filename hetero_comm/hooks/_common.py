@@ -24,6 +24,7 @@ the same model), and each *plan bucket* stores flat state for an ordered tuple o
 """
 
 
+import itertools
 import logging
 import math
 import time
@@ -60,6 +61,11 @@ def check_float(name: str, value, low: float, high: float, *, low_open: bool = F
     return float(value)
 
 
+def starts(numels: Sequence[int]) -> Tuple[int, ...]:
+    """Offset of each of consecutive pieces of the given sizes in their flat buffer."""
+    return (0,) + tuple(itertools.accumulate(numels))[:-1] if numels else ()
+
+
 class PlanBucket:
     """Error-feedback state for an ordered tuple of parameters (one DDP bucket's worth).
 
@@ -70,7 +76,7 @@ class PlanBucket:
     def __init__(self, keys: Tuple[str, ...], numels: Tuple[int, ...]) -> None:
         self.keys = keys
         self.numels = numels
-        self.offsets = tuple(int(x) for x in torch.tensor((0,) + numels).cumsum(0)[:-1].tolist())
+        self.offsets = starts(numels)
         self.numel = sum(numels)
         self.tensors: Dict[str, torch.Tensor] = {}
         self.extra: Dict[str, object] = {}
@@ -379,7 +385,7 @@ class HookState:
     def _gather_and_compress(self, plan_buckets: Sequence[PlanBucket], keys, numels,
                              grad: torch.Tensor, index: int) -> torch.futures.Future:
         """Process a bucket made of whole plan buckets, each in its own layout."""
-        offsets = dict(zip(keys, torch.tensor((0,) + tuple(numels)).cumsum(0)[:-1].tolist()))
+        offsets = dict(zip(keys, starts(numels)))
         parts = []
         for plan_bucket in plan_bucket_order(plan_buckets):
             part = self.pool.acquire(plan_bucket.numel, grad.dtype, grad.device)

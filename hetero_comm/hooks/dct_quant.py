@@ -249,7 +249,7 @@ def dct_quant_hook(state: DCTQuantState, bucket: dist.GradBucket) -> torch.futur
         A future of the bucket's buffer, overwritten with the decoded weighted sum.
 
     Raises:
-        FloatingPointError: (from the future) a NaN or infinity reached the bucket on any rank.
+        FloatingPointError: (from the hook) a NaN or infinity reached the bucket on any rank.
 
     Example::
 

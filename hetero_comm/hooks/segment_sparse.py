@@ -97,8 +97,6 @@ class SegmentSparseState(HookState):
             source = self._accumulate_source(plan_bucket, grad)
             importance = self.pool.acquire(count, torch.float32, grad.device)
             ops.segment_accumulate_(plan_bucket.tensors["residual"], source, segment, out=importance)
-            if not bool(torch.isfinite(importance).all()):
-                importance.fill_(math.nan)  # every rank sees NaN after the sum and raises
         indicator = plan_bucket.extra.get("indicator")
         if self.selection == "lagged" and indicator is not None and indicator.numel() == k:
             return self._send_lagged(plan_bucket, grad, index, importance, indicator, step)
@@ -171,10 +169,16 @@ class SegmentSparseState(HookState):
         self._count_bytes(grad.numel() * grad.element_size(),
                           wire.numel() * wire.element_size(), True)
         with self._timer("encode_seconds"):
+            # Zeroing the sent segments' importance and saturating it to a 16-bit wire could
+            # hide a NaN or infinity: poison the whole vector so every rank sees it after the
+            # sum. (The current mode needs no such step: norms are >= 0, so the sum keeps them.)
+            finite = bool(torch.isfinite(importance).all())
             self._pack(plan_bucket, indicator, wire[:packed_numel])
             # Sent segments are no longer held back: their importance is what remains, zero.
             importance[indicator] = 0.0
-            if wire_dtype != torch.float32:  # saturate, keeping NaN (the non-finite signal)
+            if not finite:
+                importance.fill_(math.nan)
+            elif wire_dtype != torch.float32:
                 importance.clamp_(max=torch.finfo(wire_dtype).max)
             wire[packed_numel:].copy_(importance)
         summed = dist.all_reduce(wire, group=self.process_group, async_op=True).get_future()
@@ -257,7 +261,8 @@ def segment_sparse_hook(state: SegmentSparseState, bucket: dist.GradBucket) -> t
         A future of the bucket's buffer, overwritten with the sparse weighted sum.
 
     Raises:
-        FloatingPointError: (from the future) a NaN or infinity reached the bucket on any rank.
+        FloatingPointError: a NaN or infinity reached the bucket on any rank (raised by the
+            hook in the current mode, by its future in the lagged mode).
 
     Example::
 
