@@ -3,7 +3,10 @@ tests all use these.
 
 The data is scikit-learn's digits (1,797 8x8 images, 10 classes; it ships with the package,
 nothing is downloaded). Workers are local processes talking gloo over 127.0.0.1 on a free
-port; each takes its share of every global batch.
+port; each takes its share of every global batch (:class:`~hetero_comm.hetero.HeteroSampler`:
+equal shares, or shares re-planned from measured speed by
+:class:`~hetero_comm.hetero.DynamicBatchController`). One worker can be made slower for real
+with a cgroup CPU quota (:class:`~hetero_comm.hetero.CpuQuota`, root only).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .hetero import CpuQuota, DynamicBatchController, HeteroSampler
 from .hooks import (AllreduceState, DCTQuantState, SegmentSparseState, allreduce_hook,
                     dct_quant_hook, segment_sparse_hook)
 
@@ -29,13 +33,21 @@ __all__ = ["TrainConfig", "HOOKS", "run_training", "make_hook", "free_port",
            "load_digits_split", "make_model", "count_collective_bytes"]
 
 HOOKS = ("dense", "sparse", "dct", "fp16", "powersgd")
+WEIGHTED_HOOKS = ("dense", "sparse", "dct")  # hetero_comm's: they take a rank_weight
+BATCHING = ("equal", "dynamic")
 
 
 @dataclasses.dataclass
 class TrainConfig:
     """One training run. Hook names: ``dense`` (weighted allreduce), ``sparse``
     (:func:`~hetero_comm.hooks.segment_sparse_hook`), ``dct``
-    (:func:`~hetero_comm.hooks.dct_quant_hook`), ``fp16`` and ``powersgd`` (PyTorch's own)."""
+    (:func:`~hetero_comm.hooks.dct_quant_hook`), ``fp16`` and ``powersgd`` (PyTorch's own).
+
+    ``batching="dynamic"`` re-plans the per-rank batch sizes from measured speed every epoch
+    (and every ``replan_every`` steps if set); ``"equal"`` keeps equal shares.
+    ``slow_worker_cores`` puts the last worker under a CPU quota of that many cores (root and
+    cgroup v1 only); every rank's speed is then measured with equal shares too (hetero_comm's
+    hooks only)."""
 
     hook: str = "dense"
     workers: int = 2
@@ -45,6 +57,7 @@ class TrainConfig:
     momentum: float = 0.9
     seed: int = 0
     hidden: int = 256
+    model: str = "mlp"  # or "cnn", see make_model
     # segment_sparse_hook
     density: float = 0.01
     segment_size: int = 256
@@ -59,6 +72,10 @@ class TrainConfig:
     # powerSGD_hook
     powersgd_rank: int = 1
     warmup_steps: int = 1
+    # heterogeneous ranks
+    batching: str = "equal"
+    replan_every: Optional[int] = None
+    slow_worker_cores: Optional[float] = None
 
     def validate(self) -> None:
         if self.hook not in HOOKS:
@@ -66,9 +83,18 @@ class TrainConfig:
         for name in ("workers", "epochs", "global_batch", "hidden", "powersgd_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.slow_worker_cores is not None and not self.slow_worker_cores > 0:
+            raise ValueError(f"slow_worker_cores must be None or > 0; got {self.slow_worker_cores}")
         if self.global_batch % self.workers:
             raise ValueError(f"global_batch ({self.global_batch}) must be a multiple of "
                              f"workers ({self.workers})")
+        if self.model not in ("mlp", "cnn"):
+            raise ValueError(f"model must be 'mlp' or 'cnn'; got {self.model!r}")
+        if self.batching not in BATCHING:
+            raise ValueError(f"batching must be one of {BATCHING}; got {self.batching!r}")
+        if self.batching == "dynamic" and self.hook not in WEIGHTED_HOOKS:
+            raise ValueError(f"batching='dynamic' needs a hook that weights ranks "
+                             f"({', '.join(WEIGHTED_HOOKS)}); {self.hook!r} averages equally")
 
 
 def free_port() -> int:
@@ -93,10 +119,22 @@ def load_digits_split(seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.
     return x[:split], y[:split], x[split:], y[split:]
 
 
-def make_model(hidden: int = 256) -> nn.Module:
-    """The default model: an MLP 64 -> hidden -> hidden -> 10."""
-    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                         nn.Linear(hidden, 10))
+def make_model(hidden: int = 256, kind: str = "mlp") -> nn.Module:
+    """``"mlp"`` (the default model): 64 -> hidden -> hidden -> 10. ``"cnn"``: three 3x3
+    convolutions (``hidden // 8``, ``hidden // 4``, ``hidden // 4`` channels) over the 8x8 image
+    and a linear classifier; many more operations per parameter, so its steps are bound by
+    compute, not by the gradient exchange."""
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                             nn.ReLU(), nn.Linear(hidden, 10))
+    if kind == "cnn":
+        c1, c2 = max(1, hidden // 8), max(1, hidden // 4)
+        return nn.Sequential(nn.Unflatten(1, (1, 8, 8)),
+                             nn.Conv2d(1, c1, 3, padding=1), nn.ReLU(),
+                             nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(),
+                             nn.Conv2d(c2, c2, 3, padding=1), nn.ReLU(),
+                             nn.Flatten(), nn.Linear(c2 * 64, 10))
+    raise ValueError(f"kind must be 'mlp' or 'cnn'; got {kind!r}")
 
 
 @contextlib.contextmanager
@@ -181,48 +219,63 @@ def train_worker(rank: int, config: TrainConfig, port: int, results: "mp.Queue",
 def _train(rank: int, config: TrainConfig, progress) -> dict:
     x_train, y_train, x_test, y_test = load_digits_split(config.seed)
     torch.manual_seed(config.seed)
-    model = make_model(config.hidden)
+    model = make_model(config.hidden, config.model)
     ddp = DistributedDataParallel(model)
     state, hook, optimizer_momentum = make_hook(config)
-    ddp.register_comm_hook(state, hook)
+    # Full global batches only, each shuffled once per epoch with a seed every rank shares.
+    sampler = HeteroSampler(len(x_train), config.global_batch, rank, config.workers,
+                            seed=config.seed * 1000, drop_last=True)
+    controller = None
+    if config.batching == "dynamic" or (config.slow_worker_cores and config.hook in WEIGHTED_HOOKS):
+        controller = DynamicBatchController(sampler, state, replan_every=config.replan_every,
+                                            adapt=config.batching == "dynamic")
+        controller.register_comm_hook(ddp, hook)
+    else:
+        ddp.register_comm_hook(state, hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=optimizer_momentum)
-    local_batch = config.global_batch // config.workers
-    steps_per_epoch = len(x_train) // config.global_batch
     history: Dict[str, List[float]] = {"step": [], "loss": [], "bytes": [], "seconds": []}
-    epochs: Dict[str, List[float]] = {"epoch": [], "step": [], "test_accuracy": [],
-                                      "test_loss": [], "bytes": []}
+    epochs: Dict[str, list] = {"epoch": [], "step": [], "test_accuracy": [], "test_loss": [],
+                               "bytes": [], "seconds": [], "batch_sizes": []}
     bytes_sent = {"bytes": 0}
     step = 0
     with count_collective_bytes(bytes_sent):
         for epoch in range(config.epochs):
-            order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(
-                config.seed * 1000 + epoch))
-            for batch in range(steps_per_epoch):
-                start = batch * config.global_batch + rank * local_batch
-                index = order[start: start + local_batch]
+            if controller is not None:
+                controller.set_epoch(epoch)
+            else:
+                sampler.set_epoch(epoch)
+            batch_sizes = list(sampler.batch_sizes)
+            epoch_began = time.perf_counter()
+            for index in sampler:
                 began = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
-                loss = nn.functional.cross_entropy(ddp(x_train[index]), y_train[index])
-                loss.backward()
+                with controller.step(len(index)) if controller else contextlib.nullcontext():
+                    loss = nn.functional.cross_entropy(ddp(x_train[index]), y_train[index])
+                    loss.backward()
                 optimizer.step()
                 step += 1
                 history["step"].append(step)
                 history["loss"].append(loss.item())
                 history["bytes"].append(bytes_sent["bytes"])
                 history["seconds"].append(time.perf_counter() - began)
+            epoch_seconds = time.perf_counter() - epoch_began
             test_loss, accuracy = _evaluate(model, x_test, y_test)
             for name, value in (("epoch", epoch + 1), ("step", step), ("test_accuracy", accuracy),
-                                ("test_loss", test_loss), ("bytes", bytes_sent["bytes"])):
+                                ("test_loss", test_loss), ("bytes", bytes_sent["bytes"]),
+                                ("seconds", epoch_seconds), ("batch_sizes", batch_sizes)):
                 epochs[name].append(value)
             if progress is not None and rank == 0:
                 progress.put((epoch + 1, accuracy))
+    if controller is not None:
+        controller.replan()  # the last epoch's speeds, for the record
     hook_stats = state.stats() if hasattr(state, "stats") and callable(state.stats) else None
     dense_bytes_per_step = sum(p.numel() * 4 for p in model.parameters())
     return {"config": dataclasses.asdict(config), "history": history, "epochs": epochs,
             "final_accuracy": epochs["test_accuracy"][-1], "steps": step,
             "bytes_per_step": bytes_sent["bytes"] / step, "bytes_total": bytes_sent["bytes"],
-            "dense_bytes_per_step": dense_bytes_per_step,
-            "hook_stats": hook_stats, "model": model}
+            "dense_bytes_per_step": dense_bytes_per_step, "hook_stats": hook_stats,
+            "speed_history": controller.history if controller is not None else None,
+            "model": model}
 
 
 def run_training(config: TrainConfig, on_epoch: Optional[Callable[[int, float], None]] = None,
@@ -230,13 +283,27 @@ def run_training(config: TrainConfig, on_epoch: Optional[Callable[[int, float], 
     """Train ``config.workers`` local processes and return rank 0's record.
 
     Returns:
-        dict with ``final_accuracy``, ``epochs`` (per-epoch test accuracy/loss and bytes sent),
-        ``history`` (per-step loss, cumulative bytes this rank handed to collectives, step
-        seconds), ``bytes_per_step``, ``dense_bytes_per_step``, ``hook_stats`` (for our
-        hooks), ``ranks_identical`` (every rank ended with bitwise identical parameters) and
+        dict with ``final_accuracy``, ``epochs`` (per epoch: test accuracy/loss, bytes sent,
+        training wall seconds, every rank's batch size at the epoch's start), ``history``
+        (per-step loss, cumulative bytes this rank handed to collectives, step seconds),
+        ``bytes_per_step``, ``dense_bytes_per_step``, ``hook_stats`` (for our hooks),
+        ``speed_history`` (the :class:`~hetero_comm.hetero.DynamicBatchController`'s plans:
+        every rank's samples, compute seconds and speed per window; ``None`` without one),
+        ``ranks_identical`` (every rank ended with bitwise identical parameters) and
         ``final_parameters``. ``on_epoch(epoch, test_accuracy)`` is called after each epoch.
     """
     config.validate()
+    with contextlib.ExitStack() as stack:
+        quota = (stack.enter_context(CpuQuota(config.slow_worker_cores))
+                 if config.slow_worker_cores else None)
+        record = _run_workers(config, on_epoch, timeout, quota)
+    if "error" in record:
+        raise RuntimeError(f"training worker {record['rank']} failed: {record['error']}")
+    return record
+
+
+def _run_workers(config: TrainConfig, on_epoch, timeout: float,
+                 quota: Optional[CpuQuota]) -> dict:
     context = mp.get_context("spawn")
     results = context.Queue()
     progress = context.Queue() if on_epoch is not None else None
@@ -245,6 +312,13 @@ def run_training(config: TrainConfig, on_epoch: Optional[Callable[[int, float], 
                                  daemon=True) for rank in range(config.workers)]
     for process in processes:
         process.start()
+    if quota is not None:
+        quota.add(processes[-1].pid)  # the last worker is the slow one
+        if config.workers <= len(os.sched_getaffinity(0)):
+            # One core per worker, so that the quota is the only difference between them
+            # (a quota shared across cores is handed out per core and strands when threads move).
+            for process, core in zip(processes, sorted(os.sched_getaffinity(0))):
+                os.sched_setaffinity(process.pid, {core})
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -267,6 +341,4 @@ def run_training(config: TrainConfig, on_epoch: Optional[Callable[[int, float], 
                 process.kill()
     while progress is not None and not progress.empty():
         on_epoch(*progress.get())
-    if "error" in record:
-        raise RuntimeError(f"training worker {record['rank']} failed: {record['error']}")
     return record

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hetero_comm.hetero import DynamicBatchController, HeteroSampler
 from hetero_comm.hooks import (AllreduceState, DCTQuantState, SegmentSparseState, allreduce_hook,
                                dct_quant_hook, segment_sparse_hook)
 from hetero_comm.training import free_port
@@ -170,3 +171,55 @@ def weighted_step(rank, world_size, sizes, hook, settings):
 def global_batch(size: int):
     g = torch.Generator().manual_seed(7)
     return torch.randn(size, 20, generator=g), torch.randn(size, 5, generator=g)
+
+
+class SimulatedClock:
+    """Time that moves only when told to: compute and waiting are simulated exactly, so a test
+    of the batch controller does not depend on the machine's speed or load."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def controlled_training(rank, world_size, hook, settings, options):
+    """Epochs through :class:`DynamicBatchController` on a dataset of ``num_samples`` items
+    with a simulated clock: a sample costs ``costs[epoch][rank]`` seconds of compute and every
+    hook call first waits ``hook_wait`` seconds (as if for other ranks). Parameters are not
+    updated, so every step's applied gradient must equal the gradient of the global batch.
+
+    Returns, per step, this rank's indices, the applied gradient and its rank_weight; and the
+    controller's plan history.
+    """
+    clock = SimulatedClock()
+    model = make_model()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=options.get("bucket_cap_mb", 25))
+    state_class, hook_fn = HOOKS[hook]
+    state = state_class(**settings)
+    sampler = HeteroSampler(options["num_samples"], options["global_batch_size"], rank,
+                            world_size, seed=5)
+    controller = DynamicBatchController(sampler, state, clock=clock,
+                                        **options.get("controller", {}))
+
+    def waiting_hook(hook_state, bucket):
+        clock.advance(options.get("hook_wait", 0.0))
+        return hook_fn(hook_state, bucket)
+
+    controller.register_comm_hook(ddp, waiting_hook)
+    x, y = global_batch(options["num_samples"])
+    steps = []
+    for epoch, costs in enumerate(options["costs"]):
+        controller.set_epoch(epoch)
+        for index in sampler:
+            with controller.step(len(index)):
+                clock.advance(len(index) * costs[rank])
+                nn.functional.mse_loss(ddp(x[index]), y[index]).backward()
+            steps.append((index, flat(p.grad for p in model.parameters()), state.rank_weight))
+            model.zero_grad(set_to_none=True)
+    controller.replan()
+    return {"steps": steps, "history": controller.history}

@@ -22,8 +22,12 @@ class HeteroSampler:
     a rank may then get an empty batch); ``drop_last=True`` skips it.
 
     The first epoch uses an equal split unless ``batch_sizes`` is given; call
-    :meth:`set_batch_sizes` (e.g. from measured speeds) to change the split from the next
-    epoch, and :meth:`set_epoch` before each epoch. Use as ``DataLoader(dataset,
+    :meth:`set_batch_sizes` (e.g. from measured speeds, as
+    :class:`~hetero_comm.hetero.DynamicBatchController` does) to change the split, and
+    :meth:`set_epoch` before each epoch. A change takes effect from the next index list the
+    iterator produces, also within an epoch: the global batches are fixed by the shuffle, only
+    their cut between ranks moves, so the cover and the step count stay as above as long as
+    every rank changes its sizes at the same step. Use as ``DataLoader(dataset,
     batch_sampler=sampler)``.
 
     Args:
@@ -67,27 +71,42 @@ class HeteroSampler:
                              f"global_batch_size ({self.global_batch_size}); got {list(batch_sizes)}")
         self.batch_sizes = sizes
 
-    def step_sizes(self) -> List[List[int]]:
-        """For each step of the epoch, every rank's batch size."""
+    def num_steps(self) -> int:
+        """Steps per epoch (the same on every rank, whatever the batch sizes)."""
         full, rest = divmod(self.num_samples, self.global_batch_size)
-        steps = [list(self.batch_sizes)] * full
-        if rest and not self.drop_last:
-            steps.append(plan_batch_sizes(self.batch_sizes, rest,
-                                          minimum=1 if rest >= self.world_size else 0))
-        return steps
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def global_batch_of_step(self, step: int) -> int:
+        """Samples in global batch ``step`` of an epoch over all ranks: ``global_batch_size``,
+        or fewer for the final partial batch."""
+        if not 0 <= step < self.num_steps():
+            raise ValueError(f"step must be in [0, {self.num_steps() - 1}]; got {step!r}")
+        return min(self.global_batch_size, self.num_samples - step * self.global_batch_size)
+
+    def sizes_of_step(self, step: int) -> List[int]:
+        """Every rank's batch size at ``step`` under the current ``batch_sizes``."""
+        samples = self.global_batch_of_step(step)
+        if samples == self.global_batch_size:
+            return list(self.batch_sizes)
+        return plan_batch_sizes(self.batch_sizes, samples,
+                                minimum=1 if samples >= self.world_size else 0)
+
+    def step_sizes(self) -> List[List[int]]:
+        """For each step of the epoch, every rank's batch size (under the current sizes)."""
+        return [self.sizes_of_step(step) for step in range(self.num_steps())]
 
     def rank_weights(self) -> List[float]:
-        """This rank's share of each step's global batch (its hook's ``rank_weight``)."""
+        """This rank's share of each step's global batch (its hook's ``rank_weight``), under
+        the current sizes."""
         return [sizes[self.rank] / sum(sizes) for sizes in self.step_sizes()]
 
     def __len__(self) -> int:
-        return len(self.step_sizes())
+        return self.num_steps()
 
     def __iter__(self) -> Iterator[List[int]]:
         order = torch.randperm(self.num_samples,
                                generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        start = 0
-        for sizes in self.step_sizes():
-            mine = start + sum(sizes[: self.rank])
+        for step in range(self.num_steps()):
+            sizes = self.sizes_of_step(step)  # read per step: a re-plan applies at once
+            mine = step * self.global_batch_size + sum(sizes[: self.rank])
             yield order[mine: mine + sizes[self.rank]].tolist()
-            start += sum(sizes)
