@@ -1,7 +1,7 @@
 # Entry points, each self-contained on a fresh machine (Python 3.11 + a C++ compiler):
 #   make demo    the main job: build, then `hetero-comm demo` (every hook on 2 local workers)
 #   make test    build, then run the full test suite
-#   make bench   the kernel and hook benchmarks
+#   make bench   the kernel, hook and heterogeneous-rank benchmarks
 # Both create .venv, install torch 2.13.0 (CPU) and build hetero_comm from source into it.
 
 PYTHON ?= python3
@@ -31,6 +31,7 @@ demo: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/bench_kernels.py
 	$(BIN)/python benchmarks/bench_hooks.py
+	$(BIN)/python benchmarks/bench_hetero.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,18 +1,24 @@
 """``hetero-comm`` command line (also ``python -m hetero_comm``).
 
 ``hetero-comm demo`` trains the default model on scikit-learn's digits with N local worker
-processes (gloo on 127.0.0.1) once per hook and reports accuracy, bytes and time per step.
+processes (gloo on 127.0.0.1) once per hook and reports accuracy, bytes and time per step and
+per epoch. ``--slow-worker-cores`` makes the last worker slow for real (a cgroup CPU quota,
+root only) and ``--batching dynamic`` gives each worker a batch proportional to its measured
+speed.
 """
 
 import argparse
+import itertools
 import json
-import math
 import os
+import signal
+import statistics
 import sys
 import time
 from typing import List, Optional
 
-from .training import HOOKS, TrainConfig, run_training
+from .hetero import cpu_quota_unavailable
+from .training import HOOKS, WEIGHTED_HOOKS, TrainConfig, run_training
 
 HOOK_TITLES = {
     "dense": "dense allreduce",
@@ -58,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="train once per hook on local workers and compare",
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     demo.add_argument("--workers", type=_positive(int), default=2, help="local worker processes")
-    demo.add_argument("--hooks", type=_hook_list, default=list(HOOKS),
-                      help=f"comma-separated, from: {','.join(HOOKS)}")
+    demo.add_argument("--hooks", type=_hook_list, default=None,
+                      help=f"comma-separated, from: {','.join(HOOKS)} (default: all; with "
+                           f"dynamic batching: {','.join(WEIGHTED_HOOKS)})")
     demo.add_argument("--epochs", type=_positive(int), default=8)
     demo.add_argument("--density", type=_density, default=0.01,
                       help="segment_sparse_hook: fraction of segments sent")
@@ -71,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     demo.add_argument("--selection", choices=("current", "lagged"), default="current",
                       help="segment_sparse_hook: selection mode")
+    demo.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
+                      help="mlp: bound by the gradient exchange; cnn: bound by compute (where "
+                           "a slow worker shows most)")
+    demo.add_argument("--slow-worker-cores", type=_positive(float), default=None,
+                      metavar="CORES", help="run the last worker under a CPU quota of this many "
+                                            "cores (cgroup; needs root)")
+    demo.add_argument("--batching", choices=("equal", "dynamic", "both"), default="equal",
+                      help="per-worker batch sizes: equal, proportional to measured speed "
+                           "(re-planned every epoch), or one run of each")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default="hetero_comm_demo", help="output directory")
     demo.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -80,9 +96,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "demo" and not 0 <= args.momentum < 1:
-        parser.error(f"argument --momentum: must be in [0, 1); got {args.momentum}")
     if args.command == "demo":
+        if not 0 <= args.momentum < 1:
+            parser.error(f"argument --momentum: must be in [0, 1); got {args.momentum}")
+        batchings = ["equal", "dynamic"] if args.batching == "both" else [args.batching]
+        if args.hooks is None:
+            args.hooks = list(WEIGHTED_HOOKS if "dynamic" in batchings else HOOKS)
+        unweighted = [h for h in args.hooks if h not in WEIGHTED_HOOKS]
+        if "dynamic" in batchings and unweighted:
+            parser.error(f"argument --batching: dynamic batching needs hooks that weight each "
+                         f"worker's gradient ({', '.join(WEIGHTED_HOOKS)}); drop "
+                         f"{', '.join(unweighted)} from --hooks")
+        if args.slow_worker_cores is not None:
+            reason = cpu_quota_unavailable()
+            if reason is not None:
+                parser.error(f"argument --slow-worker-cores: {reason}")
+            # Terminated mid-run, the quota's cgroup is still removed: SIGTERM unwinds.
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        args.batchings = batchings
         return demo(args)
     return 2
 
@@ -94,16 +125,22 @@ def demo(args) -> int:
         from tqdm import tqdm
     except ImportError:  # progress bar is optional
         tqdm = None
-    print(f"hetero-comm demo: {args.workers} workers (gloo, 127.0.0.1), digits MLP, "
-          f"{args.epochs} epochs, global batch {global_batch}, SGD lr {args.lr} momentum "
-          f"{args.momentum}, hooks: {', '.join(args.hooks)}")
+    slow = (f", last worker limited to {args.slow_worker_cores} cores"
+            if args.slow_worker_cores else "")
+    print(f"hetero-comm demo: {args.workers} workers (gloo, 127.0.0.1){slow}, digits "
+          f"{args.model.upper()}, {args.epochs} epochs, global batch {global_batch}, SGD lr "
+          f"{args.lr} momentum {args.momentum}, hooks: {', '.join(args.hooks)}, batching: "
+          f"{', '.join(args.batchings)}")
     records = {}
-    for hook in args.hooks:
+    for hook, batching in [(h, b) for h in args.hooks for b in args.batchings]:
         config = TrainConfig(hook=hook, workers=args.workers, epochs=args.epochs,
                              global_batch=global_batch, seed=args.seed, density=args.density,
                              keep_ratio=args.keep_ratio, bits=args.bits, lr=args.lr,
-                             momentum=args.momentum, selection=args.selection)
-        bar = tqdm(total=args.epochs, desc=f"{hook:9s}", unit="epoch") if tqdm else None
+                             momentum=args.momentum, selection=args.selection,
+                             model=args.model, batching=batching,
+                             slow_worker_cores=args.slow_worker_cores)
+        name = hook if len(args.batchings) == 1 else f"{hook}/{batching}"
+        bar = tqdm(total=args.epochs, desc=f"{name:9s}", unit="epoch") if tqdm else None
 
         def on_epoch(epoch, accuracy, bar=bar):
             if bar is not None:
@@ -122,7 +159,8 @@ def demo(args) -> int:
             if bar is not None:
                 bar.close()
         record["wall_seconds"] = time.perf_counter() - started
-        records[hook] = record
+        record.update(hook=hook, batching=batching)
+        records[name] = record
     print()
     print(format_table(records))
     json_path = os.path.join(args.out, "demo.json")
@@ -135,22 +173,28 @@ def demo(args) -> int:
 
 
 def format_table(records: dict) -> str:
-    rows = [("hook", "test accuracy", "bytes/step", "compression", "step time (ms)",
-             "ranks identical")]
-    for hook, r in records.items():
+    rows = [("hook", "batching", "test accuracy", "bytes/step", "compression", "step time (ms)",
+             "epoch time (s)", "batch per worker", "ranks identical")]
+    for r in records.values():
+        title = HOOK_TITLES[r["hook"]]
         if "diverged" in r:
-            rows.append((HOOK_TITLES[hook], "diverged", "-", "-", "-", "-"))
+            rows.append((title, r["batching"], "diverged", "-", "-", "-", "-", "-", "-"))
             continue
         compression = r["dense_bytes_per_step"] / r["bytes_per_step"]
-        step_ms = 1000 * sorted(r["history"]["seconds"])[len(r["history"]["seconds"]) // 2]
-        rows.append((HOOK_TITLES[hook], f"{100 * r['final_accuracy']:.1f}%",
+        step_ms = 1000 * statistics.median(r["history"]["seconds"])
+        epoch_seconds = r["epochs"]["seconds"]
+        epoch_s = statistics.median(epoch_seconds[1:] or epoch_seconds)
+        rows.append((title, r["batching"], f"{100 * r['final_accuracy']:.1f}%",
                      f"{r['bytes_per_step']:,.0f}", f"{compression:.1f}x", f"{step_ms:.2f}",
+                     f"{epoch_s:.3f}", "/".join(map(str, r["epochs"]["batch_sizes"][-1])),
                      "yes" if r["ranks_identical"] else "NO"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines) + ("\n\nbytes/step: what rank 0 handed to collectives per step, "
-                               "averaged over the run (warm-up included); step time: median.")
+                               "averaged over the run (warm-up included); step time: median; "
+                               "epoch time: median over the epochs after the first (training "
+                               "only); batch per worker: in the last epoch, worker 0 first.")
 
 
 def _jsonable(record: dict) -> dict:
@@ -164,22 +208,24 @@ def plot(records: dict, path: str) -> str:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for hook, r in records.items():
+    for name, r in records.items():
         if "diverged" in r:
             continue
+        label = HOOK_TITLES[r["hook"]] + (f" ({r['batching']})" if "/" in name else "")
         h, e = r["history"], r["epochs"]
         window = max(1, len(h["loss"]) // 40)
         smooth = [sum(h["loss"][max(0, i - window + 1): i + 1]) / len(h["loss"][max(0, i - window + 1): i + 1])
                   for i in range(len(h["loss"]))]
         megabytes = [b / 1e6 for b in h["bytes"]]
-        axes[0][0].plot(h["step"], smooth, label=HOOK_TITLES[hook])
-        axes[0][1].plot(megabytes, smooth, label=HOOK_TITLES[hook])
-        axes[1][0].plot(e["step"], e["test_accuracy"], marker="o", label=HOOK_TITLES[hook])
+        training_seconds = list(itertools.accumulate(e["seconds"]))
+        axes[0][0].plot(h["step"], smooth, label=label)
+        axes[0][1].plot(megabytes, smooth, label=label)
+        axes[1][0].plot(training_seconds, e["test_accuracy"], marker="o", label=label)
         axes[1][1].plot([b / 1e6 for b in e["bytes"]], e["test_accuracy"], marker="o",
-                        label=HOOK_TITLES[hook])
+                        label=label)
     for ax, (x, y) in zip(sum(axes.tolist(), []), [("step", "training loss"),
                                                    ("MB sent by rank 0", "training loss"),
-                                                   ("step", "test accuracy"),
+                                                   ("training seconds", "test accuracy"),
                                                    ("MB sent by rank 0", "test accuracy")]):
         ax.set_xlabel(x)
         ax.set_ylabel(y)

@@ -44,7 +44,8 @@ class TrainConfig:
     (:func:`~hetero_comm.hooks.dct_quant_hook`), ``fp16`` and ``powersgd`` (PyTorch's own).
 
     ``batching="dynamic"`` re-plans the per-rank batch sizes from measured speed every epoch
-    (and every ``replan_every`` steps if set); ``"equal"`` keeps equal shares.
+    (and every ``replan_every`` steps if set, with ``smoothing`` and ``max_change`` as in
+    :class:`~hetero_comm.hetero.DynamicBatchController`); ``"equal"`` keeps equal shares.
     ``slow_worker_cores`` puts the last worker under a CPU quota of that many cores (root and
     cgroup v1 only); every rank's speed is then measured with equal shares too (hetero_comm's
     hooks only)."""
@@ -75,7 +76,10 @@ class TrainConfig:
     # heterogeneous ranks
     batching: str = "equal"
     replan_every: Optional[int] = None
+    smoothing: float = 1.0
+    max_change: Optional[float] = None
     slow_worker_cores: Optional[float] = None
+    slow_worker_period_us: int = 5000  # the quota's accounting period, see CpuQuota
 
     def validate(self) -> None:
         if self.hook not in HOOKS:
@@ -228,6 +232,8 @@ def _train(rank: int, config: TrainConfig, progress) -> dict:
     controller = None
     if config.batching == "dynamic" or (config.slow_worker_cores and config.hook in WEIGHTED_HOOKS):
         controller = DynamicBatchController(sampler, state, replan_every=config.replan_every,
+                                            smoothing=config.smoothing,
+                                            max_change=config.max_change,
                                             adapt=config.batching == "dynamic")
         controller.register_comm_hook(ddp, hook)
     else:
@@ -294,7 +300,8 @@ def run_training(config: TrainConfig, on_epoch: Optional[Callable[[int, float], 
     """
     config.validate()
     with contextlib.ExitStack() as stack:
-        quota = (stack.enter_context(CpuQuota(config.slow_worker_cores))
+        quota = (stack.enter_context(CpuQuota(config.slow_worker_cores,
+                                              config.slow_worker_period_us))
                  if config.slow_worker_cores else None)
         record = _run_workers(config, on_epoch, timeout, quota)
     if "error" in record:

@@ -4,9 +4,11 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from hetero_comm.cli import main
+from hetero_comm.hetero import cpu_quota_unavailable
 from hetero_comm.training import TrainConfig, run_training
 
 
@@ -50,9 +52,49 @@ def test_demo_writes_table_json_and_plot(tmp_path, capsys):
     (["--epochs", "two"], "expected an integer"),
     (["--bits", "12"], "invalid choice"),
     (["--momentum", "1.0"], "must be in [0, 1)"),
+    (["--batching", "dynamic", "--hooks", "dense,fp16"], "drop fp16 from --hooks"),
+    (["--batching", "sometimes"], "invalid choice"),
+    (["--slow-worker-cores", "0"], "must be > 0"),
+    (["--model", "rnn"], "invalid choice"),
 ])
 def test_demo_rejects_bad_flags(flags, message):
     result = subprocess.run([sys.executable, "-m", "hetero_comm", "demo", *flags],
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert message in result.stderr or pytest.fail(result.stderr)
+
+
+@pytest.mark.parametrize("hook", ["dense", "sparse"])
+def test_dynamic_batches_train_the_same_model_as_equal_batches(hook):
+    """Whatever split the measured speeds give, the weighted gradient is the global batch's:
+    with dense allreduce dynamic batching ends where equal batching does (up to float
+    rounding of the sums); the sparse hook (1%), whose segment choice can flip on such
+    rounding, reaches the same accuracy."""
+    common = dict(hook=hook, epochs=3, model="cnn", hidden=64, global_batch=96)
+    equal = run_training(TrainConfig(batching="equal", **common))
+    dynamic = run_training(TrainConfig(batching="dynamic", **common))
+    assert dynamic["ranks_identical"]
+    sizes = dynamic["epochs"]["batch_sizes"]
+    assert sizes[0] == [48, 48] and all(sum(s) == 96 and min(s) >= 1 for s in sizes)
+    assert len(dynamic["speed_history"]) == 3  # one plan an epoch, the last for the record
+    if hook == "dense":
+        np.testing.assert_allclose(dynamic["final_parameters"], equal["final_parameters"],
+                                   rtol=1e-4, atol=1e-5)
+    else:
+        assert dynamic["final_accuracy"] >= equal["final_accuracy"] - 0.03
+
+
+@pytest.mark.skipif(cpu_quota_unavailable() is not None,
+                    reason=f"CPU quota unavailable: {cpu_quota_unavailable()}")
+def test_demo_with_a_slow_worker_gives_it_a_smaller_batch(tmp_path, capsys):
+    """The last worker gets 0.2 cores against a whole core for the other: measured, it is
+    several times slower, so the plan gives it well under half of the global batch."""
+    assert main(["demo", "--hooks", "dense", "--model", "cnn", "--epochs", "2", "--batching",
+                 "both", "--slow-worker-cores", "0.2", "--no-plot", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "epoch time (s)" in out and "batch per worker" in out
+    numbers = json.loads((tmp_path / "demo.json").read_text())
+    assert set(numbers) == {"dense/equal", "dense/dynamic"}
+    assert numbers["dense/equal"]["epochs"]["batch_sizes"] == [[32, 32], [32, 32]]
+    fast, slow = numbers["dense/dynamic"]["epochs"]["batch_sizes"][1]
+    assert fast + slow == 64 and slow < 0.4 * 64

@@ -39,6 +39,8 @@ class CpuQuota:
 
     Args:
         cores: the share, in (0, number of CPUs].
+        period_us: the accounting period in microseconds, >= 1000 (lengthened if the quota
+            would fall under the kernel's 1 ms minimum).
 
     Example::
 
@@ -48,11 +50,14 @@ class CpuQuota:
         ...     worker.wait()
     """
 
-    def __init__(self, cores: float) -> None:
+    def __init__(self, cores: float, period_us: int = PERIOD_US) -> None:
         if isinstance(cores, bool) or not isinstance(cores, (int, float)) or \
                 not 0 < cores <= (os.cpu_count() or 1):
             raise ValueError(f"cores must be a number in (0, {os.cpu_count()}]; got {cores!r}")
-        self.cores = float(cores)
+        if isinstance(period_us, bool) or not isinstance(period_us, int) or \
+                not 1000 <= period_us <= 1_000_000:
+            raise ValueError(f"period_us must be an integer in [1000, 1000000]; got {period_us!r}")
+        self.cores, self.period_us = float(cores), period_us
         self.path: Optional[str] = None
 
     def __enter__(self) -> "CpuQuota":
@@ -64,7 +69,7 @@ class CpuQuota:
         self.path = path
         try:
             # The kernel's smallest quota is 1 ms: lengthen the period for small shares.
-            period = max(PERIOD_US, math.ceil(MIN_QUOTA_US / self.cores))
+            period = max(self.period_us, math.ceil(MIN_QUOTA_US / self.cores))
             _write(os.path.join(path, "cpu.cfs_period_us"), period)
             _write(os.path.join(path, "cpu.cfs_quota_us"), round(self.cores * period))
         except BaseException:
