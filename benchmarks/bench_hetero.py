@@ -1,9 +1,10 @@
 """Equal against speed-proportional batches when one rank is really slower.
 
 N local gloo ranks train a small CNN on scikit-learn's digits (its steps are bound by compute,
-not by the gradient exchange; ``--model mlp`` for the demo's exchange-bound MLP). Every worker is pinned to its own core when there are enough,
-and the last one runs under a cgroup CPU quota (``--slow-cores`` of one core): the kernel
-stops it once it has used its share of every 5 ms, so it is slow for real, not by sleeping.
+not by the gradient exchange; ``--model mlp`` for the demo's exchange-bound MLP). Every worker
+is pinned to its own core when there are enough, and the last one runs under a cgroup CPU
+quota (``--slow-cores`` of one core): the kernel stops it once it has used its share of every
+5 ms (``--quota-period-us``), so it is slow for real, not by sleeping.
 Root only: elsewhere the benchmark says why and exits.
 
 Runs, in one invocation and on the same quota, repeated in ``--repeats`` rounds:
