@@ -18,7 +18,7 @@ import time
 from typing import List, Optional
 
 from .hetero import cpu_quota_unavailable
-from .training import HOOKS, WEIGHTED_HOOKS, TrainConfig, run_training
+from .training import HOOKS, MODELS, WEIGHTED_HOOKS, TrainConfig, run_training
 
 HOOK_TITLES = {
     "dense": "dense allreduce",
@@ -78,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     demo.add_argument("--selection", choices=("current", "lagged"), default="current",
                       help="segment_sparse_hook: selection mode")
-    demo.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
-                      help="mlp: bound by the gradient exchange; cnn: bound by compute (where "
-                           "a slow worker shows most)")
+    demo.add_argument("--model", choices=MODELS, default="mlp",
+                      help="mlp: 85K parameters; cnn: bound by compute (where a slow worker "
+                           "shows most); cnn_wide: two convolutions and a wide linear layer")
     demo.add_argument("--slow-worker-cores", type=_positive(float), default=None,
                       metavar="CORES", help="run the last worker under a CPU quota of this many "
                                             "cores (cgroup; needs root)")

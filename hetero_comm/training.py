@@ -29,12 +29,13 @@ from .hetero import CpuQuota, DynamicBatchController, HeteroSampler
 from .hooks import (AllreduceState, DCTQuantState, SegmentSparseState, allreduce_hook,
                     dct_quant_hook, segment_sparse_hook)
 
-__all__ = ["TrainConfig", "HOOKS", "run_training", "make_hook", "free_port",
+__all__ = ["TrainConfig", "HOOKS", "run_training", "train_rank", "make_hook", "free_port",
            "load_digits_split", "make_model", "count_collective_bytes"]
 
 HOOKS = ("dense", "sparse", "dct", "fp16", "powersgd")
 WEIGHTED_HOOKS = ("dense", "sparse", "dct")  # hetero_comm's: they take a rank_weight
 BATCHING = ("equal", "dynamic")
+MODELS = ("mlp", "cnn", "cnn_wide")
 
 
 @dataclasses.dataclass
@@ -58,7 +59,10 @@ class TrainConfig:
     momentum: float = 0.9
     seed: int = 0
     hidden: int = 256
-    model: str = "mlp"  # or "cnn", see make_model
+    model: str = "mlp"  # see make_model
+    max_steps: Optional[int] = None  # stop after this many steps (step timing)
+    # DDP's bucket cap; given explicitly it also caps the first bucket (else 1 MB)
+    bucket_cap_mb: Optional[float] = None
     # segment_sparse_hook
     density: float = 0.01
     segment_size: int = 256
@@ -92,8 +96,10 @@ class TrainConfig:
         if self.global_batch % self.workers:
             raise ValueError(f"global_batch ({self.global_batch}) must be a multiple of "
                              f"workers ({self.workers})")
-        if self.model not in ("mlp", "cnn"):
-            raise ValueError(f"model must be 'mlp' or 'cnn'; got {self.model!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}; got {self.model!r}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be None or >= 1; got {self.max_steps}")
         if self.batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}; got {self.batching!r}")
         if self.batching == "dynamic" and self.hook not in WEIGHTED_HOOKS:
@@ -127,10 +133,18 @@ def make_model(hidden: int = 256, kind: str = "mlp") -> nn.Module:
     """``"mlp"`` (the default model): 64 -> hidden -> hidden -> 10. ``"cnn"``: three 3x3
     convolutions (``hidden // 8``, ``hidden // 4``, ``hidden // 4`` channels) over the 8x8 image
     and a linear classifier; many more operations per parameter, so its steps are bound by
-    compute, not by the gradient exchange."""
+    compute, not by the gradient exchange. ``"cnn_wide"``: two 3x3 convolutions (32, 64
+    channels) and a fully connected layer of ``hidden`` units (4.2M parameters at 1024, nearly
+    all in that layer), for slow links, where its steps are bound by the gradient exchange."""
     if kind == "mlp":
         return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
                              nn.ReLU(), nn.Linear(hidden, 10))
+    if kind == "cnn_wide":
+        return nn.Sequential(nn.Unflatten(1, (1, 8, 8)),
+                             nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
+                             nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+                             nn.Flatten(), nn.Linear(64 * 64, hidden), nn.ReLU(),
+                             nn.Linear(hidden, 10))
     if kind == "cnn":
         c1, c2 = max(1, hidden // 8), max(1, hidden // 4)
         return nn.Sequential(nn.Unflatten(1, (1, 8, 8)),
@@ -138,7 +152,7 @@ def make_model(hidden: int = 256, kind: str = "mlp") -> nn.Module:
                              nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(),
                              nn.Conv2d(c2, c2, 3, padding=1), nn.ReLU(),
                              nn.Flatten(), nn.Linear(c2 * 64, 10))
-    raise ValueError(f"kind must be 'mlp' or 'cnn'; got {kind!r}")
+    raise ValueError(f"kind must be one of {MODELS}; got {kind!r}")
 
 
 @contextlib.contextmanager
@@ -194,24 +208,32 @@ def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Tuple[float
                 float((logits.argmax(1) == y).float().mean()))
 
 
+def train_rank(rank: int, config: TrainConfig, progress: Optional["mp.Queue"] = None) -> dict:
+    """One rank of a run in this process, whose gloo group is already initialised: train, then
+    check that every rank ended with bitwise identical parameters. Returns this rank's record
+    (see :func:`run_training`; rank 0's is the one reported)."""
+    record = _train(rank, config, progress)
+    flat = torch.cat([p.detach().reshape(-1) for p in record.pop("model").parameters()])
+    reference = flat.clone()
+    dist.broadcast(reference, 0)
+    same = torch.tensor([int(torch.equal(flat, reference))])
+    dist.all_reduce(same)
+    record["ranks_identical"] = int(same) == config.workers
+    record["final_parameters"] = flat.numpy()  # numpy: pickled by value, not shared memory
+    return record
+
+
 def train_worker(rank: int, config: TrainConfig, port: int, results: "mp.Queue",
                  progress: Optional["mp.Queue"] = None) -> None:
-    """One rank of a run; rank 0 puts its record (see :func:`run_training`) on ``results``."""
+    """One rank of a local run; rank 0 puts its record (see :func:`run_training`) on
+    ``results``."""
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=config.workers)
     try:
-        record = _train(rank, config, progress)
-        # Every rank's parameters must be bitwise identical: compare each against rank 0.
-        flat = torch.cat([p.detach().reshape(-1) for p in record.pop("model").parameters()])
-        reference = flat.clone()
-        dist.broadcast(reference, 0)
-        same = torch.tensor([int(torch.equal(flat, reference))])
-        dist.all_reduce(same)
-        record["ranks_identical"] = int(same) == config.workers
+        record = train_rank(rank, config, progress)
         if rank == 0:
-            record["final_parameters"] = flat.numpy()  # numpy: pickled by value, not shared memory
             results.put(record)
     except BaseException as error:
         results.put({"rank": rank, "error": f"{type(error).__name__}: {error}"})
@@ -224,7 +246,7 @@ def _train(rank: int, config: TrainConfig, progress) -> dict:
     x_train, y_train, x_test, y_test = load_digits_split(config.seed)
     torch.manual_seed(config.seed)
     model = make_model(config.hidden, config.model)
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
     state, hook, optimizer_momentum = make_hook(config)
     # Full global batches only, each shuffled once per epoch with a seed every rank shares.
     sampler = HeteroSampler(len(x_train), config.global_batch, rank, config.workers,
@@ -253,6 +275,8 @@ def _train(rank: int, config: TrainConfig, progress) -> dict:
             batch_sizes = list(sampler.batch_sizes)
             epoch_began = time.perf_counter()
             for index in sampler:
+                if config.max_steps is not None and step >= config.max_steps:
+                    break
                 began = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
                 with controller.step(len(index)) if controller else contextlib.nullcontext():
@@ -272,6 +296,8 @@ def _train(rank: int, config: TrainConfig, progress) -> dict:
                 epochs[name].append(value)
             if progress is not None and rank == 0:
                 progress.put((epoch + 1, accuracy))
+            if config.max_steps is not None and step >= config.max_steps:
+                break
     if controller is not None:
         controller.replan()  # the last epoch's speeds, for the record
     hook_stats = state.stats() if hasattr(state, "stats") and callable(state.stats) else None
