@@ -212,6 +212,7 @@ def train_rank(rank: int, config: TrainConfig, progress: Optional["mp.Queue"] = 
     """One rank of a run in this process, whose gloo group is already initialised: train, then
     check that every rank ended with bitwise identical parameters. Returns this rank's record
     (see :func:`run_training`; rank 0's is the one reported)."""
+    config.validate()
     record = _train(rank, config, progress)
     flat = torch.cat([p.detach().reshape(-1) for p in record.pop("model").parameters()])
     reference = flat.clone()
