@@ -26,6 +26,7 @@ Usage: python benchmarks/netbench.py [--quick] [--ranks 2,3] [--links loopback,1
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import signal
@@ -325,10 +326,7 @@ def plot(results, hooks, links, accuracy_link, path) -> str:
                                  marker="o", label=name)
             run = results["accuracy"].get(workload, {}).get(name)
             if run is not None:
-                elapsed, total = [], 0.0
-                for seconds in run["epochs"]["seconds"]:
-                    total += seconds
-                    elapsed.append(total)
+                elapsed = list(itertools.accumulate(run["epochs"]["seconds"]))
                 axes[1][column].plot(elapsed, run["epochs"]["test_accuracy"], marker="o",
                                      label=name)
         axes[0][column].set(xscale="log", yscale="log", xlabel="link bandwidth (Mbit/s)",
