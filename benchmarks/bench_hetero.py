@@ -36,9 +36,6 @@ from hetero_comm.hetero import cpu_quota_unavailable
 from hetero_comm.training import TrainConfig, run_training
 
 
-SHARE = "of_ideal_speedup"
-
-
 def steady(values):
     """Median over the epochs after the first (the first is an equal split and warms up)."""
     return statistics.median(values[1:] if len(values) > 1 else values)
@@ -144,11 +141,12 @@ def main() -> int:
                                   for rank in range(args.workers)]
         row.update(batching=name, batch_sizes=per_round[-1]["batch_sizes"], rounds=per_round)
         rows.append(row)
+        shares = ", ".join(f"{100 * p['of_ideal_speedup']:.0f}%" for p in per_round)
         print(f"| {name} | {row['batch_sizes']} | {row['epoch_seconds']:.3f} | "
               f"{', '.join(f'{c:.3f}' for c in row['compute_seconds'])} | "
               f"{row['own_ideal']:.3f} | {row['speedup']:.2f}x | "
               f"{100 * row['of_ideal_speedup']:.0f}% | "
-              f"{', '.join(f'{100 * p[SHARE]:.0f}%' for p in per_round)} | "
+              f"{shares} | "
               f"{100 * row['accuracy']:.1f}% |")
     print("\nepoch s, compute s (forward + backward, waiting excluded) and speeds: medians over "
           "the epochs after the first (the first is an equal split), training only. ideal s at "

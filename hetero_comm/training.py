@@ -326,10 +326,8 @@ def run_training(config: TrainConfig, on_epoch: Optional[Callable[[int, float], 
         ``final_parameters``. ``on_epoch(epoch, test_accuracy)`` is called after each epoch.
     """
     config.validate()
-    with contextlib.ExitStack() as stack:
-        quota = (stack.enter_context(CpuQuota(config.slow_worker_cores,
-                                              config.slow_worker_period_us))
-                 if config.slow_worker_cores else None)
+    with (CpuQuota(config.slow_worker_cores, config.slow_worker_period_us)
+          if config.slow_worker_cores else contextlib.nullcontext()) as quota:
         record = _run_workers(config, on_epoch, timeout, quota)
     if "error" in record:
         raise RuntimeError(f"training worker {record['rank']} failed: {record['error']}")

@@ -2,12 +2,14 @@
 S21-S24), keeping the averaged gradient exactly that of the global batch."""
 
 import contextlib
+import math
 import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .._checks import check_float, check_int
 from .planning import plan_batch_sizes
 from .sampler import HeteroSampler
 
@@ -86,16 +88,11 @@ class DynamicBatchController:
             raise TypeError(f"hook_state must be a hetero_comm hook state with a rank_weight "
                             f"(for plain DDP use AllreduceState with allreduce_hook); got "
                             f"{type(hook_state).__name__}")
-        if replan_every is not None and (isinstance(replan_every, bool) or
-                                         not isinstance(replan_every, int) or replan_every < 1):
-            raise ValueError(f"replan_every must be None or an integer >= 1; got {replan_every!r}")
-        if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or \
-                not 0 < smoothing <= 1:
-            raise ValueError(f"smoothing must be a number in (0, 1]; got {smoothing!r}")
-        if max_change is not None and (isinstance(max_change, bool) or
-                                       not isinstance(max_change, (int, float)) or
-                                       not 0 < max_change < float("inf")):
-            raise ValueError(f"max_change must be None or a finite number > 0; got {max_change!r}")
+        if replan_every is not None:
+            check_int("replan_every", replan_every, 1)
+        check_float("smoothing", smoothing, 0.0, 1.0, low_open=True)
+        if max_change is not None:
+            check_float("max_change", max_change, 0.0, math.inf, low_open=True)
         self.process_group = (process_group if process_group is not None
                               else getattr(hook_state, "process_group", None))
         if dist.is_initialized():

@@ -12,6 +12,8 @@ import math
 import os
 from typing import Optional
 
+from .._checks import check_float, check_int
+
 __all__ = ["CpuQuota", "cpu_quota_unavailable"]
 
 CPU_CGROUP_ROOT = "/sys/fs/cgroup/cpu"
@@ -51,12 +53,8 @@ class CpuQuota:
     """
 
     def __init__(self, cores: float, period_us: int = PERIOD_US) -> None:
-        if isinstance(cores, bool) or not isinstance(cores, (int, float)) or \
-                not 0 < cores <= (os.cpu_count() or 1):
-            raise ValueError(f"cores must be a number in (0, {os.cpu_count()}]; got {cores!r}")
-        if isinstance(period_us, bool) or not isinstance(period_us, int) or \
-                not 1000 <= period_us <= 1_000_000:
-            raise ValueError(f"period_us must be an integer in [1000, 1000000]; got {period_us!r}")
+        check_float("cores", cores, 0.0, os.cpu_count() or 1, low_open=True)
+        check_int("period_us", period_us, 1000, 1_000_000)
         self.cores, self.period_us = float(cores), period_us
         self.path: Optional[str] = None
 

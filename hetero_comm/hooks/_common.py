@@ -26,13 +26,13 @@ the same model), and each *plan bucket* stores flat state for an ordered tuple o
 
 import itertools
 import logging
-import math
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .._checks import check_float, check_int
 from ..buffer_pool import BufferPool
 
 logger = logging.getLogger("hetero_comm")
@@ -40,25 +40,6 @@ logger = logging.getLogger("hetero_comm")
 __all__ = ["HookState", "AllreduceState", "allreduce_hook"]
 
 GRADIENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def check_int(name: str, value, low: int, high: Optional[int] = None) -> int:
-    """Return ``value`` as an int, or raise ``ValueError`` naming the allowed range."""
-    allowed = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
-            high is not None and value > high):
-        raise ValueError(f"{name} must be {allowed}; got {value!r}")
-    return value
-
-
-def check_float(name: str, value, low: float, high: float, *, low_open: bool = False) -> float:
-    """Return ``value`` as a float, or raise ``ValueError`` naming the allowed range."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if low_open else value >= low) and value <= high
-    if not ok:
-        bracket = "(" if low_open else "["
-        raise ValueError(f"{name} must be a number in {bracket}{low}, {high}]; got {value!r}")
-    return float(value)
 
 
 def starts(numels: Sequence[int]) -> Tuple[int, ...]:

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from .. import ops
 from ..reference import num_segments
-from ._common import HookState, PlanBucket, check_float, check_int, raise_non_finite
+from .._checks import check_float, check_int
+from ._common import HookState, PlanBucket, raise_non_finite
 
 __all__ = ["DCTQuantState", "dct_quant_hook", "pack_int16_pairs", "unpack_int16_pair_sums"]
 
