@@ -1,8 +1,9 @@
-"""Argument checks shared by the hooks and the heterogeneity tools: each returns the value or
-raises ``ValueError`` naming the argument and the allowed range."""
+"""Argument checks for every setting hetero_comm takes (hook states, the batch controller,
+the lab tools, the training configuration): each returns the value or raises ``ValueError``
+naming the argument and what is allowed."""
 
 import math
-from typing import Optional
+from typing import Iterable, Optional
 
 
 def check_int(name: str, value, low: int, high: Optional[int] = None) -> int:
@@ -22,3 +23,16 @@ def check_float(name: str, value, low: float, high: float, *, low_open: bool = F
         bracket = "(" if low_open else "["
         raise ValueError(f"{name} must be a number in {bracket}{low}, {high}]; got {value!r}")
     return float(value)
+
+
+def check_choice(name: str, value, choices: Iterable):
+    """Return ``value`` if it is one of ``choices``, or raise ``ValueError`` listing them."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
+def check_optional(check, name: str, value, *args, **kwargs):
+    """``None``, or ``check(name, value, *args, **kwargs)``."""
+    return None if value is None else check(name, value, *args, **kwargs)

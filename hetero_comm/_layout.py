@@ -1,0 +1,19 @@
+"""Sizes and dtypes shared by every layer: the kernel specification (``reference``), the
+public ops and the hooks. It imports nothing of hetero_comm, so any module may import it."""
+
+import torch
+
+__all__ = ["GRADIENT_DTYPES", "QUANT_DTYPES", "MAX_BLOCK_SIZE", "num_segments"]
+
+# What a gradient (and a packed or unpacked value) may be; residuals are always float32.
+GRADIENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Integer widths of quantized values, by bits.
+QUANT_DTYPES = {8: torch.int8, 16: torch.int16, 32: torch.int32}
+# Largest DCT block (a power of two): the kernels' scratch per block is sized by it.
+MAX_BLOCK_SIZE = 1 << 16
+
+
+def num_segments(numel: int, segment_size: int) -> int:
+    """Number of segments (or blocks) of ``segment_size`` in ``numel`` elements, the last one
+    possibly short: ``ceil(numel / segment_size)``."""
+    return (numel + segment_size - 1) // segment_size
