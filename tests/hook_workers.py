@@ -146,7 +146,8 @@ def train(rank, world_size, hook, settings, steps, options=None):
             pool_allocations.append(state.pool.stats()["allocations"])
     return {
         "produced": np.stack(produced), "applied": np.stack(applied),
-        "held_back": flat(state.held_back(list(model.parameters()))),
+        "held_back": flat(state.held_back(list(model.parameters())) if hasattr(state, "held_back")
+                          else [torch.zeros_like(p, dtype=torch.float32) for p in model.parameters()]),
         "params": flat(model.parameters()),
         "stats": {k: v for k, v in state.stats().items() if k != "pool"},
         "pool_allocations": pool_allocations,

@@ -183,7 +183,7 @@ def test_stats_count_bytes_on_the_wire():
     (lambda: DCTQuantState(block_size=100), "block_size must be a power of two"),
     (lambda: DCTQuantState(block_size=1), "block_size"),
     (lambda: DCTQuantState(keep_ratio=0.0), "keep_ratio"),
-    (lambda: DCTQuantState(bits=12), "bits must be 8, 16 or 32"),
+    (lambda: DCTQuantState(bits=12), "bits must be one of 8, 16, 32"),
     (lambda: DCTQuantState(band="high"), "band must be one of"),
     (lambda: AllreduceState(rank_weight=float("nan")), "rank_weight"),
 ])

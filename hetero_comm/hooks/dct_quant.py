@@ -1,9 +1,11 @@
 """Blockwise DCT + quantization with error feedback.
 
-Seed: 003 (the DCT patent). Gradients are smooth enough along a bucket that most of a block's
-energy sits in its lowest DCT frequencies; the hook keeps those, quantizes them with a scale
-every rank agrees on, and sums the integers with ONE allreduce (integer sums are exact and
-the transform is linear, so the decoded sum is the sum of what each rank encoded).
+Most of a gradient block's energy sits in few DCT frequencies. The hook keeps ``keep`` of
+each block's coefficients (by default half of them the lowest frequencies and half a band
+that cycles through the rest, so error feedback can deliver everything it holds back),
+quantizes them with a per-block scale every rank agrees on (a small MAX allreduce), and sums
+the integers with one allreduce: integer sums are exact and the transform is linear, so the
+decoded sum is the sum of what each rank encoded.
 """
 
 
@@ -14,14 +16,14 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..reference import num_segments
-from .._checks import check_float, check_int
-from ._common import HookState, PlanBucket, raise_non_finite
+from .._checks import check_choice, check_float, check_int
+from .._layout import MAX_BLOCK_SIZE, QUANT_DTYPES, num_segments
+from ._plan import PlanBucket
+from ._state import ErrorFeedbackState
 
 __all__ = ["DCTQuantState", "dct_quant_hook", "pack_int16_pairs", "unpack_int16_pair_sums"]
 
 BANDS = ("cycling", "low")
-QUANT_DTYPES = {8: torch.int8, 16: torch.int16, 32: torch.int32}
 _LOW_BITS = 1 << 16
 
 
@@ -68,27 +70,27 @@ def unpack_int16_pair_sums(words: torch.Tensor, levels: int, world_size: int, m:
     return out
 
 
-class DCTQuantState(HookState):
+class DCTQuantState(ErrorFeedbackState):
     """State of :func:`dct_quant_hook`.
 
     Args:
         process_group: the group to communicate in (``None``: the default group).
         block_size: DCT block length, a power of two in [2, 65536].
-        keep_ratio: fraction of each block's coefficients kept (the lowest frequencies), in
+        keep_ratio: fraction of each block's coefficients sent (which ones: ``band``), in
             (0, 1]; ``keep = max(1, round(keep_ratio * block_size))``.
         bits: width of the integers on the wire: 8, 16 or 32. The levels leave headroom for
             the sum over ranks: ``levels = (2**(bits-1) - 1) // world_size``. 16-bit values are
             sent two per int32 word (neither gloo nor NCCL sums int16), so they cost 2 bytes.
         band: which coefficients of each block are sent. ``"low"``: always the ``keep``
-            lowest frequencies (the seed's high-frequency filter; the higher frequencies are
+            lowest frequencies (a high-frequency filter; the higher frequencies are
             never sent, so error feedback cannot deliver them). ``"cycling"`` (default): the
             ``ceil(keep / 2)`` lowest always, the other ``keep // 2`` slots walk through the
             remaining frequencies step by step, so everything held back is sent eventually.
-        rank_weight, warmup_steps, min_compress_numel: see :class:`HookState`.
+        rank_weight, warmup_steps, min_compress_numel: see
+            :class:`~hetero_comm.hooks.ErrorFeedbackState`.
     """
 
     _checkpoint_settings = ("block_size", "keep_ratio", "bits", "band")
-    _plan_tensors = ("residual",)
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *,
                  block_size: int = 256, keep_ratio: float = 0.125, bits: int = 8,
@@ -96,23 +98,19 @@ class DCTQuantState(HookState):
                  rank_weight: Optional[float] = None, warmup_steps: int = 1,
                  min_compress_numel: int = 0) -> None:
         super().__init__(process_group, rank_weight, warmup_steps, min_compress_numel)
-        self.block_size = check_int("block_size", block_size, 2, 65536)
+        self.block_size = check_int("block_size", block_size, 2, MAX_BLOCK_SIZE)
         if block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two in [2, 65536]; got {block_size}")
+            raise ValueError(f"block_size must be a power of two in [2, {MAX_BLOCK_SIZE}]; "
+                             f"got {block_size}")
         self.keep_ratio = check_float("keep_ratio", keep_ratio, 0.0, 1.0, low_open=True)
         self.keep = max(1, round(keep_ratio * block_size))
-        if bits not in QUANT_DTYPES:
-            raise ValueError(f"bits must be 8, 16 or 32; got {bits!r}")
-        self.bits = bits
-        if band not in BANDS:
-            raise ValueError(f"band must be one of {BANDS}; got {band!r}")
-        self.band = band
+        self.bits = check_choice("bits", bits, QUANT_DTYPES)
+        self.band = check_choice("band", band, BANDS)
         self._log_settings()
 
     def settings(self) -> dict:
         return dict(block_size=self.block_size, keep_ratio=self.keep_ratio, bits=self.bits,
-                    band=self.band,
-                    **super().settings())
+                    band=self.band, **super().settings())
 
     def levels(self) -> int:
         world_size = self.world_size()
@@ -138,106 +136,23 @@ class DCTQuantState(HookState):
         cycling = low + (start + torch.arange(self.keep - low)) % rest
         return torch.cat([torch.arange(low), cycling.sort().values])
 
-    def _encode(self, residual, coeffs, band, device) -> None:
-        if band is None:
-            ops.dct_encode(residual, self.block_size, self.keep, out=coeffs)
-            return
-        full = self.pool.acquire(coeffs.shape[0] * self.block_size, torch.float32, device)
-        full = full.view(coeffs.shape[0], self.block_size)
-        ops.dct_encode(residual, self.block_size, self.block_size, out=full)
-        torch.index_select(full, 1, band, out=coeffs)
-        self.pool.release(full)
-
-    def _decode(self, coeffs, band, n, out) -> None:
-        if band is None:
-            ops.dct_decode(coeffs, self.block_size, n, out=out)
-            return
-        full = self.pool.acquire(coeffs.shape[0] * self.block_size, torch.float32, out.device)
-        full = full.view(coeffs.shape[0], self.block_size).zero_()
-        full.index_copy_(1, band, coeffs)
-        ops.dct_decode(full, self.block_size, n, out=out)
-        self.pool.release(full)
-
-    def _compress(self, plan_bucket: PlanBucket, grad: torch.Tensor, index: int) -> torch.futures.Future:
-        n, device = grad.numel(), grad.device
-        blocks, keep = num_segments(n, self.block_size), self.keep
-        levels, world_size = self.levels(), self.world_size()
-        residual = plan_bucket.tensors["residual"]
-        coeffs = self.pool.acquire(blocks * keep, torch.float32, device).view(blocks, keep)
-        scale = self.pool.acquire(blocks, torch.float32, device)
-        with self._timer("encode_seconds"):
-            residual.add_(grad, alpha=self.weight())
-            band = self.frequencies(self.step - self.warmup_steps)
-            if band is not None:
-                band = band.to(device)
-            self._encode(residual, coeffs, band, device)
-            torch.linalg.vector_norm(coeffs, math.inf, dim=1, out=scale)
-            scale.nan_to_num_(nan=math.inf)  # MAX keeps an infinity, so every rank sees it
-        self._count_bytes(n * grad.element_size(), blocks * 4 + self.wire_bytes(n), True)
-        # Wait here rather than in a callback: every collective is issued from this thread,
-        # so all ranks issue them in the same order (gloo and NCCL match them by order).
-        dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=self.process_group)
-        quant_dtype = QUANT_DTYPES[self.bits]
-        q = self.pool.acquire(blocks * keep, quant_dtype, device).view(blocks, keep)
-        decoded = self.pool.acquire(n, torch.float32, device)
-        if self.bits == 16:
-            wire = self.pool.acquire((blocks * keep + 1) // 2, torch.int32, device)
-            summed = self.pool.acquire(blocks * keep, torch.int32, device).view(blocks, keep)
-            buffers = (coeffs, scale, q, decoded, wire, summed)
-        else:
-            wire = self.pool.acquire(blocks * keep, quant_dtype, device)
-            summed = wire.view(blocks, keep)
-            buffers = (coeffs, scale, q, decoded, wire)
-
-        def release():
-            for buffer in buffers:
-                self.pool.release(buffer)
-
-        with self._timer("encode_seconds"):
-            if not bool(torch.isfinite(scale).all()):
-                release()
-                raise_non_finite(self, index, plan_bucket)
-            ops.quantize(coeffs, scale, levels, quant_dtype, out=q)
-            if self.bits == 16:
-                pack_int16_pairs(q.view(-1), levels, wire)
-            else:
-                wire.copy_(q.view(-1))
-        summed_future = dist.all_reduce(wire, group=self.process_group, async_op=True).get_future()
-        with self._timer("encode_seconds"):
-            # Error feedback while the integers travel: keep what this rank's own integers
-            # do not represent (residual = accumulated - decode(q_local)).
-            ops.dequantize(q, scale, levels, out=coeffs)
-            self._decode(coeffs, band, n, decoded)
-            residual.sub_(decoded)
-
-        def decode(fut):
-            fut.value()
-            with self._timer("decode_seconds"):
-                if self.bits == 16:
-                    unpack_int16_pair_sums(wire, levels, world_size, blocks * keep, summed.view(-1))
-                ops.dequantize(summed, scale, levels, out=coeffs)
-                self._decode(coeffs, band, n, decoded)
-                grad.copy_(decoded)
-                release()
-            return grad
-
-        return summed_future.then(decode)
-
 
 def dct_quant_hook(state: DCTQuantState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    r"""Send each bucket as quantized low-frequency DCT coefficients, with error feedback.
+    r"""Send each bucket as quantized DCT coefficients, with error feedback.
 
-    Per bucket (flattened gradient ``g`` of ``n`` elements), after ``warmup_steps`` dense steps:
+    Per bucket (flattened gradient ``g`` of ``n`` elements), after ``warmup_steps`` dense steps
+    (the steps are :func:`_dct_quant_allreduce`, top to bottom):
 
     1. ``residual += w * g`` (``w``: this rank's weight, ``1 / world_size`` by default).
-    2. Blockwise DCT-II of the residual, keeping the ``keep`` lowest coefficients of each
-       block of ``block_size`` (:func:`hetero_comm.ops.dct_encode`).
+    2. Blockwise DCT-II of the residual, keeping ``keep`` coefficients of each block of
+       ``block_size``: the lowest, or with ``band="cycling"`` the lowest half and a band
+       that moves every step (:func:`hetero_comm.ops.dct_encode`).
     3. Agree on a per-block scale, the same on every rank: a MAX allreduce of each block's
        largest ``|coefficient|``.
     4. Quantize to integers in ``[-levels, levels]`` with
        ``levels = (2**(bits-1) - 1) // world_size`` (:func:`hetero_comm.ops.quantize`), so
        the sum over ranks cannot overflow.
-    5. ONE allreduce (sum) of the integers. Meanwhile, error feedback:
+    5. Allreduce (sum) the integers. Meanwhile, error feedback:
        ``residual -= decode(this rank's integers)``.
     6. Dequantize the sum and invert the DCT into the bucket
        (:func:`hetero_comm.ops.dequantize`, :func:`hetero_comm.ops.dct_decode`).
@@ -257,4 +172,110 @@ def dct_quant_hook(state: DCTQuantState, bucket: dist.GradBucket) -> torch.futur
         >>> state = DCTQuantState(block_size=256, keep_ratio=0.125, bits=8)
         >>> ddp_model.register_comm_hook(state, dct_quant_hook)
     """
-    return state.run(bucket)
+    return state.run(bucket, _dct_quant_allreduce)
+
+
+def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: torch.Tensor,
+                         index: int) -> torch.futures.Future[torch.Tensor]:
+    """Steps 1-6 of :func:`dct_quant_hook` for ``grad``, laid out like ``plan_bucket``."""
+    n, device, pool, step = grad.numel(), grad.device, state.pool, state.step
+    blocks, keep, levels, world_size = num_segments(n, state.block_size), state.keep, state.levels(), state.world_size()
+    residual = plan_bucket.tensors["residual"]
+    buffers = _Buffers(pool, device, blocks, keep, n, state.bits)
+    coeffs, scale, q = buffers.coeffs, buffers.scale, buffers.q
+    with state.timer("encode_seconds"):
+        # 1. Accumulate.
+        residual.add_(grad, alpha=state.weight())
+        # 2. Transform.
+        band = state.frequencies(step - state.warmup_steps)
+        band = None if band is None else band.to(device)
+        _encode(state, residual, band, out=coeffs)
+        # 3. Agree on a scale (below): each block's largest |coefficient|.
+        torch.linalg.vector_norm(coeffs, math.inf, dim=1, out=scale)
+        scale.nan_to_num_(nan=math.inf)  # MAX keeps an infinity, so every rank sees it
+    state.count_bytes(n * grad.element_size(), blocks * 4 + state.wire_bytes(n), True)
+    # Wait here rather than in a callback: every collective is issued from this thread,
+    # so all ranks issue them in the same order (gloo and NCCL match them by order).
+    dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=state.process_group)
+    with state.timer("encode_seconds"):
+        if not bool(torch.isfinite(scale).all()):
+            buffers.release()
+            raise state.non_finite(index, step, plan_bucket)
+        # 4. Quantize.
+        ops.quantize(coeffs, scale, levels, QUANT_DTYPES[state.bits], out=q)
+        if state.bits == 16:
+            pack_int16_pairs(q.view(-1), levels, buffers.wire)
+        else:
+            buffers.wire.copy_(q.view(-1))
+    # 5. Allreduce the integers; meanwhile error feedback keeps what this rank's own
+    #    integers do not represent: residual -= decode(q_local).
+    summed = dist.all_reduce(buffers.wire, group=state.process_group, async_op=True).get_future()
+    with state.timer("encode_seconds"):
+        ops.dequantize(q, scale, levels, out=coeffs)
+        _decode(state, coeffs, band, out=buffers.decoded)
+        residual.sub_(buffers.decoded)
+
+    # 6. Dequantize the sum and invert the transform into the bucket.
+    def decode(fut) -> torch.Tensor:
+        fut.value()
+        with state.timer("decode_seconds"):
+            if state.bits == 16:
+                unpack_int16_pair_sums(buffers.wire, levels, world_size, blocks * keep, buffers.summed.view(-1))
+            ops.dequantize(buffers.summed, scale, levels, out=coeffs)
+            _decode(state, coeffs, band, out=buffers.decoded)
+            grad.copy_(buffers.decoded)
+            buffers.release()
+        return grad
+
+    return summed.then(decode)
+
+
+class _Buffers:
+    """The pooled work buffers of one :func:`_dct_quant_allreduce` call."""
+
+    def __init__(self, pool, device, blocks: int, keep: int, n: int, bits: int) -> None:
+        self.pool = pool
+        self.coeffs = pool.acquire(blocks * keep, torch.float32, device).view(blocks, keep)
+        self.scale = pool.acquire(blocks, torch.float32, device)
+        self.q = pool.acquire(blocks * keep, QUANT_DTYPES[bits], device).view(blocks, keep)
+        self.decoded = pool.acquire(n, torch.float32, device)
+        self._all = [self.coeffs, self.scale, self.q, self.decoded]
+        if bits == 16:  # two int16 per int32 word on the wire, the sums unpacked to int32
+            self.wire = pool.acquire((blocks * keep + 1) // 2, torch.int32, device)
+            self.summed = pool.acquire(blocks * keep, torch.int32, device).view(blocks, keep)
+            self._all += [self.wire, self.summed]
+        else:
+            self.wire = pool.acquire(blocks * keep, QUANT_DTYPES[bits], device)
+            self.summed = self.wire.view(blocks, keep)
+            self._all.append(self.wire)
+
+    def release(self) -> None:
+        for buffer in self._all:
+            self.pool.release(buffer)
+
+
+def _encode(state: DCTQuantState, residual: torch.Tensor, band: Optional[torch.Tensor],
+            out: torch.Tensor) -> None:
+    """The coefficients ``band`` (``None``: the lowest ``keep``) of each block of ``residual``."""
+    if band is None:
+        ops.dct_encode(residual, state.block_size, state.keep, out=out)
+        return
+    full = state.pool.acquire(out.shape[0] * state.block_size, torch.float32, out.device)
+    full = full.view(out.shape[0], state.block_size)
+    ops.dct_encode(residual, state.block_size, state.block_size, out=full)
+    torch.index_select(full, 1, band, out=out)
+    state.pool.release(full)
+
+
+def _decode(state: DCTQuantState, coeffs: torch.Tensor, band: Optional[torch.Tensor],
+            out: torch.Tensor) -> None:
+    """Inverse of :func:`_encode`: the blocks whose coefficients ``band`` are ``coeffs``,
+    every other coefficient zero."""
+    if band is None:
+        ops.dct_decode(coeffs, state.block_size, out.numel(), out=out)
+        return
+    full = state.pool.acquire(coeffs.shape[0] * state.block_size, torch.float32, out.device)
+    full = full.view(coeffs.shape[0], state.block_size).zero_()
+    full.index_copy_(1, band, coeffs)
+    ops.dct_decode(full, state.block_size, out.numel(), out=out)
+    state.pool.release(full)

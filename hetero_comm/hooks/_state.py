@@ -1,0 +1,273 @@
+"""The state every hetero_comm hook keeps, and the frame every compressing hook runs in.
+
+* :class:`HookState`: settings shared by every hook (process group, rank weight), statistics,
+  pickling, checkpointing of the counters, and the weighted dense allreduce.
+* :class:`ErrorFeedbackState`: adds what compressing hooks share: the dense warm-up, the
+  minimum bucket size, the buffer pool, the parameter-keyed :class:`~._plan.Plan` of
+  error-feedback state, and :meth:`ErrorFeedbackState.run`, which routes a bucket through
+  the plan to the hook's own send function.
+"""
+
+import logging
+import time
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .._checks import check_float, check_int, check_optional
+from .._layout import GRADIENT_DTYPES
+from ..buffer_pool import BufferPool
+from ._plan import Plan, PlanBucket, Route
+
+logger = logging.getLogger("hetero_comm")
+
+__all__ = ["HookState", "ErrorFeedbackState"]
+
+# send(state, plan_bucket, grad, bucket_index) -> future of grad holding the weighted sum
+SendFunction = Callable[["ErrorFeedbackState", PlanBucket, torch.Tensor, int], torch.futures.Future]
+
+
+class _Timer:
+    """Adds the seconds spent inside ``with`` to ``stats[field]``."""
+
+    def __init__(self, stats: dict, field: str) -> None:
+        self.stats, self.field = stats, field
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.stats[self.field] += time.perf_counter() - self.start
+
+
+class HookState:
+    """Settings, statistics and checkpointing shared by the hetero_comm hooks.
+
+    Args:
+        process_group: the group to communicate in (``None``: the default group).
+        rank_weight: this rank's weight ``w_i`` in the result ``sum_i w_i * g_i``
+            (``None``: ``1 / world_size``, the plain average). The weights of all ranks
+            should sum to 1; the heterogeneous-batch planner sets
+            ``w_i = local_batch_i / global_batch``. May be changed between steps.
+    """
+
+    # Hook-specific settings that must match when loading a checkpoint.
+    _checkpoint_settings: Tuple[str, ...] = ()
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
+                 rank_weight: Optional[float] = None) -> None:
+        # Settings.
+        self.process_group = process_group
+        self.rank_weight = rank_weight
+        # Internal state: steps completed (a step ends with DDP's last bucket).
+        self.step = 0
+        # Statistics.
+        self._stats = dict(bytes_sent=0, bytes_dense=0, compressed_bytes_sent=0,
+                           compressed_bytes_dense=0, encode_seconds=0.0, decode_seconds=0.0,
+                           dense_fallbacks=0)
+
+    # ---------------------------------------------------------------- settings and logging
+    @property
+    def rank_weight(self) -> Optional[float]:
+        return self._rank_weight
+
+    @rank_weight.setter
+    def rank_weight(self, value: Optional[float]) -> None:
+        self._rank_weight = check_optional(check_float, "rank_weight", value, 0.0, 1.0)
+
+    def weight(self) -> float:
+        """The weight applied to this rank's gradient this step."""
+        if self._rank_weight is not None:
+            return self._rank_weight
+        return 1.0 / dist.get_world_size(self.process_group)
+
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    def settings(self) -> dict:
+        """The settings of this state, as passed to the constructor."""
+        return dict(rank_weight=self._rank_weight)
+
+    def _log_settings(self) -> None:
+        logger.info("%s: %s", type(self).__name__,
+                    ", ".join(f"{k}={v}" for k, v in self.settings().items()))
+
+    def __getstate__(self) -> dict:
+        """Pickle without the process group (not picklable); the unpickled state uses the
+        default group unless one is assigned."""
+        state = dict(self.__dict__)
+        state["process_group"] = None
+        return state
+
+    # ------------------------------------------------------------------------ statistics
+    def stats(self) -> dict:
+        """Totals since construction (or the loaded checkpoint).
+
+        Returns:
+            dict with ``steps``; ``bytes_sent`` and ``bytes_dense`` (bytes this rank handed to
+            collectives, and what plain allreduce of the same gradients would have handed,
+            warm-up included); ``compression_ratio`` (dense-equivalent bytes / bytes sent,
+            over the compressed steps only, everything on the wire counted: values,
+            importance, scales; ``nan`` before the first compressed step);
+            ``encode_seconds`` and ``decode_seconds`` (time in the hook around the
+            collectives); ``dense_fallbacks`` (buckets sent dense because their layout did
+            not match the plan, see :mod:`hetero_comm.hooks._plan`).
+        """
+        s = dict(self._stats)
+        sent, dense = s.pop("compressed_bytes_sent"), s.pop("compressed_bytes_dense")
+        s["compression_ratio"] = dense / sent if sent else float("nan")
+        s["steps"] = self.step
+        return s
+
+    def count_bytes(self, dense: int, sent: int, compressed_step: bool) -> None:
+        self._stats["bytes_dense"] += dense
+        self._stats["bytes_sent"] += sent
+        if compressed_step:
+            self._stats["compressed_bytes_dense"] += dense
+            self._stats["compressed_bytes_sent"] += sent
+
+    def timer(self, field: str) -> _Timer:
+        """``with state.timer("encode_seconds"):`` adds the time inside to that statistic."""
+        return _Timer(self._stats, field)
+
+    # ---------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to continue exactly (tensors are cloned)."""
+        return {
+            "type": type(self).__name__,
+            "settings": {name: getattr(self, name) for name in self._checkpoint_settings},
+            "step": self.step,
+            "stats": dict(self._stats),
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what :meth:`state_dict` saved (before or after registering the hook)."""
+        if state_dict.get("type") != type(self).__name__:
+            raise ValueError(f"state_dict was saved by {state_dict.get('type')!r}, "
+                             f"not {type(self).__name__!r}")
+        for name, value in state_dict["settings"].items():
+            if getattr(self, name) != value:
+                raise ValueError(f"state_dict was saved with {name}={value!r}; this state has "
+                                 f"{name}={getattr(self, name)!r}")
+        self.step = int(state_dict["step"])
+        self._stats.update(state_dict["stats"])
+
+    # ----------------------------------------------------------------------- running
+    def send_dense(self, grad: torch.Tensor, compressed_step: bool) -> torch.futures.Future:
+        """Weighted dense allreduce of ``grad`` in place."""
+        with self.timer("encode_seconds"):
+            grad.mul_(self.weight())
+        nbytes = grad.numel() * grad.element_size()
+        self.count_bytes(nbytes, nbytes, compressed_step)
+        work = dist.all_reduce(grad, group=self.process_group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    def end_bucket(self, bucket: dist.GradBucket) -> None:
+        """Count the step once DDP hands over its last bucket."""
+        if bucket.is_last():
+            self.step += 1
+
+
+class ErrorFeedbackState(HookState):
+    """:class:`HookState` plus what the compressing hooks share.
+
+    Args:
+        process_group, rank_weight: see :class:`HookState`.
+        warmup_steps: steps sent dense (plain weighted allreduce) before compressing, >= 1
+            because DDP's first iteration runs with a provisional bucket layout.
+        min_compress_numel: buckets with fewer elements are always sent dense, >= 0.
+        plan_tensors: (for subclasses) the flat float32 buffers each plan bucket keeps.
+    """
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
+                 rank_weight: Optional[float] = None, warmup_steps: int = 1,
+                 min_compress_numel: int = 0, *,
+                 plan_tensors: Tuple[str, ...] = ("residual",)) -> None:
+        super().__init__(process_group, rank_weight)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 1)
+        self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 0)
+        self.pool = BufferPool()
+        self.plan = Plan(plan_tensors, type(self).__name__)
+
+    def settings(self) -> dict:
+        return dict(super().settings(), warmup_steps=self.warmup_steps,
+                    min_compress_numel=self.min_compress_numel)
+
+    def __getstate__(self) -> dict:
+        """Pickle without the pool (its storage belongs to this process)."""
+        state = super().__getstate__()
+        del state["pool"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.pool = BufferPool()
+
+    def stats(self) -> dict:
+        """:meth:`HookState.stats` plus ``pool`` (the buffer pool's counters)."""
+        return dict(super().stats(), pool=self.pool.stats())
+
+    def held_back(self, parameters) -> List[torch.Tensor]:
+        """What error feedback holds back for each parameter (its slice of the residual,
+        shaped like the parameter; zeros where nothing is held). In the units of the result:
+        already multiplied by this rank's weight."""
+        return self.plan.held_back(parameters)
+
+    def state_dict(self) -> dict:
+        """:meth:`HookState.state_dict` plus the per-parameter error-feedback state."""
+        return dict(super().state_dict(), plan=self.plan.state_dict())
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.plan.load_state_dict(state_dict["plan"])
+
+    # ----------------------------------------------------------------------- running
+    def run(self, bucket: dist.GradBucket, send: SendFunction) -> torch.futures.Future[torch.Tensor]:
+        """Process one bucket: dense during warm-up, for small buckets or a layout the plan
+        does not hold yet; else ``send`` each plan bucket's worth of it. Advances
+        :attr:`step` after the last bucket."""
+        grad = bucket.buffer()
+        if grad.dtype not in GRADIENT_DTYPES:
+            raise TypeError(f"{type(self).__name__}: bucket {bucket.index()} has dtype "
+                            f"{grad.dtype}; gradients must be float32, bfloat16 or float16")
+        compressing = self.step >= self.warmup_steps
+        route = None
+        if compressing and grad.numel() >= self.min_compress_numel:
+            route = self.plan.route(bucket)
+            self._stats["dense_fallbacks"] += route is None
+        else:
+            self.plan.keys_of(bucket)  # learn the provisional layout's keys
+        if route is None:
+            future = self.send_dense(grad, compressing)
+        elif route.in_place:
+            future = send(self, route.parts[0], grad, bucket.index())
+        else:
+            future = self._send_parts(route, grad, bucket.index(), send)
+        self.end_bucket(bucket)
+        return future
+
+    def _send_parts(self, route: Route, grad: torch.Tensor, index: int,
+                    send: SendFunction) -> torch.futures.Future:
+        """A bucket made of whole plan buckets: each sent in its own layout."""
+        sent = []
+        for part in route.parts:
+            buffer = route.gather(part, grad, self.pool.acquire(part.numel, grad.dtype, grad.device))
+            sent.append((part, buffer, send(self, part, buffer, index)))
+
+        def scatter(_):
+            for part, buffer, future in sent:
+                route.scatter(part, future.value(), grad)
+                self.pool.release(buffer)
+            return grad
+
+        return torch.futures.collect_all([future for _, _, future in sent]).then(scatter)
+
+    def non_finite(self, index: int, step: int, plan_bucket: PlanBucket) -> FloatingPointError:
+        """Reset the bucket's error-feedback state and return the error to raise: a NaN or
+        infinity reached it on some rank at ``step``."""
+        plan_bucket.reset()
+        return FloatingPointError(
+            f"{type(self).__name__}: non-finite gradient (NaN or infinity) in DDP bucket "
+            f"{index} on at least one rank at step {step}; this step's gradient for the "
+            f"bucket is dropped and its error-feedback state reset")
