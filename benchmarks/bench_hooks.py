@@ -26,20 +26,25 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hetero_comm.training import TrainConfig, free_port, make_hook, run_training
+from hetero_comm.lab.launch import free_port
+from hetero_comm.lab.registry import make_hook
+from hetero_comm.lab.training import TrainConfig, run_training
 
 CONFIGS = [
     ("dense allreduce", dict(hook="dense")),
     ("torch fp16_compress_hook", dict(hook="fp16")),
-    ("torch powerSGD_hook rank 1", dict(hook="powersgd", powersgd_rank=1)),
-    ("torch powerSGD_hook rank 4", dict(hook="powersgd", powersgd_rank=4)),
-    ("segment_sparse 1% (current)", dict(hook="sparse", density=0.01)),
-    ("segment_sparse 1% (lagged)", dict(hook="sparse", density=0.01, selection="lagged")),
-    ("segment_sparse 1% + momentum corr.", dict(hook="sparse", density=0.01, hook_momentum=0.9)),
-    ("segment_sparse 0.1%", dict(hook="sparse", density=0.001)),
-    ("dct_quant keep 1/8, 8 bit", dict(hook="dct", keep_ratio=0.125, bits=8)),
-    ("dct_quant keep 1/8, 8 bit, low band", dict(hook="dct", keep_ratio=0.125, bits=8, band="low")),
-    ("dct_quant keep 1/4, 16 bit", dict(hook="dct", keep_ratio=0.25, bits=16)),
+    ("torch powerSGD_hook rank 1", dict(hook="powersgd", hook_settings=dict(matrix_approximation_rank=1))),
+    ("torch powerSGD_hook rank 4", dict(hook="powersgd", hook_settings=dict(matrix_approximation_rank=4))),
+    ("segment_sparse 1% (current)", dict(hook="sparse", hook_settings=dict(density=0.01))),
+    ("segment_sparse 1% (lagged)",
+     dict(hook="sparse", hook_settings=dict(density=0.01, selection="lagged"))),
+    ("segment_sparse 1% + momentum corr.",
+     dict(hook="sparse", hook_settings=dict(density=0.01, momentum=0.9))),
+    ("segment_sparse 0.1%", dict(hook="sparse", hook_settings=dict(density=0.001))),
+    ("dct_quant keep 1/8, 8 bit", dict(hook="dct", hook_settings=dict(keep_ratio=0.125, bits=8))),
+    ("dct_quant keep 1/8, 8 bit, low band",
+     dict(hook="dct", hook_settings=dict(keep_ratio=0.125, bits=8, band="low"))),
+    ("dct_quant keep 1/4, 16 bit", dict(hook="dct", hook_settings=dict(keep_ratio=0.25, bits=16))),
 ]
 
 
@@ -67,7 +72,7 @@ def hook_cost_ms_per_mb(config: TrainConfig, repeats: int) -> float:
             model.zero_grad(set_to_none=False)
         return statistics.median(times[3:])
 
-    state, hook, _ = make_hook(config)
+    state, hook = make_hook(config.hook, config.hook_settings)
     with_hook = median_backward(hook, state)
     without = median_backward(_noop_hook, None)
     return 1000 * (with_hook - without) / megabytes

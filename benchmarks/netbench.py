@@ -2,7 +2,7 @@
 
 Every rank runs in its own network namespace; the ranks are joined by veth links (through a
 bridge namespace for more than two), each shaped by a token-bucket qdisc to the link's rate
-(:class:`hetero_comm.netlab.RateLimitedNetwork`), and gloo talks over them. "loopback" is the
+(:class:`hetero_comm.lab.netlab.RateLimitedNetwork`), and gloo talks over them. "loopback" is the
 unshaped case: the same workers on 127.0.0.1. Root only: elsewhere this says why and exits.
 Everything it creates is deleted on exit, also on Ctrl-C, SIGTERM or a failing rank.
 
@@ -39,13 +39,13 @@ import time
 HOOK_RUNS = [
     ("float32 allreduce", dict(hook="dense")),
     ("torch fp16_compress", dict(hook="fp16")),
-    ("torch PowerSGD rank 1", dict(hook="powersgd", powersgd_rank=1)),
-    ("torch PowerSGD rank 4", dict(hook="powersgd", powersgd_rank=4)),
-    ("sparse 10%", dict(hook="sparse", density=0.1)),
-    ("sparse 1%", dict(hook="sparse", density=0.01)),
-    ("sparse 0.1%", dict(hook="sparse", density=0.001)),
-    ("dct keep 1/8, 8 bit", dict(hook="dct", keep_ratio=0.125, bits=8)),
-    ("dct keep 1/4, 16 bit", dict(hook="dct", keep_ratio=0.25, bits=16)),
+    ("torch PowerSGD rank 1", dict(hook="powersgd", hook_settings=dict(matrix_approximation_rank=1))),
+    ("torch PowerSGD rank 4", dict(hook="powersgd", hook_settings=dict(matrix_approximation_rank=4))),
+    ("sparse 10%", dict(hook="sparse", hook_settings=dict(density=0.1))),
+    ("sparse 1%", dict(hook="sparse", hook_settings=dict(density=0.01))),
+    ("sparse 0.1%", dict(hook="sparse", hook_settings=dict(density=0.001))),
+    ("dct keep 1/8, 8 bit", dict(hook="dct", hook_settings=dict(keep_ratio=0.125, bits=8))),
+    ("dct keep 1/4, 16 bit", dict(hook="dct", hook_settings=dict(keep_ratio=0.25, bits=16))),
 ]
 QUICK_HOOKS = ("float32 allreduce", "torch fp16_compress", "torch PowerSGD rank 4", "sparse 1%",
                "dct keep 1/8, 8 bit")
@@ -69,7 +69,7 @@ def worker() -> None:
     import torch
     import torch.distributed as dist
 
-    from hetero_comm.training import TrainConfig, train_rank
+    from hetero_comm.lab.training import TrainConfig, train_rank
 
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -91,7 +91,7 @@ def worker() -> None:
 
 def run_workers(num_ranks: int, link: str, entries: list) -> dict:
     """Run ``entries`` on ``num_ranks`` workers over ``link``; rank 0's records by key."""
-    from hetero_comm.netlab import RateLimitedNetwork
+    from hetero_comm.lab.netlab import RateLimitedNetwork
 
     argv = [sys.executable, os.path.abspath(__file__), "--worker"]
     env = dict(WORLD_SIZE=num_ranks, HC_CONFIGS=json.dumps(entries))
@@ -141,7 +141,7 @@ def _wait_all(processes) -> None:
 
 # ----------------------------------------------------------------------------- analysis
 def rate_mbit(link: str) -> float:
-    from hetero_comm.netlab import parse_rate
+    from hetero_comm.lab.netlab import parse_rate
     return float("inf") if link == "loopback" else parse_rate(link) / 1e6
 
 
@@ -211,7 +211,7 @@ def main() -> int:
     if args.worker:
         worker()
         return 0
-    from hetero_comm.netlab import netlab_unavailable
+    from hetero_comm.lab.netlab import netlab_unavailable
     reason = netlab_unavailable()
     if reason is not None:
         print(f"netbench: skipped: real rate-limited links are not possible here ({reason}); "

@@ -15,18 +15,15 @@ import signal
 import statistics
 import sys
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
-from .hetero import cpu_quota_unavailable
-from .training import HOOKS, MODELS, WEIGHTED_HOOKS, TrainConfig, run_training
+from .lab.data import MODELS
+from .lab.registry import HOOKS, WEIGHTED_HOOKS
+from .lab.throttle import cpu_quota_unavailable
+from .lab.training import BATCHING, TrainConfig, run_training
 
-HOOK_TITLES = {
-    "dense": "dense allreduce",
-    "sparse": "segment_sparse_hook",
-    "dct": "dct_quant_hook",
-    "fp16": "torch fp16_compress_hook",
-    "powersgd": "torch powerSGD_hook",
-}
+# The demo's flags that set each hook's state (flag name = the state's argument).
+HOOK_FLAGS = {"sparse": ("density", "segment_size", "selection"), "dct": ("keep_ratio", "bits")}
 
 
 def _hook_list(text: str) -> List[str]:
@@ -38,24 +35,16 @@ def _hook_list(text: str) -> List[str]:
     return hooks
 
 
-def _positive(kind):
+def _number(kind):
+    """Parse a flag's text as ``kind``; its range is checked by :meth:`TrainConfig.validate`
+    (or the hook state it builds), the one place every setting is validated."""
     def parse(text: str):
         try:
-            value = kind(text)
+            return kind(text)
         except ValueError:
             what = "an integer" if kind is int else "a number"
             raise argparse.ArgumentTypeError(f"expected {what}; got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0; got {text}")
-        return value
     return parse
-
-
-def _density(text: str) -> float:
-    value = _positive(float)(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1]; got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,28 +52,30 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train once per hook on local workers and compare",
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    demo.add_argument("--workers", type=_positive(int), default=2, help="local worker processes")
+    demo.add_argument("--workers", type=_number(int), default=2, help="local worker processes")
     demo.add_argument("--hooks", type=_hook_list, default=None,
                       help=f"comma-separated, from: {','.join(HOOKS)} (default: all; with "
                            f"dynamic batching: {','.join(WEIGHTED_HOOKS)})")
-    demo.add_argument("--epochs", type=_positive(int), default=8)
-    demo.add_argument("--density", type=_density, default=0.01,
+    demo.add_argument("--epochs", type=_number(int), default=8)
+    demo.add_argument("--density", type=_number(float), default=0.01,
                       help="segment_sparse_hook: fraction of segments sent")
-    demo.add_argument("--keep-ratio", type=_density, default=0.125,
+    demo.add_argument("--segment-size", type=_number(int), default=256,
+                      help="segment_sparse_hook: elements per segment")
+    demo.add_argument("--keep-ratio", type=_number(float), default=0.125,
                       help="dct_quant_hook: fraction of DCT coefficients sent")
     demo.add_argument("--bits", type=int, choices=(8, 16, 32), default=8,
                       help="dct_quant_hook: integer width on the wire")
-    demo.add_argument("--lr", type=_positive(float), default=0.02, help="SGD learning rate")
-    demo.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    demo.add_argument("--lr", type=_number(float), default=0.02, help="SGD learning rate")
+    demo.add_argument("--momentum", type=_number(float), default=0.9, help="SGD momentum")
     demo.add_argument("--selection", choices=("current", "lagged"), default="current",
                       help="segment_sparse_hook: selection mode")
     demo.add_argument("--model", choices=MODELS, default="mlp",
                       help="mlp: 85K parameters; cnn: bound by compute (where a slow worker "
                            "shows most); cnn_wide: two convolutions and a wide linear layer")
-    demo.add_argument("--slow-worker-cores", type=_positive(float), default=None,
+    demo.add_argument("--slow-worker-cores", type=_number(float), default=None,
                       metavar="CORES", help="run the last worker under a CPU quota of this many "
                                             "cores (cgroup; needs root)")
-    demo.add_argument("--batching", choices=("equal", "dynamic", "both"), default="equal",
+    demo.add_argument("--batching", choices=BATCHING + ("both",), default="equal",
                       help="per-worker batch sizes: equal, proportional to measured speed "
                            "(re-planned every epoch), or one run of each")
     demo.add_argument("--seed", type=int, default=0)
@@ -96,30 +87,40 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        if not 0 <= args.momentum < 1:
-            parser.error(f"argument --momentum: must be in [0, 1); got {args.momentum}")
-        batchings = ["equal", "dynamic"] if args.batching == "both" else [args.batching]
-        if args.hooks is None:
-            args.hooks = list(WEIGHTED_HOOKS if "dynamic" in batchings else HOOKS)
-        unweighted = [h for h in args.hooks if h not in WEIGHTED_HOOKS]
-        if "dynamic" in batchings and unweighted:
-            parser.error(f"argument --batching: dynamic batching needs hooks that weight each "
-                         f"worker's gradient ({', '.join(WEIGHTED_HOOKS)}); drop "
-                         f"{', '.join(unweighted)} from --hooks")
-        if args.slow_worker_cores is not None:
-            reason = cpu_quota_unavailable()
-            if reason is not None:
-                parser.error(f"argument --slow-worker-cores: {reason}")
-            # Terminated mid-run, the quota's cgroup is still removed: SIGTERM unwinds.
-            signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        args.batchings = batchings
-        return demo(args)
-    return 2
+    if args.command != "demo":
+        return 2
+    try:
+        runs = demo_runs(args)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.slow_worker_cores is not None:
+        reason = cpu_quota_unavailable()
+        if reason is not None:
+            parser.error(f"argument --slow-worker-cores: {reason}")
+        # Terminated mid-run, the quota's cgroup is still removed: SIGTERM unwinds.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return demo(args, runs)
 
 
-def demo(args) -> int:
-    global_batch = 32 * args.workers
+def demo_runs(args) -> Dict[str, TrainConfig]:
+    """The demo's runs by name (``hook`` or ``hook/batching``), each validated."""
+    batchings = list(BATCHING) if args.batching == "both" else [args.batching]
+    hooks = args.hooks or list(WEIGHTED_HOOKS if "dynamic" in batchings else HOOKS)
+    runs = {}
+    for hook, batching in itertools.product(hooks, batchings):
+        config = TrainConfig(hook=hook, workers=args.workers, epochs=args.epochs,
+                             global_batch=32 * args.workers, seed=args.seed, lr=args.lr,
+                             momentum=args.momentum, model=args.model, batching=batching,
+                             slow_worker_cores=args.slow_worker_cores,
+                             hook_settings={flag: getattr(args, flag)
+                                            for flag in HOOK_FLAGS.get(hook, ())})
+        config.validate()
+        runs[hook if len(batchings) == 1 else f"{hook}/{batching}"] = config
+    return runs
+
+
+def demo(args, runs: Dict[str, TrainConfig]) -> int:
+    first = next(iter(runs.values()))
     os.makedirs(args.out, exist_ok=True)
     try:
         from tqdm import tqdm
@@ -128,18 +129,10 @@ def demo(args) -> int:
     slow = (f", last worker limited to {args.slow_worker_cores} cores"
             if args.slow_worker_cores else "")
     print(f"hetero-comm demo: {args.workers} workers (gloo, 127.0.0.1){slow}, digits "
-          f"{args.model.upper()}, {args.epochs} epochs, global batch {global_batch}, SGD lr "
-          f"{args.lr} momentum {args.momentum}, hooks: {', '.join(args.hooks)}, batching: "
-          f"{', '.join(args.batchings)}")
+          f"{args.model.upper()}, {args.epochs} epochs, global batch {first.global_batch}, "
+          f"SGD lr {args.lr} momentum {args.momentum}, runs: {', '.join(runs)}")
     records = {}
-    for hook, batching in [(h, b) for h in args.hooks for b in args.batchings]:
-        config = TrainConfig(hook=hook, workers=args.workers, epochs=args.epochs,
-                             global_batch=global_batch, seed=args.seed, density=args.density,
-                             keep_ratio=args.keep_ratio, bits=args.bits, lr=args.lr,
-                             momentum=args.momentum, selection=args.selection,
-                             model=args.model, batching=batching,
-                             slow_worker_cores=args.slow_worker_cores)
-        name = hook if len(args.batchings) == 1 else f"{hook}/{batching}"
+    for name, config in runs.items():
         bar = tqdm(total=args.epochs, desc=f"{name:9s}", unit="epoch") if tqdm else None
 
         def on_epoch(epoch, accuracy, bar=bar):
@@ -159,7 +152,7 @@ def demo(args) -> int:
             if bar is not None:
                 bar.close()
         record["wall_seconds"] = time.perf_counter() - started
-        record.update(hook=hook, batching=batching)
+        record.update(hook=config.hook, batching=config.batching)
         records[name] = record
     print()
     print(format_table(records))
@@ -176,7 +169,7 @@ def format_table(records: dict) -> str:
     rows = [("hook", "batching", "test accuracy", "bytes/step", "compression", "step time (ms)",
              "epoch time (s)", "batch per worker", "ranks identical")]
     for r in records.values():
-        title = HOOK_TITLES[r["hook"]]
+        title = HOOKS[r["hook"]].title
         if "diverged" in r:
             rows.append((title, r["batching"], "diverged", "-", "-", "-", "-", "-", "-"))
             continue
@@ -211,7 +204,7 @@ def plot(records: dict, path: str) -> str:
     for name, r in records.items():
         if "diverged" in r:
             continue
-        label = HOOK_TITLES[r["hook"]] + (f" ({r['batching']})" if "/" in name else "")
+        label = HOOKS[r["hook"]].title + (f" ({r['batching']})" if "/" in name else "")
         h, e = r["history"], r["epochs"]
         window = max(1, len(h["loss"]) // 40)
         smooth = [sum(h["loss"][max(0, i - window + 1): i + 1]) / len(h["loss"][max(0, i - window + 1): i + 1])

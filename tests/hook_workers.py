@@ -1,73 +1,17 @@
-"""Multi-process helpers for the hook tests: real gloo ranks on 127.0.0.1 (free port).
-
-Worker functions live here (not in a test module) so spawned processes can import them.
+"""Rank functions for the hook and heterogeneity tests, run on real gloo ranks by
+:func:`hetero_comm.lab.launch.run_ranks`. They live here (not in a test module) so spawned
+processes can import them.
 """
 
 import copy
-import os
-import queue
-import traceback
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hetero_comm.hetero import DynamicBatchController, HeteroSampler
-from hetero_comm.hooks import (AllreduceState, DCTQuantState, SegmentSparseState, allreduce_hook,
-                               dct_quant_hook, segment_sparse_hook)
-from hetero_comm.training import free_port
-
-HOOKS = {
-    "dense": (AllreduceState, allreduce_hook),
-    "sparse": (SegmentSparseState, segment_sparse_hook),
-    "dct": (DCTQuantState, dct_quant_hook),
-}
-
-
-def spawn(world_size: int, target, *args, timeout: float = 180.0) -> list:
-    """Run ``target(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each
-    rank's result (re-raising a rank's exception as ``RuntimeError`` with its traceback)."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [context.Process(target=_entry, args=(rank, world_size, port, target, args, results))
-                 for rank in range(world_size)]
-    for process in processes:
-        process.start()
-    collected = {}
-    try:
-        while len(collected) < world_size:
-            try:
-                rank, ok, value = results.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(collected))} did "
-                                   f"not report within {timeout} s") from None
-            collected[rank] = (ok, value)
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-    for rank in range(world_size):
-        ok, value = collected[rank]
-        if not ok:
-            raise RuntimeError(f"rank {rank} failed:\n{value}")
-    return [collected[rank][1] for rank in range(world_size)]
-
-
-def _entry(rank, world_size, port, target, args, results):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
-    try:
-        results.put((rank, True, target(rank, world_size, *args)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
+from hetero_comm.lab.registry import HOOKS
 
 
 def make_model(seed: int = 0, dtype=torch.float32) -> nn.Module:
@@ -101,7 +45,7 @@ def train(rank, world_size, hook, settings, steps, options=None):
     dtype = options.get("dtype", torch.float32)
     weights = options.get("weights")
     model = make_model(dtype=dtype)
-    state_class, hook_fn = HOOKS[hook]
+    spec = HOOKS[hook]
     kwargs = dict(settings)
     if weights is not None:
         kwargs["rank_weight"] = weights[rank]
@@ -109,10 +53,10 @@ def train(rank, world_size, hook, settings, steps, options=None):
 
     def build(module, checkpoint=None):
         ddp = DistributedDataParallel(module, bucket_cap_mb=options.get("bucket_cap_mb", 25))
-        state = state_class(**kwargs)
+        state = spec.make_state(kwargs)
         if checkpoint is not None:
             state.load_state_dict(checkpoint)
-        ddp.register_comm_hook(state, hook_fn)
+        ddp.register_comm_hook(state, spec.hook)
         return ddp, state
 
     ddp, state = build(model)
@@ -159,9 +103,9 @@ def weighted_step(rank, world_size, sizes, hook, settings):
     returns the gradient the hook applied."""
     model = make_model()
     ddp = DistributedDataParallel(model)
-    state_class, hook_fn = HOOKS[hook]
-    state = state_class(rank_weight=sizes[rank] / sum(sizes), **settings)
-    ddp.register_comm_hook(state, hook_fn)
+    spec = HOOKS[hook]
+    state = spec.make_state(dict(settings, rank_weight=sizes[rank] / sum(sizes)))
+    ddp.register_comm_hook(state, spec.hook)
     x, y = global_batch(sum(sizes))
     start = sum(sizes[:rank])
     local = slice(start, start + sizes[rank])
@@ -200,8 +144,8 @@ def controlled_training(rank, world_size, hook, settings, options):
     clock = SimulatedClock()
     model = make_model()
     ddp = DistributedDataParallel(model, bucket_cap_mb=options.get("bucket_cap_mb", 25))
-    state_class, hook_fn = HOOKS[hook]
-    state = state_class(**settings)
+    spec = HOOKS[hook]
+    state = spec.make_state(settings)
     sampler = HeteroSampler(options["num_samples"], options["global_batch_size"], rank,
                             world_size, seed=5)
     controller = DynamicBatchController(sampler, state, clock=clock,
@@ -209,7 +153,7 @@ def controlled_training(rank, world_size, hook, settings, options):
 
     def waiting_hook(hook_state, bucket):
         clock.advance(options.get("hook_wait", 0.0))
-        return hook_fn(hook_state, bucket)
+        return spec.hook(hook_state, bucket)
 
     controller.register_comm_hook(ddp, waiting_hook)
     x, y = global_batch(options["num_samples"])

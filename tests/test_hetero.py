@@ -12,11 +12,11 @@ import torch
 import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
-from hetero_comm.hetero import (CpuQuota, DynamicBatchController, HeteroSampler,
-                                cpu_quota_unavailable, plan_batch_sizes)
+from hetero_comm.hetero import DynamicBatchController, HeteroSampler, plan_batch_sizes
 from hetero_comm.hooks import AllreduceState
-from hook_workers import (controlled_training, flat, global_batch, make_model, spawn,
-                          weighted_step)
+from hetero_comm.lab.launch import run_ranks
+from hetero_comm.lab.throttle import CpuQuota, cpu_quota_unavailable
+from hook_workers import controlled_training, flat, global_batch, make_model, weighted_step
 
 speeds = st.lists(st.floats(0.01, 1e4, allow_nan=False), min_size=1, max_size=12)
 
@@ -128,7 +128,7 @@ def test_sampler_first_epoch_is_an_equal_split_and_validates():
 def test_weighted_gradient_equals_the_global_batch_gradient(sizes):
     """Unequal local batches with rank_weight = b_i / B give exactly the gradient of the mean
     loss over the concatenated global batch."""
-    results = spawn(len(sizes), weighted_step, sizes, "dense", {})
+    results = run_ranks(len(sizes), weighted_step, sizes, "dense", {})
     model = make_model()
     x, y = global_batch(sum(sizes))
     nn.functional.mse_loss(model(x), y).backward()
@@ -173,7 +173,7 @@ def test_controller_plans_from_compute_and_keeps_gradients_exact(world_size, hoo
     num_samples, global_batch_size = 203, 40
     options = dict(num_samples=num_samples, global_batch_size=global_batch_size,
                    costs=[costs, costs], hook_wait=5.0, bucket_cap_mb=0.002)
-    results = spawn(world_size, controlled_training, hook, settings, options)
+    results = run_ranks(world_size, controlled_training, hook, settings, options)
     _check_exact_global_gradients(results, num_samples, rtol)
     first = results[0]["history"][0]  # made at the start of epoch 1, from epoch 0
     assert sum(first["samples"]) == num_samples
@@ -197,7 +197,7 @@ def test_controller_smooths_bounds_and_replans_within_an_epoch():
     options = dict(num_samples=num_samples, global_batch_size=global_batch_size,
                    costs=[fast, slow, slow],
                    controller=dict(replan_every=2, smoothing=0.5, max_change=0.25))
-    results = spawn(2, controlled_training, "dense", {}, options)
+    results = run_ranks(2, controlled_training, "dense", {}, options)
     _check_exact_global_gradients(results, num_samples, 1e-5)
     history = results[0]["history"]
     assert results[1]["history"] == history

@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from hetero_comm.hooks import AllreduceState, DCTQuantState, SegmentSparseState
 from hetero_comm.hooks.dct_quant import pack_int16_pairs, quantization_levels, unpack_int16_pair_sums
-from hook_workers import spawn, train
+from hetero_comm.lab.launch import run_ranks
+from hook_workers import train
 
 SPARSE = dict(segment_size=16, density=0.05, warmup_steps=2)
 DCT = dict(block_size=16, keep_ratio=0.25, bits=8, warmup_steps=2)
@@ -31,8 +32,8 @@ def assert_ranks_identical(results):
 @pytest.mark.parametrize("selection", ["current", "lagged"])
 def test_sparse_at_full_density_equals_dense_allreduce(world_size, selection):
     settings_ = dict(segment_size=16, density=1.0, warmup_steps=1, selection=selection)
-    results = spawn(world_size, train, "sparse", settings_, 5)
-    dense = spawn(world_size, train, "dense", {}, 5)
+    results = run_ranks(world_size, train, "sparse", settings_, 5)
+    dense = run_ranks(world_size, train, "dense", {}, 5)
     np.testing.assert_allclose(results[0]["applied"], weighted_sum(results), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(results[0]["params"], dense[0]["params"], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(results[0]["held_back"], 0.0, atol=1e-7)
@@ -43,7 +44,7 @@ def test_sparse_at_full_density_equals_dense_allreduce(world_size, selection):
 @pytest.mark.parametrize("bits", [16, 32])
 def test_dct_keeping_every_coefficient_is_within_quantization_error(world_size, bits):
     block = 16
-    results = spawn(world_size, train, "dct", dict(block_size=block, keep_ratio=1.0, bits=bits,
+    results = run_ranks(world_size, train, "dct", dict(block_size=block, keep_ratio=1.0, bits=bits,
                                                    band="low", warmup_steps=1), 5)
     expected, applied = weighted_sum(results), results[0]["applied"]
     levels = quantization_levels(bits, world_size)
@@ -69,7 +70,7 @@ def test_dct_keeping_every_coefficient_is_within_quantization_error(world_size, 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_conservation_law(hook, settings_, world_size):
     """Applied updates plus what every rank still holds back equals everything produced."""
-    results = spawn(world_size, train, hook, settings_, 12)
+    results = run_ranks(world_size, train, hook, settings_, 12)
     produced = weighted_sum(results).sum(axis=0)
     held = sum(r["held_back"] for r in results)
     applied = results[0]["applied"].sum(axis=0)
@@ -90,9 +91,9 @@ def test_unequal_rank_weights_and_uneven_buckets():
     weights = [0.2, 0.3, 0.5]
     options = dict(weights=weights, bucket_cap_mb=0.002)  # several uneven buckets
     for hook, settings_ in (("dense", {}), ("sparse", dict(SPARSE, density=1.0))):
-        results = spawn(3, train, hook, settings_, 4, options)
+        results = run_ranks(3, train, hook, settings_, 4, options)
         np.testing.assert_allclose(results[0]["applied"], weighted_sum(results), rtol=1e-5, atol=1e-7)
-    results = spawn(3, train, "sparse", SPARSE, 8, options)
+    results = run_ranks(3, train, "sparse", SPARSE, 8, options)
     produced = weighted_sum(results).sum(axis=0)
     held = sum(r["held_back"] for r in results)
     np.testing.assert_allclose(results[0]["applied"].sum(axis=0) + held, produced, rtol=1e-4, atol=1e-5)
@@ -102,7 +103,7 @@ def test_unequal_rank_weights_and_uneven_buckets():
                                             ("dct", dict(DCT, keep_ratio=1.0, bits=32, band="low"))])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_gradients(hook, settings_, dtype):
-    results = spawn(2, train, hook, settings_, 4, dict(dtype=dtype))
+    results = run_ranks(2, train, hook, settings_, 4, dict(dtype=dtype))
     dense = weighted_sum(results)
     tolerance = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
     np.testing.assert_allclose(results[0]["applied"], dense, rtol=4 * tolerance, atol=1e-3)
@@ -111,7 +112,7 @@ def test_half_precision_gradients(hook, settings_, dtype):
 
 @pytest.mark.parametrize("hook,settings_", [("sparse", SPARSE), ("dct", DCT)])
 def test_no_sync_gradient_accumulation(hook, settings_):
-    results = spawn(2, train, hook, settings_, 12, dict(no_sync_every=3))
+    results = run_ranks(2, train, hook, settings_, 12, dict(no_sync_every=3))
     produced = weighted_sum(results).sum(axis=0)
     held = sum(r["held_back"] for r in results)
     np.testing.assert_allclose(results[0]["applied"].sum(axis=0) + held, produced, rtol=1e-4, atol=1e-5)
@@ -128,8 +129,8 @@ def test_resume_from_state_dict_continues_exactly(hook, settings_, bucket_cap_mb
     """A new model, DDP and hook state loaded from a checkpoint (which sees DDP's provisional
     bucket layout again) ends bitwise where the uninterrupted run ends."""
     options = dict(bucket_cap_mb=bucket_cap_mb)
-    uninterrupted = spawn(2, train, hook, settings_, 10, options)
-    resumed = spawn(2, train, hook, settings_, 10, dict(options, resume_at=6))
+    uninterrupted = run_ranks(2, train, hook, settings_, 10, options)
+    resumed = run_ranks(2, train, hook, settings_, 10, dict(options, resume_at=6))
     for a, b in zip(uninterrupted, resumed):
         np.testing.assert_array_equal(a["params"], b["params"])
         np.testing.assert_array_equal(a["held_back"], b["held_back"])
@@ -137,7 +138,7 @@ def test_resume_from_state_dict_continues_exactly(hook, settings_, bucket_cap_mb
 
 @pytest.mark.parametrize("hook,settings_", [("sparse", SPARSE), ("dct", DCT)])
 def test_steady_state_steps_allocate_no_pool_storage(hook, settings_):
-    results = spawn(2, train, hook, settings_, 10)
+    results = run_ranks(2, train, hook, settings_, 10)
     allocations = results[0]["pool_allocations"]
     assert allocations[3] > 0
     assert allocations[-1] == allocations[3]
@@ -152,11 +153,11 @@ def test_steady_state_steps_allocate_no_pool_storage(hook, settings_):
 ])
 def test_non_finite_gradient_raises_a_clear_error_on_every_rank(hook, settings_):
     with pytest.raises(RuntimeError, match=r"non-finite gradient \(NaN or infinity\) in DDP bucket 0"):
-        spawn(2, train, hook, settings_, 6, dict(nan_at=(1, 4)))
+        run_ranks(2, train, hook, settings_, 6, dict(nan_at=(1, 4)))
 
 
 def test_stats_count_bytes_on_the_wire():
-    results = spawn(2, train, "sparse", SPARSE, 6)
+    results = run_ranks(2, train, "sparse", SPARSE, 6)
     stats = results[0]["stats"]
     numel = results[0]["params"].size
     dense = numel * 4

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from hetero_comm.cli import main
-from hetero_comm.hetero import cpu_quota_unavailable
-from hetero_comm.training import TrainConfig, run_training
+from hetero_comm.lab.throttle import cpu_quota_unavailable
+from hetero_comm.lab.training import TrainConfig, run_training
 
 
 @pytest.fixture(scope="module")
@@ -21,11 +21,11 @@ def dense_accuracy():
 
 
 @pytest.mark.parametrize("overrides,min_compression,allowed_drop", [
-    (dict(hook="sparse", density=0.01), 40.0, 0.01),  # the default selection
-    (dict(hook="dct", keep_ratio=0.125, bits=8), 8.0, 0.01),
-    # The lagged selection trains (the seed's scheme as first written sat at chance level),
-    # but not to within one point: see the README's table.
-    (dict(hook="sparse", density=0.01, selection="lagged"), 40.0, 0.03),
+    (dict(hook="sparse", hook_settings=dict(density=0.01)), 40.0, 0.01),  # the default selection
+    (dict(hook="dct", hook_settings=dict(keep_ratio=0.125, bits=8)), 8.0, 0.01),
+    # The lagged selection trains (as first written it sat at chance level), but not to
+    # within one point: see the README's table.
+    (dict(hook="sparse", hook_settings=dict(density=0.01, selection="lagged")), 40.0, 0.03),
 ])
 def test_compressed_hooks_reach_dense_accuracy(dense_accuracy, overrides, min_compression,
                                                allowed_drop):
@@ -47,14 +47,16 @@ def test_demo_writes_table_json_and_plot(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags,message", [
     (["--hooks", "dense,zip"], "unknown hook"),
-    (["--workers", "0"], "must be > 0"),
-    (["--density", "1.5"], "must be in (0, 1]"),
+    (["--workers", "0"], "workers must be an integer >= 1; got 0"),
+    (["--density", "1.5"], "density must be a number in (0.0, 1.0]; got 1.5"),
+    (["--segment-size", "0"], "segment_size must be an integer in [1, 1048576]; got 0"),
     (["--epochs", "two"], "expected an integer"),
     (["--bits", "12"], "invalid choice"),
-    (["--momentum", "1.0"], "must be in [0, 1)"),
-    (["--batching", "dynamic", "--hooks", "dense,fp16"], "drop fp16 from --hooks"),
+    (["--momentum", "1.0"], "momentum must be a number in [0.0, 0.999]; got 1.0"),
+    (["--lr", "-1"], "lr must be a number in (0.0, inf]; got -1.0"),
+    (["--batching", "dynamic", "--hooks", "dense,fp16"], "'fp16' averages them equally: drop it"),
     (["--batching", "sometimes"], "invalid choice"),
-    (["--slow-worker-cores", "0"], "must be > 0"),
+    (["--slow-worker-cores", "0"], "slow_worker_cores must be a number in (0.0"),
     (["--model", "rnn"], "invalid choice"),
 ])
 def test_demo_rejects_bad_flags(flags, message):

@@ -7,7 +7,6 @@
 * :class:`DynamicBatchController`: measures each rank's compute speed, re-plans the sizes
   (per epoch, or every K steps with smoothing and a rate bound) and sets the hook's
   ``rank_weight`` every step.
-* :class:`CpuQuota`: a real slow rank for benchmarks (cgroup CPU quota, root only).
 
 Set each hook state's ``rank_weight`` to ``local_batch / global_batch`` (see
 :meth:`HeteroSampler.rank_weights`) and average the loss over the local batch: the result is
@@ -17,7 +16,5 @@ then exactly the gradient of the global batch's mean loss.
 from .controller import DynamicBatchController
 from .planning import plan_batch_sizes
 from .sampler import HeteroSampler
-from .throttle import CpuQuota, cpu_quota_unavailable
 
-__all__ = ["plan_batch_sizes", "HeteroSampler", "DynamicBatchController", "CpuQuota",
-           "cpu_quota_unavailable"]
+__all__ = ["plan_batch_sizes", "HeteroSampler", "DynamicBatchController"]

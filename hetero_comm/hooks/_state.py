@@ -235,7 +235,8 @@ class ErrorFeedbackState(HookState):
         route = None
         if compressing and grad.numel() >= self.min_compress_numel:
             route = self.plan.route(bucket)
-            self._stats["dense_fallbacks"] += route is None
+            if route is None:
+                self._stats["dense_fallbacks"] += 1
         else:
             self.plan.keys_of(bucket)  # learn the provisional layout's keys
         if route is None:

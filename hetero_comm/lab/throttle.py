@@ -53,9 +53,8 @@ class CpuQuota:
     """
 
     def __init__(self, cores: float, period_us: int = PERIOD_US) -> None:
-        check_float("cores", cores, 0.0, os.cpu_count() or 1, low_open=True)
-        check_int("period_us", period_us, 1000, 1_000_000)
-        self.cores, self.period_us = float(cores), period_us
+        self.cores = check_float("cores", cores, 0.0, os.cpu_count() or 1, low_open=True)
+        self.period_us = check_int("period_us", period_us, 1000, 1_000_000)
         self.path: Optional[str] = None
 
     def __enter__(self) -> "CpuQuota":

@@ -1,0 +1,52 @@
+"""The digits data set (scikit-learn's: 1,797 8x8 images, 10 classes, shipped with the
+package, nothing downloaded) and the small models the demo, benchmarks and tests train on it."""
+
+from typing import Tuple
+
+import torch
+import torch.nn as nn
+
+__all__ = ["MODELS", "load_digits_split", "make_model"]
+
+MODELS = ("mlp", "cnn", "cnn_wide")
+
+
+def load_digits_split(seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Standardised digits: 1,437 training and 360 test images (a fixed shuffled split)."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.int64)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    x, y = x[order], y[order]
+    split = len(x) - 360
+    mean, std = x[:split].mean(0), x[:split].std(0) + 1e-3
+    x = (x - mean) / std
+    return x[:split], y[:split], x[split:], y[split:]
+
+
+def make_model(hidden: int = 256, kind: str = "mlp") -> nn.Module:
+    """``"mlp"`` (the default model): 64 -> hidden -> hidden -> 10. ``"cnn"``: three 3x3
+    convolutions (``hidden // 8``, ``hidden // 4``, ``hidden // 4`` channels) over the 8x8 image
+    and a linear classifier; many more operations per parameter, so its steps are bound by
+    compute, not by the gradient exchange. ``"cnn_wide"``: two 3x3 convolutions (32, 64
+    channels) and a fully connected layer of ``hidden`` units (4.2M parameters at 1024, nearly
+    all in that layer), for slow links, where its steps are bound by the gradient exchange."""
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                             nn.ReLU(), nn.Linear(hidden, 10))
+    if kind == "cnn_wide":
+        return nn.Sequential(nn.Unflatten(1, (1, 8, 8)),
+                             nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
+                             nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+                             nn.Flatten(), nn.Linear(64 * 64, hidden), nn.ReLU(),
+                             nn.Linear(hidden, 10))
+    if kind == "cnn":
+        c1, c2 = max(1, hidden // 8), max(1, hidden // 4)
+        return nn.Sequential(nn.Unflatten(1, (1, 8, 8)),
+                             nn.Conv2d(1, c1, 3, padding=1), nn.ReLU(),
+                             nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(),
+                             nn.Conv2d(c2, c2, 3, padding=1), nn.ReLU(),
+                             nn.Flatten(), nn.Linear(c2 * 64, 10))
+    raise ValueError(f"kind must be one of {MODELS}; got {kind!r}")

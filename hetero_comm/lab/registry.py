@@ -1,0 +1,64 @@
+"""Every hook the demo, the benchmarks and the tests run, by name: one place for its title,
+its state, and whether it can weight ranks unequally."""
+
+import dataclasses
+from typing import Callable, Dict, Optional, Tuple
+
+from .._checks import check_choice
+from ..hooks import (AllreduceState, DCTQuantState, SegmentSparseState, allreduce_hook,
+                     dct_quant_hook, segment_sparse_hook)
+
+__all__ = ["HookSpec", "HOOKS", "WEIGHTED_HOOKS", "make_hook"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HookSpec:
+    """A hook and how to build its state.
+
+    ``state_class(**defaults, **settings)`` builds the state (``None``: the hook takes no
+    state and no settings); ``weighted``: the state takes a ``rank_weight``, so ranks with
+    unequal batches can be weighted exactly.
+    """
+
+    name: str
+    title: str
+    hook: Callable
+    state_class: Optional[type]
+    weighted: bool
+    defaults: Tuple[Tuple[str, object], ...] = ()
+
+    def make_state(self, settings: Optional[dict] = None):
+        settings = dict(settings or {})
+        if self.state_class is None:
+            if settings:
+                raise ValueError(f"hook {self.name!r} takes no settings; got {sorted(settings)}")
+            return None
+        return self.state_class(**dict(self.defaults, **settings))
+
+
+def _torch_hooks() -> Tuple[HookSpec, ...]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    def powersgd_state(**settings):
+        return powerSGD_hook.PowerSGDState(process_group=None, **settings)
+
+    return (HookSpec("fp16", "torch fp16_compress_hook", default_hooks.fp16_compress_hook,
+                     None, weighted=False),
+            # PowerSGD's own default starts compressing at step 1,000: start after one dense step.
+            HookSpec("powersgd", "torch powerSGD_hook", powerSGD_hook.powerSGD_hook,
+                     powersgd_state, weighted=False, defaults=(("start_powerSGD_iter", 2),)))
+
+
+HOOKS: Dict[str, HookSpec] = {spec.name: spec for spec in (
+    HookSpec("dense", "dense allreduce", allreduce_hook, AllreduceState, weighted=True),
+    HookSpec("sparse", "segment_sparse_hook", segment_sparse_hook, SegmentSparseState, weighted=True),
+    HookSpec("dct", "dct_quant_hook", dct_quant_hook, DCTQuantState, weighted=True),
+    *_torch_hooks(),
+)}
+WEIGHTED_HOOKS = tuple(name for name, spec in HOOKS.items() if spec.weighted)
+
+
+def make_hook(name: str, settings: Optional[dict] = None):
+    """``(state, hook)`` for the hook called ``name``, its state built from ``settings``."""
+    spec = HOOKS[check_choice("hook", name, HOOKS)]
+    return spec.make_state(settings), spec.hook

@@ -1,0 +1,245 @@
+"""One training run on the digits data: its configuration, the loop of one rank, and
+:func:`run_training`, which starts the local ranks (the demo, the benchmarks and the
+convergence tests all use these).
+
+Each rank takes its share of every global batch (:class:`~hetero_comm.hetero.HeteroSampler`:
+equal shares, or shares re-planned from measured speed by
+:class:`~hetero_comm.hetero.DynamicBatchController`). One worker can be made slower for real
+with a cgroup CPU quota (:class:`~hetero_comm.lab.throttle.CpuQuota`, root only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .._checks import check_choice, check_float, check_int, check_optional
+from ..hetero import DynamicBatchController, HeteroSampler
+from .byte_count import count_collective_bytes
+from .data import MODELS, load_digits_split, make_model
+from .launch import report_progress, run_ranks
+from .registry import HOOKS, WEIGHTED_HOOKS, make_hook
+from .throttle import PERIOD_US, CpuQuota
+
+__all__ = ["TrainConfig", "BATCHING", "run_training", "train_rank"]
+
+BATCHING = ("equal", "dynamic")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """One training run: SGD on the digits with ``hook`` (a name of
+    :data:`~hetero_comm.lab.registry.HOOKS`), whose state is built from ``hook_settings``
+    (passed straight to its constructor, which validates them).
+
+    ``batching="dynamic"`` re-plans the per-rank batch sizes from measured speed every epoch
+    (and every ``replan_every`` steps if set, with ``smoothing`` and ``max_change`` as in
+    :class:`~hetero_comm.hetero.DynamicBatchController`); ``"equal"`` keeps equal shares.
+    ``slow_worker_cores`` puts the last worker under a CPU quota of that many cores (root and
+    cgroup v1 only); every rank's speed is then measured with equal shares too (weighted
+    hooks only). ``max_steps`` stops early (step timing); ``bucket_cap_mb``, given, is DDP's
+    bucket cap and also caps its first bucket (else 1 MB)."""
+
+    hook: str = "dense"
+    hook_settings: dict = dataclasses.field(default_factory=dict)
+    workers: int = 2
+    epochs: int = 8
+    global_batch: int = 64
+    lr: float = 0.02
+    momentum: float = 0.9
+    seed: int = 0
+    hidden: int = 256
+    model: str = "mlp"
+    max_steps: Optional[int] = None
+    bucket_cap_mb: Optional[float] = None
+    batching: str = "equal"
+    replan_every: Optional[int] = None
+    smoothing: float = 1.0
+    max_change: Optional[float] = None
+    slow_worker_cores: Optional[float] = None
+    slow_worker_period_us: int = PERIOD_US
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field (the hook's settings included)."""
+        make_hook(self.hook, self.hook_settings)
+        for name in ("workers", "epochs", "global_batch", "hidden"):
+            check_int(name, getattr(self, name), 1)
+        check_float("lr", self.lr, 0.0, float("inf"), low_open=True)
+        check_float("momentum", self.momentum, 0.0, 0.999)
+        check_choice("model", self.model, MODELS)
+        check_choice("batching", self.batching, BATCHING)
+        check_optional(check_int, "max_steps", self.max_steps, 1)
+        check_optional(check_float, "slow_worker_cores", self.slow_worker_cores, 0.0,
+                       float(os.cpu_count() or 1), low_open=True)
+        if self.global_batch % self.workers:
+            raise ValueError(f"global_batch ({self.global_batch}) must be a multiple of "
+                             f"workers ({self.workers})")
+        if self.batching == "dynamic" and self.hook not in WEIGHTED_HOOKS:
+            raise ValueError(f"batching='dynamic' needs a hook that weights ranks "
+                             f"({', '.join(WEIGHTED_HOOKS)}); {self.hook!r} averages them "
+                             f"equally: drop it")
+
+    def optimizer_momentum(self) -> float:
+        """The SGD momentum: 0 when the sparse hook's momentum correction replaces it."""
+        return 0.0 if self.hook_settings.get("momentum") else self.momentum
+
+    def measures_speed(self) -> bool:
+        """Whether a :class:`DynamicBatchController` runs (it also just measures, with equal
+        shares, when a slow worker is set)."""
+        return self.batching == "dynamic" or bool(self.slow_worker_cores and HOOKS[self.hook].weighted)
+
+
+def run_training(config: TrainConfig, on_epoch: Optional[Callable[[int, float], None]] = None,
+                 timeout: float = 600.0) -> dict:
+    """Train ``config.workers`` local processes and return rank 0's record.
+
+    Returns:
+        dict with ``final_accuracy``, ``epochs`` (per epoch: test accuracy/loss, bytes sent,
+        training wall seconds, every rank's batch size at the epoch's start), ``history``
+        (per-step loss, cumulative bytes this rank handed to collectives, step seconds),
+        ``bytes_per_step``, ``dense_bytes_per_step``, ``hook_stats`` (for hetero_comm's
+        hooks), ``speed_history`` (the controller's plans: every rank's samples, compute
+        seconds and speed per window; ``None`` without one), ``ranks_identical`` (every rank
+        ended with bitwise identical parameters) and ``final_parameters``.
+        ``on_epoch(epoch, test_accuracy)`` is called after each epoch.
+    """
+    config.validate()
+    with (CpuQuota(config.slow_worker_cores, config.slow_worker_period_us)
+          if config.slow_worker_cores else contextlib.nullcontext()) as quota:
+        return run_ranks(config.workers, _train_worker, config, timeout=timeout,
+                         on_progress=(lambda item: on_epoch(*item)) if on_epoch else None,
+                         on_start=(lambda processes: _slow_down_last(processes, quota))
+                         if quota is not None else None)[0]
+
+
+def _slow_down_last(processes, quota: CpuQuota) -> None:
+    quota.add(processes[-1].pid)  # the last worker is the slow one
+    cores = sorted(os.sched_getaffinity(0))
+    if len(processes) <= len(cores):
+        # One core per worker, so that the quota is the only difference between them
+        # (a quota shared across cores is handed out per core and strands when threads move).
+        for process, core in zip(processes, cores):
+            os.sched_setaffinity(process.pid, {core})
+
+
+def _train_worker(rank: int, world_size: int, config: TrainConfig) -> Optional[dict]:
+    record = train_rank(rank, config)
+    return record if rank == 0 else None
+
+
+def train_rank(rank: int, config: TrainConfig) -> dict:
+    """One rank of a run in this process, whose gloo group is already initialised: train, then
+    check that every rank ended with bitwise identical parameters. Returns this rank's record
+    (see :func:`run_training`; rank 0's is the one reported)."""
+    config.validate()
+    record = _train(rank, config)
+    flat = torch.cat([p.detach().reshape(-1) for p in record.pop("model").parameters()])
+    reference = flat.clone()
+    dist.broadcast(reference, 0)
+    same = torch.tensor([int(torch.equal(flat, reference))])
+    dist.all_reduce(same)
+    record["ranks_identical"] = int(same) == config.workers
+    record["final_parameters"] = flat.numpy()  # numpy: pickled by value, not shared memory
+    return record
+
+
+class _Run:
+    """The objects of one rank's run and what it records."""
+
+    def __init__(self, rank: int, config: TrainConfig) -> None:
+        self.config = config
+        self.x_train, self.y_train, self.x_test, self.y_test = load_digits_split(config.seed)
+        torch.manual_seed(config.seed)
+        self.model = make_model(config.hidden, config.model)
+        self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=config.bucket_cap_mb)
+        self.state, hook = make_hook(config.hook, config.hook_settings)
+        # Full global batches only, each shuffled once per epoch with a seed every rank shares.
+        self.sampler = HeteroSampler(len(self.x_train), config.global_batch, rank, config.workers,
+                                     seed=config.seed * 1000, drop_last=True)
+        self.controller = None
+        if config.measures_speed():
+            self.controller = DynamicBatchController(
+                self.sampler, self.state, replan_every=config.replan_every,
+                smoothing=config.smoothing, max_change=config.max_change,
+                adapt=config.batching == "dynamic")
+            self.controller.register_comm_hook(self.ddp, hook)
+        else:
+            self.ddp.register_comm_hook(self.state, hook)
+        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=config.lr,
+                                         momentum=config.optimizer_momentum())
+        self.step = 0
+        self.bytes_sent = {"bytes": 0}
+        self.history: Dict[str, List[float]] = {"step": [], "loss": [], "bytes": [], "seconds": []}
+        self.epochs: Dict[str, list] = {"epoch": [], "step": [], "test_accuracy": [],
+                                        "test_loss": [], "bytes": [], "seconds": [],
+                                        "batch_sizes": []}
+
+    def out_of_steps(self) -> bool:
+        return self.config.max_steps is not None and self.step >= self.config.max_steps
+
+    def train_step(self, index: torch.Tensor) -> None:
+        began = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.controller.step(len(index)) if self.controller else contextlib.nullcontext():
+            loss = nn.functional.cross_entropy(self.ddp(self.x_train[index]), self.y_train[index])
+            loss.backward()
+        self.optimizer.step()
+        self.step += 1
+        for name, value in (("step", self.step), ("loss", loss.item()),
+                            ("bytes", self.bytes_sent["bytes"]),
+                            ("seconds", time.perf_counter() - began)):
+            self.history[name].append(value)
+
+    def train_epoch(self, epoch: int) -> None:
+        if self.controller is not None:
+            self.controller.set_epoch(epoch)  # re-plans, then sets the sampler's epoch
+        else:
+            self.sampler.set_epoch(epoch)
+        batch_sizes = list(self.sampler.batch_sizes)
+        began = time.perf_counter()
+        for index in self.sampler:
+            if self.out_of_steps():
+                break
+            self.train_step(index)
+        seconds = time.perf_counter() - began
+        test_loss, accuracy = self.evaluate()
+        for name, value in (("epoch", epoch + 1), ("step", self.step), ("test_accuracy", accuracy),
+                            ("test_loss", test_loss), ("bytes", self.bytes_sent["bytes"]),
+                            ("seconds", seconds), ("batch_sizes", batch_sizes)):
+            self.epochs[name].append(value)
+
+    def evaluate(self) -> Tuple[float, float]:
+        with torch.no_grad():
+            logits = self.model(self.x_test)
+            return (float(nn.functional.cross_entropy(logits, self.y_test)),
+                    float((logits.argmax(1) == self.y_test).float().mean()))
+
+
+def _train(rank: int, config: TrainConfig) -> dict:
+    run = _Run(rank, config)
+    with count_collective_bytes(run.bytes_sent):
+        for epoch in range(config.epochs):
+            run.train_epoch(epoch)
+            if rank == 0:
+                report_progress((epoch + 1, run.epochs["test_accuracy"][-1]))
+            if run.out_of_steps():
+                break
+    if run.controller is not None:
+        run.controller.replan()  # the last epoch's speeds, for the record
+    stats = getattr(run.state, "stats", None)
+    return {"config": dataclasses.asdict(config), "history": run.history, "epochs": run.epochs,
+            "final_accuracy": run.epochs["test_accuracy"][-1], "steps": run.step,
+            "bytes_per_step": run.bytes_sent["bytes"] / run.step,
+            "bytes_total": run.bytes_sent["bytes"],
+            "dense_bytes_per_step": sum(p.numel() * 4 for p in run.model.parameters()),
+            "hook_stats": stats() if callable(stats) else None,
+            "speed_history": run.controller.history if run.controller is not None else None,
+            "model": run.model}
