@@ -32,7 +32,7 @@ import signal
 import statistics
 import sys
 
-from hetero_comm.lab.throttle import cpu_quota_unavailable
+from hetero_comm.lab.throttle import PERIOD_US, cpu_quota_unavailable
 from hetero_comm.lab.training import TrainConfig, run_training
 
 
@@ -63,7 +63,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--slow-cores", type=float, default=0.3,
                         help="CPU quota of the last worker, in cores")
-    parser.add_argument("--quota-period-us", type=int, default=5000,
+    parser.add_argument("--quota-period-us", type=int, default=PERIOD_US,
                         help="the quota's accounting period (the kernel's default is 100000)")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--global-batch", type=int, default=None,

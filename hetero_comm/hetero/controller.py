@@ -1,5 +1,5 @@
-"""Measure every rank's compute speed and re-plan the batch sizes from it (seed 000, steps
-S21-S24), keeping the averaged gradient exactly that of the global batch."""
+"""Measure every rank's compute speed and re-plan the batch sizes from it, keeping the
+averaged gradient exactly that of the global batch."""
 
 import contextlib
 import math
@@ -35,8 +35,8 @@ class DynamicBatchController:
        (``max_change``) and hands the sizes to the sampler, from its next step on.
 
     Every rank computes the same plan from the same exchanged numbers, so the ranks never
-    disagree about the cut. The first epoch is an equal split (the seed's rule, the sampler's
-    default); the first plan uses the speeds measured in it.
+    disagree about the cut. The first epoch is an equal split (the basic scheme's rule, the
+    sampler's default); the first plan uses the speeds measured in it.
 
     Requirements: the local loss is the mean over the local batch (``reduction="mean"``);
     ``hook_state`` belongs to the hook registered through :meth:`register_comm_hook` (any
@@ -52,9 +52,9 @@ class DynamicBatchController:
         sampler: this rank's :class:`HeteroSampler`.
         hook_state: the state of the registered hook (it has a ``rank_weight``).
         replan_every: also re-plan after every this many steps (speeds that drift within an
-            epoch); ``None``: once per epoch, as in the seed.
+            epoch); ``None``: once per epoch, the basic scheme.
         smoothing: weight of the newest measurement in the moving average of the speeds, in
-            (0, 1]; 1 keeps no memory (the seed).
+            (0, 1]; 1 keeps no memory (the basic scheme).
         max_change: the largest relative change of a rank's batch at one re-plan (e.g. 0.25:
             at most 25% up or down, but always at least one sample, give or take one sample of
             rounding); ``None``: no bound.

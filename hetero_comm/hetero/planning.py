@@ -1,4 +1,4 @@
-"""Batch sizes proportional to measured speed (seed 000: steps S22-S24)."""
+"""Batch sizes proportional to measured speed."""
 
 import math
 from fractions import Fraction

@@ -1,5 +1,5 @@
 """A batch sampler that gives each rank a share of every global batch proportional to its
-speed (seed 000, step S24)."""
+speed."""
 
 from typing import Iterator, List, Optional, Sequence
 
