@@ -4,9 +4,11 @@ processes can import them.
 """
 
 import copy
+import io
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -39,7 +41,9 @@ def train(rank, world_size, hook, settings, steps, options=None):
     ``options``: ``dtype`` (parameters and gradients), ``bucket_cap_mb``, ``weights`` (one
     rank_weight per rank), ``no_sync_every`` (accumulate locally on every n-th step),
     ``nan_at`` ((rank, step): that rank's gradient becomes NaN), ``resume_at`` (save all
-    state there, rebuild model, DDP and hook state from the checkpoint and continue).
+    state there, rebuild model, DDP and hook state from the checkpoint and continue; every
+    rank loads rank 0's ``state_dict()``, as frameworks do, or with ``checkpoint_from="own"``
+    its own).
     """
     options = options or {}
     dtype = options.get("dtype", torch.float32)
@@ -64,7 +68,10 @@ def train(rank, world_size, hook, settings, steps, options=None):
     pending = [torch.zeros_like(p, dtype=torch.float32) for p in model.parameters()]
     for step in range(steps):
         if options.get("resume_at") == step:
-            checkpoint = copy.deepcopy(state.state_dict())
+            checkpoint = [state.state_dict()]  # a collective: every rank calls it
+            if options.get("checkpoint_from", "rank0") == "rank0":
+                dist.broadcast_object_list(checkpoint, src=0)
+            checkpoint = copy.deepcopy(checkpoint[0])
             model = copy.deepcopy(model)  # new parameter objects, as in a new process
             ddp, state = build(model, checkpoint)
         x, y = batch(rank, step, dtype)
@@ -95,7 +102,38 @@ def train(rank, world_size, hook, settings, steps, options=None):
         "params": flat(model.parameters()),
         "stats": {k: v for k, v in state.stats().items() if k != "pool"},
         "pool_allocations": pool_allocations,
+        # Saved to bytes: tensors sent through the result queue would live in shared memory
+        # that goes away with this process.
+        "state_dict": _saved(state.state_dict()) if options.get("return_state_dict") else None,
     }
+
+
+def _saved(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def loaded(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def share_one_state(rank, world_size, hook, settings):
+    """Register one hook state on two models and train each a step: the second must be
+    refused. Returns the error message."""
+    spec = HOOKS[hook]
+    state = spec.make_state(settings)
+    models = [make_model(seed) for seed in (0, 1)]
+    ddps = [DistributedDataParallel(model) for model in models]
+    for ddp in ddps:
+        ddp.register_comm_hook(state, spec.hook)
+    x, y = batch(rank, 0)
+    nn.functional.mse_loss(ddps[0](x), y).backward()
+    try:
+        nn.functional.mse_loss(ddps[1](x), y).backward()
+    except Exception as error:  # DDP may wrap the hook's ValueError
+        return str(error)
+    return "no error"
 
 
 def weighted_step(rank, world_size, sizes, hook, settings):

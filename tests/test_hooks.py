@@ -8,10 +8,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hetero_comm.hooks import AllreduceState, DCTQuantState, SegmentSparseState
+from hetero_comm.hooks import (AllreduceState, DCTQuantState, SegmentSparseState, allreduce_hook,
+                               dct_quant_hook, segment_sparse_hook)
 from hetero_comm.hooks.dct_quant import pack_int16_pairs, quantization_levels, unpack_int16_pair_sums
 from hetero_comm.lab.launch import run_ranks
-from hook_workers import train
+from hook_workers import loaded, share_one_state, train
 
 SPARSE = dict(segment_size=16, density=0.05, warmup_steps=2)
 DCT = dict(block_size=16, keep_ratio=0.25, bits=8, warmup_steps=2)
@@ -38,6 +39,7 @@ def test_sparse_at_full_density_equals_dense_allreduce(world_size, selection):
     np.testing.assert_allclose(results[0]["params"], dense[0]["params"], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(results[0]["held_back"], 0.0, atol=1e-7)
     assert_ranks_identical(results)
+    assert dense[0]["stats"]["compression_ratio"] == 1.0
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -126,14 +128,64 @@ def test_no_sync_gradient_accumulation(hook, settings_):
 ])
 @pytest.mark.parametrize("bucket_cap_mb", [25, 0.002])
 def test_resume_from_state_dict_continues_exactly(hook, settings_, bucket_cap_mb):
-    """A new model, DDP and hook state loaded from a checkpoint (which sees DDP's provisional
-    bucket layout again) ends bitwise where the uninterrupted run ends."""
+    """A new model, DDP and hook state loaded from rank 0's checkpoint on every rank (as
+    frameworks do; the checkpoint sees DDP's provisional bucket layout again) ends bitwise
+    where the uninterrupted run ends."""
     options = dict(bucket_cap_mb=bucket_cap_mb)
     uninterrupted = run_ranks(2, train, hook, settings_, 10, options)
     resumed = run_ranks(2, train, hook, settings_, 10, dict(options, resume_at=6))
     for a, b in zip(uninterrupted, resumed):
         np.testing.assert_array_equal(a["params"], b["params"])
         np.testing.assert_array_equal(a["held_back"], b["held_back"])
+
+
+def test_resume_with_each_rank_loading_its_own_checkpoint():
+    uninterrupted = run_ranks(3, train, "sparse", SPARSE, 8)
+    resumed = run_ranks(3, train, "sparse", SPARSE, 8, dict(resume_at=5, checkpoint_from="own"))
+    for a, b in zip(uninterrupted, resumed):
+        np.testing.assert_array_equal(a["params"], b["params"])
+        np.testing.assert_array_equal(a["held_back"], b["held_back"])
+
+
+def test_state_dict_into_another_world_size_keeps_what_is_held_back():
+    """Rank 0's dict of 2 ranks, loaded without a process group (world size 1): the one rank
+    holds back what both did; rank 1's dict alone cannot serve another rank."""
+    results = run_ranks(2, train, "sparse", SPARSE, 6, dict(return_state_dict=True))
+    checkpoint = loaded(results[0]["state_dict"])
+    assert checkpoint["world_size"] == 2 and sorted(checkpoint["ranks"]) == [0, 1]
+    state = SegmentSparseState(**SPARSE)
+    state.load_state_dict(checkpoint)
+    residual = torch.cat([b.tensors["residual"] for b in state.plan.buckets]).double()
+    assert state.step == 6
+    assert float(residual.sum()) == pytest.approx(sum(r["held_back"].sum() for r in results), rel=1e-5)
+    assert np.abs(results[0]["held_back"]).max() > 1e-3  # there was something to keep
+    with pytest.raises(ValueError, match=r"holds the part of rank\(s\) \[1\] of 2"):
+        SegmentSparseState(**SPARSE).load_state_dict(loaded(results[1]["state_dict"]))
+
+
+def test_settings_are_keyword_only_and_the_process_group_is_checked():
+    with pytest.raises(TypeError, match="positional"):
+        SegmentSparseState(0.1)
+    with pytest.raises(TypeError, match="positional"):
+        DCTQuantState(256)
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup"):
+        SegmentSparseState(process_group=0.1)
+
+
+@pytest.mark.parametrize("hook,state,expected", [
+    (segment_sparse_hook, DCTQuantState(), "segment_sparse_hook takes a SegmentSparseState state; got a DCTQuantState"),
+    (dct_quant_hook, AllreduceState(), "dct_quant_hook takes a DCTQuantState state; got a AllreduceState"),
+    (allreduce_hook, SegmentSparseState(), "allreduce_hook takes a AllreduceState state; got a SegmentSparseState"),
+])
+def test_a_hook_refuses_another_hooks_state(hook, state, expected):
+    with pytest.raises(TypeError, match=expected):
+        hook(state, None)
+
+
+@pytest.mark.parametrize("hook,settings_", [("dense", {}), ("sparse", SPARSE)])
+def test_one_state_serves_one_model(hook, settings_):
+    messages = run_ranks(2, share_one_state, hook, settings_)
+    assert all("already serves another model" in m for m in messages), messages
 
 
 @pytest.mark.parametrize("hook,settings_", [("sparse", SPARSE), ("dct", DCT)])
@@ -152,7 +204,8 @@ def test_steady_state_steps_allocate_no_pool_storage(hook, settings_):
     ("dct", DCT),
 ])
 def test_non_finite_gradient_raises_a_clear_error_on_every_rank(hook, settings_):
-    with pytest.raises(RuntimeError, match=r"non-finite gradient \(NaN or infinity\) in DDP bucket 0"):
+    with pytest.raises(RuntimeError, match=r"FloatingPointError: .*non-finite gradient \(NaN or "
+                                           r"infinity\) in DDP bucket 0 on at least one rank at step 4"):
         run_ranks(2, train, hook, settings_, 6, dict(nan_at=(1, 4)))
 
 
@@ -194,7 +247,8 @@ def test_bad_settings_raise(make, match):
 
 
 def test_state_pickles_without_process_group_and_checks_checkpoint_settings():
-    state = SegmentSparseState(process_group=object(), density=0.02)
+    group = torch.distributed.ProcessGroup(torch.distributed.HashStore(), 0, 1)
+    state = SegmentSparseState(process_group=group, density=0.02)
     clone = pickle.loads(pickle.dumps(state))
     assert clone.process_group is None and clone.density == 0.02
     with pytest.raises(ValueError, match="saved with density=0.02"):

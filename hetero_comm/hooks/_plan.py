@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 logger = logging.getLogger("hetero_comm")
 
-__all__ = ["PlanBucket", "Plan", "Route"]
+__all__ = ["PlanBucket", "Plan", "Route", "redistribute"]
 
 
 def starts(numels: Sequence[int]) -> Tuple[int, ...]:
@@ -56,6 +56,16 @@ class PlanBucket:
         start = self.offsets[position]
         return self.tensors[name][start: start + self.numels[position]]
 
+    def to(self, device: torch.device) -> "PlanBucket":
+        """Move the state to ``device`` (a checkpoint may be loaded onto another device)."""
+        for name, tensor in self.tensors.items():
+            if tensor.device != device:
+                self.tensors[name] = tensor.to(device)
+        for name, value in self.extra.items():
+            if isinstance(value, torch.Tensor) and value.device != device:
+                self.extra[name] = value.to(device)
+        return self
+
     def reset(self) -> None:
         """Forget everything held (after a non-finite gradient reached it)."""
         for tensor in self.tensors.values():
@@ -67,8 +77,9 @@ class Route:
     the bucket, in a rank-independent order; ``in_place`` when the bucket is exactly
     ``parts[0]`` (nothing to gather)."""
 
-    def __init__(self, parts: List[PlanBucket], keys: Tuple[str, ...], numels: Tuple[int, ...]) -> None:
-        self.parts = sorted(parts, key=lambda part: part.keys[0])
+    def __init__(self, parts: List[PlanBucket], keys: Tuple[str, ...], numels: Tuple[int, ...],
+                 device: torch.device) -> None:
+        self.parts = sorted((part.to(device) for part in parts), key=lambda part: part.keys[0])
         self.in_place = len(parts) == 1 and parts[0].keys == keys
         self._offset_of_key = dict(zip(keys, starts(numels)))
 
@@ -139,18 +150,19 @@ class Plan:
         needed; ``None``: send this bucket dense this time (see the module docstring)."""
         keys, numels, provisional = self.keys_of(bucket)
         owners = [self._bucket_of_key.get(key) for key in keys]
+        device = bucket.buffer().device
         if all(owner is None for owner in owners):
-            return Route([self._new_bucket(keys, numels, bucket.buffer().device)], keys, numels)
+            return Route([self._new_bucket(keys, numels, device)], keys, numels, device)
         if all(owner is not None for owner in owners):
             distinct = list({id(o): o for o in owners}.values())
             if all(set(o.keys) <= set(keys) for o in distinct):
-                return Route(distinct, keys, numels)
+                return Route(distinct, keys, numels, device)
         if provisional and keys not in self._fallback_layouts:
             self._fallback_layouts.add(keys)
             return None
         logger.info("%s: new bucket layout for %d parameters; moving their state",
                     self.owner, len(keys))
-        return Route([self._new_bucket(keys, numels, bucket.buffer().device)], keys, numels)
+        return Route([self._new_bucket(keys, numels, device)], keys, numels, device)
 
     def _new_bucket(self, keys, numels, device) -> PlanBucket:
         """A plan bucket for ``keys``, taking over each key's state from its old plan bucket
@@ -161,7 +173,7 @@ class Plan:
             for key, start, numel in zip(keys, plan_bucket.offsets, numels):
                 old = self._bucket_of_key.get(key)
                 if old is not None:
-                    flat[start: start + numel].copy_(old.slice_of(name, key))
+                    flat[start: start + numel].copy_(old.to(device).slice_of(name, key))
             plan_bucket.tensors[name] = flat
         self._add(plan_bucket)
         self._drop_orphans()
@@ -193,10 +205,10 @@ class Plan:
 
     # --------------------------------------------------------------- checkpoints
     def state_dict(self) -> List[dict]:
-        """Every plan bucket's keys, sizes and state (cloned)."""
+        """Every plan bucket's keys, sizes and state (copied to the CPU)."""
         return [{"keys": list(b.keys), "numels": list(b.numels),
-                 "tensors": {k: v.detach().clone() for k, v in b.tensors.items()},
-                 "extra": {k: _cloned(v) for k, v in b.extra.items()}}
+                 "tensors": {k: _cpu_copy(v) for k, v in b.tensors.items()},
+                 "extra": {k: _cpu_copy(v) for k, v in b.extra.items()}}
                 for b in self.buckets]
 
     def load_state_dict(self, saved_buckets: List[dict]) -> None:
@@ -206,7 +218,7 @@ class Plan:
         for saved in saved_buckets:
             plan_bucket = PlanBucket(tuple(saved["keys"]), tuple(int(n) for n in saved["numels"]))
             plan_bucket.tensors = {k: v.detach().clone() for k, v in saved["tensors"].items()}
-            plan_bucket.extra = {k: _cloned(v) for k, v in saved["extra"].items()}
+            plan_bucket.extra = {k: _cpu_copy(v) for k, v in saved["extra"].items()}
             self._add(plan_bucket)
 
     def __getstate__(self) -> dict:
@@ -217,5 +229,22 @@ class Plan:
         return state
 
 
-def _cloned(value):
-    return value.clone() if isinstance(value, torch.Tensor) else value
+def _cpu_copy(value):
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+
+def redistribute(saved_plans: List[List[dict]], world_size: int) -> List[dict]:
+    """One rank's plan state, from the saved plan states of every rank of another world size:
+    each buffer summed over the saved ranks and divided by ``world_size``, so that the new
+    ranks together hold back what the saved ranks did; what the ranks agree on (``extra``)
+    from the first."""
+    layouts = {tuple(tuple(b["keys"]) for b in plan) for plan in saved_plans}
+    if len(layouts) != 1:
+        raise ValueError("the saved ranks' error-feedback state has different layouts; it "
+                         "cannot be redistributed")
+    merged = []
+    for buckets in zip(*saved_plans):
+        tensors = {name: sum(b["tensors"][name] for b in buckets) / world_size
+                   for name in buckets[0]["tensors"]}
+        merged.append(dict(buckets[0], tensors=tensors))
+    return merged

@@ -18,11 +18,11 @@ import torch.distributed as dist
 from .._checks import check_float, check_int, check_optional
 from .._layout import GRADIENT_DTYPES
 from ..buffer_pool import BufferPool
-from ._plan import Plan, PlanBucket, Route
+from ._plan import Plan, PlanBucket, Route, redistribute
 
 logger = logging.getLogger("hetero_comm")
 
-__all__ = ["HookState", "ErrorFeedbackState"]
+__all__ = ["HookState", "ErrorFeedbackState", "check_state"]
 
 # send(state, plan_bucket, grad, bucket_index) -> future of grad holding the weighted sum
 SendFunction = Callable[["ErrorFeedbackState", PlanBucket, torch.Tensor, int], torch.futures.Future]
@@ -55,13 +55,20 @@ class HookState:
     # Hook-specific settings that must match when loading a checkpoint.
     _checkpoint_settings: Tuple[str, ...] = ()
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
+    def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
                  rank_weight: Optional[float] = None) -> None:
         # Settings.
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None; "
+                            f"got {type(process_group).__name__} (settings are keyword "
+                            f"arguments, e.g. density=0.01)")
         self.process_group = process_group
         self.rank_weight = rank_weight
-        # Internal state: steps completed (a step ends with DDP's last bucket).
+        # Internal state: steps completed (a step ends with DDP's last bucket), and the
+        # parameters of the one model this state serves (learnt in its first step here).
         self.step = 0
+        self._model_parameters: dict = {}  # id -> parameter (keeps the id valid)
+        self._learning_model = True
         # Statistics.
         self._stats = dict(bytes_sent=0, bytes_dense=0, compressed_bytes_sent=0,
                            compressed_bytes_dense=0, encode_seconds=0.0, decode_seconds=0.0,
@@ -94,11 +101,24 @@ class HookState:
                     ", ".join(f"{k}={v}" for k, v in self.settings().items()))
 
     def __getstate__(self) -> dict:
-        """Pickle without the process group (not picklable); the unpickled state uses the
-        default group unless one is assigned."""
+        """Pickle without the process group (not picklable) and the model's parameters; the
+        unpickled state uses the default group unless one is assigned, and learns its model
+        at its first step."""
         state = dict(self.__dict__)
         state["process_group"] = None
+        state["_model_parameters"], state["_learning_model"] = {}, True
         return state
+
+    def claim(self, bucket: dist.GradBucket) -> None:
+        """Make sure the bucket belongs to this state's model: a state keeps error feedback
+        and counters for one model, so a second model sharing it would corrupt both."""
+        params = bucket.parameters()
+        if self._learning_model:
+            self._model_parameters.update((id(p), p) for p in params)
+            self._learning_model = not bucket.is_last()
+        elif any(id(p) not in self._model_parameters for p in params):
+            raise ValueError(f"this {type(self).__name__} already serves another model: "
+                             f"register each DDP model's hook with a state of its own")
 
     # ------------------------------------------------------------------------ statistics
     def stats(self) -> dict:
@@ -108,8 +128,8 @@ class HookState:
             dict with ``steps``; ``bytes_sent`` and ``bytes_dense`` (bytes this rank handed to
             collectives, and what plain allreduce of the same gradients would have handed,
             warm-up included); ``compression_ratio`` (dense-equivalent bytes / bytes sent,
-            over the compressed steps only, everything on the wire counted: values,
-            importance, scales; ``nan`` before the first compressed step);
+            over the steps after the warm-up only, everything on the wire counted: values,
+            importance, scales; 1.0 for a dense hook; ``nan`` before the first such step);
             ``encode_seconds`` and ``decode_seconds`` (time in the hook around the
             collectives); ``dense_fallbacks`` (buckets sent dense because their layout did
             not match the plan, see :mod:`hetero_comm.hooks._plan`).
@@ -120,10 +140,10 @@ class HookState:
         s["steps"] = self.step
         return s
 
-    def count_bytes(self, dense: int, sent: int, compressed_step: bool) -> None:
+    def count_bytes(self, dense: int, sent: int, after_warmup: bool) -> None:
         self._stats["bytes_dense"] += dense
         self._stats["bytes_sent"] += sent
-        if compressed_step:
+        if after_warmup:
             self._stats["compressed_bytes_dense"] += dense
             self._stats["compressed_bytes_sent"] += sent
 
@@ -154,12 +174,13 @@ class HookState:
         self._stats.update(state_dict["stats"])
 
     # ----------------------------------------------------------------------- running
-    def send_dense(self, grad: torch.Tensor, compressed_step: bool) -> torch.futures.Future:
-        """Weighted dense allreduce of ``grad`` in place."""
+    def send_dense(self, grad: torch.Tensor, after_warmup: bool) -> torch.futures.Future:
+        """Weighted dense allreduce of ``grad`` in place (``after_warmup``: its bytes count
+        in the compression ratio)."""
         with self.timer("encode_seconds"):
             grad.mul_(self.weight())
         nbytes = grad.numel() * grad.element_size()
-        self.count_bytes(nbytes, nbytes, compressed_step)
+        self.count_bytes(nbytes, nbytes, after_warmup)
         work = dist.all_reduce(grad, group=self.process_group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
@@ -180,11 +201,11 @@ class ErrorFeedbackState(HookState):
         plan_tensors: (for subclasses) the flat float32 buffers each plan bucket keeps.
     """
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
+    def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
                  rank_weight: Optional[float] = None, warmup_steps: int = 1,
-                 min_compress_numel: int = 0, *,
+                 min_compress_numel: int = 0,
                  plan_tensors: Tuple[str, ...] = ("residual",)) -> None:
-        super().__init__(process_group, rank_weight)
+        super().__init__(process_group=process_group, rank_weight=rank_weight)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 1)
         self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 0)
         self.pool = BufferPool()
@@ -215,18 +236,58 @@ class ErrorFeedbackState(HookState):
         return self.plan.held_back(parameters)
 
     def state_dict(self) -> dict:
-        """:meth:`HookState.state_dict` plus the per-parameter error-feedback state."""
-        return dict(super().state_dict(), plan=self.plan.state_dict())
+        """:meth:`HookState.state_dict` plus every rank's error-feedback state.
+
+        Error feedback differs between ranks, and frameworks save one rank's dict (rank 0's)
+        and load it on every rank. So this is a collective: call it on every rank of the
+        process group (frameworks do). It gathers each rank's part (on the CPU) to rank 0,
+        whose dict then holds ``world_size`` parts; any other rank's holds its own.
+        """
+        world_size, rank = self._group_shape()
+        local = {"stats": dict(self._stats), "plan": self.plan.state_dict()}
+        parts = {rank: local}
+        if world_size > 1:
+            gathered = [None] * world_size if rank == 0 else None
+            group = self.process_group or dist.group.WORLD
+            dist.gather_object(local, gathered, dst=dist.get_global_rank(group, 0), group=group)
+            if rank == 0:
+                parts = dict(enumerate(gathered))
+        return dict(super().state_dict(), world_size=world_size, ranks=parts)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restore this rank's part of a :meth:`state_dict` (rank 0's dict serves every rank).
+
+        Into another world size: what every saved rank held back is summed and split equally
+        among the new ranks (the total held back, and so everything not yet applied, is
+        kept); that needs the dict of rank 0, which holds every saved rank's part.
+        """
         super().load_state_dict(state_dict)
-        self.plan.load_state_dict(state_dict["plan"])
+        world_size, rank = self._group_shape()
+        saved_size, parts = state_dict["world_size"], state_dict["ranks"]
+        if saved_size == world_size and rank in parts:
+            mine = parts[rank]
+        elif len(parts) == saved_size:
+            mine = {"stats": parts[0]["stats"],
+                    "plan": redistribute([parts[r]["plan"] for r in range(saved_size)], world_size)}
+        else:
+            raise ValueError(f"this state_dict holds the part of rank(s) {sorted(parts)} of "
+                             f"{saved_size}, not this rank's ({rank} of {world_size}): load the "
+                             f"dict saved by rank 0, which holds every rank's part")
+        self._stats.update(mine["stats"])
+        self.plan.load_state_dict(mine["plan"])
+
+    def _group_shape(self) -> Tuple[int, int]:
+        """``(world_size, rank)`` in the process group; ``(1, 0)`` without one."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1, 0
+        return dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
 
     # ----------------------------------------------------------------------- running
     def run(self, bucket: dist.GradBucket, send: SendFunction) -> torch.futures.Future[torch.Tensor]:
         """Process one bucket: dense during warm-up, for small buckets or a layout the plan
         does not hold yet; else ``send`` each plan bucket's worth of it. Advances
         :attr:`step` after the last bucket."""
+        self.claim(bucket)
         grad = bucket.buffer()
         if grad.dtype not in GRADIENT_DTYPES:
             raise TypeError(f"{type(self).__name__}: bucket {bucket.index()} has dtype "
@@ -272,3 +333,11 @@ class ErrorFeedbackState(HookState):
             f"{type(self).__name__}: non-finite gradient (NaN or infinity) in DDP bucket "
             f"{index} on at least one rank at step {step}; this step's gradient for the "
             f"bucket is dropped and its error-feedback state reset")
+
+
+def check_state(state, state_class: type, hook_name: str) -> None:
+    """Raise ``TypeError`` unless ``state`` is a ``state_class`` (each hook reads settings
+    only its own state has)."""
+    if not isinstance(state, state_class):
+        raise TypeError(f"{hook_name} takes a {state_class.__name__} state; got a "
+                        f"{type(state).__name__} (register the hook with its own state)")

@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ._state import HookState
+from ._state import HookState, check_state
 
 __all__ = ["AllreduceState", "allreduce_hook"]
 
@@ -14,9 +14,9 @@ class AllreduceState(HookState):
     """State of :func:`allreduce_hook`: the settings of :class:`HookState` (every step is
     dense, so there is no warm-up and no error feedback)."""
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
+    def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
                  rank_weight: Optional[float] = None) -> None:
-        super().__init__(process_group, rank_weight)
+        super().__init__(process_group=process_group, rank_weight=rank_weight)
         self._log_settings()
 
 
@@ -41,6 +41,8 @@ def allreduce_hook(state: AllreduceState, bucket: dist.GradBucket) -> torch.futu
         >>> state = AllreduceState(rank_weight=local_batch / global_batch)
         >>> ddp_model.register_comm_hook(state, allreduce_hook)
     """
-    future = state.send_dense(bucket.buffer(), compressed_step=False)
+    check_state(state, AllreduceState, "allreduce_hook")
+    state.claim(bucket)
+    future = state.send_dense(bucket.buffer(), after_warmup=True)
     state.end_bucket(bucket)
     return future

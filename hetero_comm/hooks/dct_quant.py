@@ -19,7 +19,7 @@ from .. import ops
 from .._checks import check_choice, check_float, check_int
 from .._layout import MAX_BLOCK_SIZE, QUANT_DTYPES, num_segments
 from ._plan import PlanBucket
-from ._state import ErrorFeedbackState
+from ._state import ErrorFeedbackState, check_state
 
 __all__ = ["DCTQuantState", "dct_quant_hook", "pack_int16_pairs", "unpack_int16_pair_sums"]
 
@@ -92,12 +92,13 @@ class DCTQuantState(ErrorFeedbackState):
 
     _checkpoint_settings = ("block_size", "keep_ratio", "bits", "band")
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *,
+    def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
                  block_size: int = 256, keep_ratio: float = 0.125, bits: int = 8,
                  band: str = "cycling",
                  rank_weight: Optional[float] = None, warmup_steps: int = 1,
                  min_compress_numel: int = 0) -> None:
-        super().__init__(process_group, rank_weight, warmup_steps, min_compress_numel)
+        super().__init__(process_group=process_group, rank_weight=rank_weight,
+                         warmup_steps=warmup_steps, min_compress_numel=min_compress_numel)
         self.block_size = check_int("block_size", block_size, 2, MAX_BLOCK_SIZE)
         if block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two in [2, {MAX_BLOCK_SIZE}]; "
@@ -172,6 +173,7 @@ def dct_quant_hook(state: DCTQuantState, bucket: dist.GradBucket) -> torch.futur
         >>> state = DCTQuantState(block_size=256, keep_ratio=0.125, bits=8)
         >>> ddp_model.register_comm_hook(state, dct_quant_hook)
     """
+    check_state(state, DCTQuantState, "dct_quant_hook")
     return state.run(bucket, _dct_quant_allreduce)
 
 

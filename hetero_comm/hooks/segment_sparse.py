@@ -19,7 +19,7 @@ from .. import ops
 from .._checks import check_choice, check_float, check_int
 from .._layout import num_segments
 from ._plan import PlanBucket
-from ._state import ErrorFeedbackState
+from ._state import ErrorFeedbackState, check_state
 
 __all__ = ["SegmentSparseState", "segment_sparse_hook"]
 
@@ -55,13 +55,14 @@ class SegmentSparseState(ErrorFeedbackState):
     _checkpoint_settings = ("density", "segment_size", "selection", "momentum",
                             "density_warmup_steps")
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *,
+    def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
                  density: float = 0.01, segment_size: int = 256, selection: str = "current",
                  momentum: float = 0.0, density_warmup_steps: int = 0,
                  wire_dtype: str = "float32", rank_weight: Optional[float] = None,
                  warmup_steps: int = 1, min_compress_numel: int = 0) -> None:
         self.momentum = check_float("momentum", momentum, 0.0, 0.999)
-        super().__init__(process_group, rank_weight, warmup_steps, min_compress_numel,
+        super().__init__(process_group=process_group, rank_weight=rank_weight,
+                         warmup_steps=warmup_steps, min_compress_numel=min_compress_numel,
                          plan_tensors=("residual", "momentum") if self.momentum else ("residual",))
         self.density = check_float("density", density, 0.0, 1.0, low_open=True)
         self.segment_size = check_int("segment_size", segment_size, 1, 1 << 20)
@@ -128,6 +129,7 @@ def segment_sparse_hook(state: SegmentSparseState, bucket: dist.GradBucket) -> t
         >>> state = SegmentSparseState(density=0.01, segment_size=256)
         >>> ddp_model.register_comm_hook(state, segment_sparse_hook)
     """
+    check_state(state, SegmentSparseState, "segment_sparse_hook")
     return state.run(bucket, _sparse_allreduce)
 
 
