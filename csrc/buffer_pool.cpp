@@ -19,7 +19,7 @@ namespace {
 class BufferPool : public torch::CustomClassHolder {
  public:
   at::Tensor acquire(int64_t numel, at::ScalarType dtype, c10::Device device) {
-    TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0; got ", numel);
+    TORCH_CHECK_VALUE(numel >= 0, "numel must be an integer >= 0; got ", numel);
     const int64_t class_bytes = size_class_bytes(numel * static_cast<int64_t>(c10::elementSize(dtype)));
     const FreeKey free_key{device.type(), device.index(), class_bytes};
     c10::Storage storage;

@@ -58,8 +58,14 @@ inline void check_same_device(const at::Tensor& a, const char* a_name, const at:
                     a_name, " on ", a.device(), ", ", b_name, " on ", b.device());
 }
 
-inline void check_positive(const char* name, int64_t value) {
-  TORCH_CHECK_VALUE(value > 0, name, " must satisfy ", name, " >= 1; got ", value);
+// Integer settings, worded as hetero_comm/_checks.py's check_int (which reference.py uses).
+inline void check_at_least(const char* name, int64_t value, int64_t low) {
+  TORCH_CHECK_VALUE(value >= low, name, " must be an integer >= ", low, "; got ", value);
+}
+
+inline void check_in_range(const char* name, int64_t value, int64_t low, int64_t high) {
+  TORCH_CHECK_VALUE(value >= low && value <= high, name, " must be an integer in [", low, ", ",
+                    high, "]; got ", value);
 }
 
 inline void check_block_size(int64_t block_size) {
@@ -89,11 +95,6 @@ inline void check_indices(const at::Tensor& host_indices, int64_t count) {
   TORCH_CHECK_VALUE(increasing, "indices must be strictly increasing (sorted, no duplicates)");
 }
 
-inline void check_k(int64_t k, int64_t count) {
-  TORCH_CHECK_VALUE(k >= 0 && k <= count, "k must satisfy 0 <= k <= ", count,
-                    " (the number of segments); got ", k);
-}
-
 inline void check_quant_dtype(at::ScalarType dtype) {
   TORCH_CHECK_TYPE(dtype == at::kChar || dtype == at::kShort || dtype == at::kInt,
                    "dtype must be int8, int16 or int32; got ", dtype_name(dtype));
@@ -104,9 +105,7 @@ inline int64_t quant_dtype_max(at::ScalarType dtype) {
 }
 
 inline void check_levels(int64_t levels, at::ScalarType dtype) {
-  const int64_t upper = quant_dtype_max(dtype);
-  TORCH_CHECK_VALUE(levels >= 1 && levels <= upper, "levels must satisfy 1 <= levels <= ", upper,
-                    " for ", dtype_name(dtype), "; got ", levels);
+  check_in_range("levels", levels, 1, quant_dtype_max(dtype));
 }
 
 // Scale: float32 [num_blocks], finite and >= 0. `host_scale` is a CPU copy.
@@ -133,12 +132,12 @@ inline void check_segment_accumulate(const at::Tensor& residual, const at::Tenso
   TORCH_CHECK_VALUE(grad.numel() == residual.numel(),
                     "grad must have as many elements as residual (", residual.numel(), "); got ",
                     grad.numel());
-  check_positive("segment_size", segment_size);
+  check_at_least("segment_size", segment_size, 1);
 }
 
 inline void check_select(const at::Tensor& importance, int64_t k) {
   check_tensor(importance, "importance", {at::kFloat}, 1);
-  check_k(k, importance.numel());
+  check_in_range("k", k, 0, importance.numel());
 }
 
 // [first, last) bytes that a tensor's elements can touch (an over-estimate when strided).
@@ -168,7 +167,7 @@ inline void check_out_shape(const at::Tensor& out, std::initializer_list<at::Sca
 
 inline void check_pack(const at::Tensor& residual, const at::Tensor& indices, int64_t segment_size) {
   check_tensor(residual, "residual", {at::kFloat}, 1, /*writable=*/true);
-  check_positive("segment_size", segment_size);
+  check_at_least("segment_size", segment_size, 1);
   check_same_device(residual, "residual", indices, "indices");
   check_indices(indices.cpu(), num_segments(residual.numel(), segment_size));
 }
@@ -176,8 +175,8 @@ inline void check_pack(const at::Tensor& residual, const at::Tensor& indices, in
 inline void check_unpack(const at::Tensor& packed, const at::Tensor& indices, int64_t segment_size,
                          int64_t numel, double scale) {
   check_tensor(packed, "packed", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
-  check_positive("segment_size", segment_size);
-  TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0; got ", numel);
+  check_at_least("segment_size", segment_size, 1);
+  check_at_least("numel", numel, 0);
   TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite; got ", scale);
   check_same_device(packed, "packed", indices, "indices");
   check_indices(indices.cpu(), num_segments(numel, segment_size));
@@ -189,14 +188,13 @@ inline void check_unpack(const at::Tensor& packed, const at::Tensor& indices, in
 inline void check_dct_encode(const at::Tensor& x, int64_t block_size, int64_t keep) {
   check_tensor(x, "x", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
   check_block_size(block_size);
-  TORCH_CHECK_VALUE(keep >= 0 && keep <= block_size, "keep must satisfy 0 <= keep <= block_size (",
-                    block_size, "); got ", keep);
+  check_in_range("keep", keep, 0, block_size);
 }
 
 inline void check_dct_decode(const at::Tensor& coeffs, int64_t block_size, int64_t numel) {
   check_tensor(coeffs, "coeffs", {at::kFloat}, 2);
   check_block_size(block_size);
-  TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0; got ", numel);
+  check_at_least("numel", numel, 0);
   const int64_t blocks = num_segments(numel, block_size);
   TORCH_CHECK_VALUE(coeffs.size(0) == blocks && coeffs.size(1) <= block_size,
                     "coeffs must have shape [ceil(numel / block_size) = ", blocks, ", keep <= ",
@@ -216,7 +214,7 @@ inline void check_dequantize(const at::Tensor& q, const at::Tensor& scale, int64
   check_tensor(q, "q", {at::kChar, at::kShort, at::kInt}, 2);
   check_scale(scale.cpu(), q.size(0));
   check_same_device(q, "q", scale, "scale");
-  check_positive("levels", levels);
+  check_at_least("levels", levels, 1);
 }
 
 // ------------------------------------------------------ the out= forms (`*_into_` ops)

@@ -13,18 +13,10 @@ import torch
 
 from . import reference
 from ._backend import extension_loaded, kernel_backend
-from .reference import num_segments
+from ._kernels import KERNELS
+from ._layout import num_segments
 
-__all__ = [
-    "segment_accumulate_",
-    "select_segments",
-    "pack_segments_",
-    "unpack_segments",
-    "dct_encode",
-    "dct_decode",
-    "quantize",
-    "dequantize",
-]
+__all__ = list(KERNELS)
 
 
 def _compiled(tensor: torch.Tensor) -> bool:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import hetero_comm
-from hetero_comm._backend import KERNEL_OPS
+from hetero_comm import ops, reference
+from hetero_comm._kernels import KERNEL_OPS, KERNELS
 from kernel_cases import require_compiled
 
 
@@ -17,6 +18,17 @@ def test_compiled_kernels_serve_cpu():
     require_compiled("cpu")
     for op in KERNEL_OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"hetero_comm::{op}", "CPU"), op
+
+
+def test_the_op_list_is_the_registered_schemas_and_both_apis():
+    require_compiled("cpu")
+    registered = {schema.name.split("::", 1)[1] for schema in torch._C._jit_get_all_schemas()
+                  if schema.name.startswith("hetero_comm::")}
+    public = {name for name in registered if not name.startswith("_")}
+    assert public == set(KERNEL_OPS), public ^ set(KERNEL_OPS)
+    assert ops.__all__ == reference.__all__ == list(KERNELS)
+    for name in KERNELS:
+        assert callable(getattr(ops, name)) and callable(getattr(reference, name)), name
 
 
 def test_parallel_for_runs_on_several_threads():

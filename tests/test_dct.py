@@ -87,8 +87,8 @@ def test_dct_reads_non_contiguous_input():
     (dict(block_size=0), "block_size must be a power of two"),
     (dict(block_size=12), "block_size must be a power of two"),
     (dict(block_size=1 << 17), "block_size must be a power of two"),
-    (dict(keep=-1), "keep must satisfy 0 <= keep <= block_size"),
-    (dict(keep=65), "keep must satisfy 0 <= keep <= block_size"),
+    (dict(keep=-1), r"keep must be an integer in \[0, 64\]"),
+    (dict(keep=65), r"keep must be an integer in \[0, 64\]"),
     (dict(x=torch.ones(10, dtype=torch.float64)), "x must have dtype"),
     (dict(x=torch.ones(2, 5)), "x must be 1-D"),
 ])
@@ -101,7 +101,7 @@ def test_dct_encode_rejects_bad_input(backend, case, match):
 @BACKENDS
 @pytest.mark.parametrize("case, match", [
     (dict(block_size=48), "block_size must be a power of two"),
-    (dict(numel=-5), "numel must be >= 0"),
+    (dict(numel=-5), "numel must be an integer >= 0"),
     (dict(numel=200), r"coeffs must have shape \[ceil\(numel / block_size\) = 4"),
     (dict(coeffs=torch.ones(2, 65)), "keep <= 64"),
     (dict(coeffs=torch.ones(16)), "coeffs must be 2-D"),

@@ -73,8 +73,8 @@ def test_quantize_reads_non_contiguous_input():
 
 @BACKENDS
 @pytest.mark.parametrize("case, match", [
-    (dict(levels=0), "levels must satisfy 1 <= levels <= 127"),
-    (dict(levels=128), "levels must satisfy 1 <= levels <= 127"),
+    (dict(levels=0), r"levels must be an integer in \[1, 127\]"),
+    (dict(levels=128), r"levels must be an integer in \[1, 127\]"),
     (dict(dtype=torch.int64), "dtype must be int8, int16 or int32"),
     (dict(dtype=torch.float32), "dtype must be int8, int16 or int32"),
     (dict(scale=torch.ones(3)), r"scale must have one entry per block \(4\)"),
@@ -93,7 +93,7 @@ def test_quantize_rejects_bad_input(backend, case, match):
 
 @BACKENDS
 @pytest.mark.parametrize("case, match", [
-    (dict(levels=0), "levels must satisfy"),
+    (dict(levels=0), "levels must be an integer >= 1"),
     (dict(q=torch.ones(4, 8)), "q must have dtype"),
     (dict(q=torch.ones(32, dtype=torch.int8)), "q must be 2-D"),
     (dict(scale=torch.ones(5)), "scale must have one entry per block"),
