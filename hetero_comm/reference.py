@@ -11,7 +11,11 @@ Conventions shared by every kernel:
 * Gradients may be float32, bfloat16 or float16; residuals, importance, packed values and
   every accumulation are float32.
 * Bad input raises ``ValueError`` (``TypeError`` for a wrong dtype) naming the argument,
-  before anything is written, so a rejected call leaves every input untouched.
+  before anything is written, so a rejected call leaves every input untouched. The
+  references check everything on every device; the compiled CUDA kernels skip the checks
+  that read tensor values unless strict checks are on, to avoid a host sync per call
+  (``hetero_comm.ops.set_strict_checks``; what they do with bad values is stated in
+  :mod:`hetero_comm.ops`).
 * Tensors that a kernel only reads may be non-contiguous (they are read through a contiguous
   copy); tensors that it writes must be contiguous.
 """
@@ -164,18 +168,27 @@ def select_segments(importance: torch.Tensor, k: int,
 
 def pack_segments_(residual: torch.Tensor, indices: torch.Tensor, segment_size: int,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Copy the selected segments into one contiguous tensor and zero them in ``residual``.
+    """Move the selected segments into one contiguous tensor, leaving in ``residual`` what
+    the packed dtype cannot represent.
 
     Segment ``indices[j]`` lands at ``packed[j * segment_size : (j + 1) * segment_size]``;
     a short last segment is padded with zeros, so the packed length is always
     ``k * segment_size`` (a fixed size per ``k``, which is what a collective needs).
 
+    Each selected element ``v`` of ``residual`` becomes ``v - float32(packed value)``: zero for
+    a float32 ``out`` (written as 0, also for an infinite ``v``), the rounding error for a
+    bfloat16 or float16 ``out`` (values are rounded to nearest, ties to even). That
+    difference is exact in float32, so ``unpack_segments(packed) + residual`` equals the
+    residual before the call on the selected segments, bit for bit (unless a value overflows
+    the 16-bit range: float16 rounds it to infinity and the residual then holds minus
+    infinity). Error feedback needs nothing else.
+
     Args:
-        residual: float32 [n], contiguous; the selected segments are set to zero.
+        residual: float32 [n], contiguous; the selected segments are updated as above.
         indices: int64 [k], strictly increasing, each in [0, S).
         segment_size: elements per segment, >= 1.
         out: optional float32, bfloat16 or float16 [k * segment_size], contiguous, to write
-            into instead of allocating (values are rounded to its dtype).
+            into instead of allocating.
 
     Returns:
         packed: ``out`` if given, else a new float32 [k * segment_size].
@@ -193,7 +206,10 @@ def pack_segments_(residual: torch.Tensor, indices: torch.Tensor, segment_size: 
         positions, inside = _segment_positions(indices, segment_size, residual.numel())
         picked = torch.where(inside, residual[positions.clamp(max=residual.numel() - 1)], 0.0)
         out.copy_(picked.view(-1))
-        residual[positions[inside]] = 0
+        if out.dtype == torch.float32:
+            residual[positions[inside]] = 0
+        else:
+            residual[positions[inside]] = (picked - out.view_as(picked).float())[inside]
     return out
 
 

@@ -160,10 +160,10 @@ def test_pack_and_unpack_match_reference(numel, segment_size, out_dtype):
         assert packed.dtype == (out_dtype or torch.float32) and packed.shape == (packed_numel,)
         assert torch.equal(packed, expected)
         assert torch.equal(compiled_residual, reference_residual)
-        # Nothing is lost: what was packed plus what stayed behind is the original residual.
+        # Nothing is lost: what was packed plus what stayed behind (zero, or the rounding
+        # error of a 16-bit out) is the original residual, exactly, in float32 arithmetic.
         restored = ops.unpack_segments(packed.float(), indices, segment_size, numel) + compiled_residual
-        if out_dtype in (None, torch.float32):
-            assert torch.equal(restored, residual)
+        assert torch.equal(restored, residual)
 
         unpack_out = lambda: None if out_dtype is None else torch.full((numel,), 7.0, dtype=out_dtype)
         unpacked = ops.unpack_segments(packed, indices, segment_size, numel, scale=0.5, out=unpack_out())
@@ -176,6 +176,23 @@ def test_pack_pads_a_short_last_segment_with_zeros():
     packed = ops.pack_segments_(residual, torch.tensor([0, 2]), 4)
     assert packed.tolist() == [1.0, 2.0, 3.0, 4.0, 9.0, 10.0, 0.0, 0.0]
     assert residual.tolist() == [0.0] * 4 + [5.0, 6.0, 7.0, 8.0] + [0.0, 0.0]
+
+
+@pytest.mark.parametrize("out_dtype", GRAD_DTYPES)
+def test_pack_leaves_what_out_cannot_represent_in_the_residual(out_dtype):
+    values = [1 / 3, float("inf"), float("-inf"), 70_000.0, -1e-30, 2.0 ** -30, 1 + 2.0 ** -20, 0.1]
+    residual = torch.tensor(values + [5.0, 6.0])
+    compiled_residual, reference_residual = residual.clone(), residual.clone()
+    indices = torch.tensor([0, 1])
+    out = lambda: torch.empty(16, dtype=out_dtype)
+    packed = ops.pack_segments_(compiled_residual, indices, 8, out=out())
+    assert torch.equal(packed, reference.pack_segments_(reference_residual, indices, 8, out=out()))
+    assert torch.equal(compiled_residual.view(torch.int32), reference_residual.view(torch.int32))
+    expected = residual[:10] - residual[:10].to(out_dtype).float()
+    if out_dtype == torch.float32:
+        expected = torch.zeros(10)  # written as 0, so an infinity does not leave NaN
+    assert torch.equal(compiled_residual.view(torch.int32), expected.view(torch.int32))
+    assert packed[10:].tolist() == [0.0] * 6
 
 
 def test_unpack_reads_non_contiguous_packed():
@@ -197,6 +214,8 @@ def test_unpack_reads_non_contiguous_packed():
     (dict(residual=torch.ones(20)[::2]), "must be contiguous"),
     (dict(out=torch.zeros(7)), r"out must have shape \[8\]; got \[7\]"),
     (dict(out=torch.zeros(8, dtype=torch.int32)), "out must have dtype"),
+    (dict(indices=torch.tensor([2, 1]), out=torch.zeros(8, dtype=torch.bfloat16)), "strictly increasing"),
+    (dict(indices=torch.tensor([0, 3]), out=torch.zeros(8, dtype=torch.float16)), r"indices must lie in"),
 ])
 def test_pack_rejects_bad_input(backend, case, match):
     args = dict(residual=torch.arange(1.0, 11.0), indices=torch.tensor([0, 2]), segment_size=4) | case
