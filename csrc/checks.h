@@ -1,6 +1,14 @@
 // Argument validation shared by the CPU (csrc/) and CUDA (cuda/) bindings. Every check runs
 // before a kernel writes anything, and raises ValueError / TypeError naming the argument,
 // with the same wording as hetero_comm/reference.py.
+//
+// Host syncs: shapes, dtypes and devices are always checked (host metadata, free). The
+// checks that read tensor values (indices in range and strictly increasing, scale finite and
+// >= 0; x finite in quantize.cu, importance finite in select_segments.cu) run on CPU tensors
+// always, but on a GPU only while strict checks are on (hetero_comm.ops.set_strict_checks),
+// since they would copy to the host and synchronise on every call. Without them the CUDA
+// kernels stay memory-safe on bad values (an index outside [0, S) is skipped); what they
+// compute then is documented in hetero_comm/ops.py.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,6 +23,11 @@
 #include "kernels/common.h"
 
 namespace hetero_comm {
+
+// Whether the value checks also run on non-CPU tensors (defined in strict_checks.cpp).
+bool strict_checks_enabled();
+
+inline bool check_values_of(const at::Tensor& t) { return t.is_cpu() || strict_checks_enabled(); }
 
 constexpr int64_t kMaxBlockSize = int64_t{1} << 16;
 
@@ -75,13 +88,13 @@ inline void check_block_size(int64_t block_size) {
                     block_size);
 }
 
-// Indices must be int64, 1-D, strictly increasing and in [0, count). `host_indices` is a
-// CPU copy (CUDA callers pass indices.cpu()); `indices` is the caller's tensor.
-inline void check_indices(const at::Tensor& host_indices, int64_t count) {
-  check_tensor(host_indices, "indices", {at::kLong}, 1);
-  const int64_t k = host_indices.numel();
-  if (k == 0) return;
-  const at::Tensor contiguous = host_indices.contiguous();
+// Indices must be int64, 1-D, strictly increasing and in [0, count); the values are read
+// through a host copy when check_values_of(indices).
+inline void check_indices(const at::Tensor& indices, int64_t count) {
+  check_tensor(indices, "indices", {at::kLong}, 1);
+  const int64_t k = indices.numel();
+  if (k == 0 || !check_values_of(indices)) return;
+  const at::Tensor contiguous = indices.cpu().contiguous();
   const int64_t* idx = contiguous.const_data_ptr<int64_t>();
   int64_t lo = idx[0], hi = idx[0];
   bool increasing = true;
@@ -108,12 +121,13 @@ inline void check_levels(int64_t levels, at::ScalarType dtype) {
   check_in_range("levels", levels, 1, quant_dtype_max(dtype));
 }
 
-// Scale: float32 [num_blocks], finite and >= 0. `host_scale` is a CPU copy.
-inline void check_scale(const at::Tensor& host_scale, int64_t num_blocks) {
-  check_tensor(host_scale, "scale", {at::kFloat}, 1);
-  TORCH_CHECK_VALUE(host_scale.numel() == num_blocks, "scale must have one entry per block (",
-                    num_blocks, "); got ", host_scale.numel());
-  const at::Tensor contiguous = host_scale.contiguous();
+// Scale: float32 [num_blocks], finite and >= 0 (the values when check_values_of(scale)).
+inline void check_scale(const at::Tensor& scale, int64_t num_blocks) {
+  check_tensor(scale, "scale", {at::kFloat}, 1);
+  TORCH_CHECK_VALUE(scale.numel() == num_blocks, "scale must have one entry per block (",
+                    num_blocks, "); got ", scale.numel());
+  if (num_blocks == 0 || !check_values_of(scale)) return;
+  const at::Tensor contiguous = scale.cpu().contiguous();
   const float* s = contiguous.const_data_ptr<float>();
   bool ok = true;
   for (int64_t i = 0; i < num_blocks; ++i) ok = ok && s[i] >= 0.0f && s[i] <= 3.4028235e38f;
@@ -121,8 +135,7 @@ inline void check_scale(const at::Tensor& host_scale, int64_t num_blocks) {
 }
 
 // ------------------------------------------------------------------ per-op argument checks
-// One definition per op, called by its CPU and its CUDA kernel. Data-dependent checks read a
-// host copy (`.cpu()` is free for a CPU tensor).
+// One definition per op, called by its CPU and its CUDA kernel.
 
 inline void check_segment_accumulate(const at::Tensor& residual, const at::Tensor& grad,
                                      int64_t segment_size) {
@@ -169,7 +182,7 @@ inline void check_pack(const at::Tensor& residual, const at::Tensor& indices, in
   check_tensor(residual, "residual", {at::kFloat}, 1, /*writable=*/true);
   check_at_least("segment_size", segment_size, 1);
   check_same_device(residual, "residual", indices, "indices");
-  check_indices(indices.cpu(), num_segments(residual.numel(), segment_size));
+  check_indices(indices, num_segments(residual.numel(), segment_size));
 }
 
 inline void check_unpack(const at::Tensor& packed, const at::Tensor& indices, int64_t segment_size,
@@ -179,7 +192,7 @@ inline void check_unpack(const at::Tensor& packed, const at::Tensor& indices, in
   check_at_least("numel", numel, 0);
   TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite; got ", scale);
   check_same_device(packed, "packed", indices, "indices");
-  check_indices(indices.cpu(), num_segments(numel, segment_size));
+  check_indices(indices, num_segments(numel, segment_size));
   TORCH_CHECK_VALUE(packed.numel() == indices.numel() * segment_size,
                     "packed must have k * segment_size = ", indices.numel() * segment_size,
                     " elements; got ", packed.numel());
@@ -205,14 +218,14 @@ inline void check_quantize(const at::Tensor& x, const at::Tensor& scale, int64_t
                            at::ScalarType dtype) {
   check_tensor(x, "x", {at::kFloat}, 2);
   check_quant_dtype(dtype);
-  check_scale(scale.cpu(), x.size(0));
+  check_scale(scale, x.size(0));
   check_same_device(x, "x", scale, "scale");
   check_levels(levels, dtype);
 }
 
 inline void check_dequantize(const at::Tensor& q, const at::Tensor& scale, int64_t levels) {
   check_tensor(q, "q", {at::kChar, at::kShort, at::kInt}, 2);
-  check_scale(scale.cpu(), q.size(0));
+  check_scale(scale, q.size(0));
   check_same_device(q, "q", scale, "scale");
   check_at_least("levels", levels, 1);
 }

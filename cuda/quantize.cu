@@ -79,8 +79,21 @@ at::Tensor block_multipliers(const at::Tensor& scale, int64_t levels, bool quant
   return multiplier;
 }
 
+// With strict checks on (checks.h): raises unless every x is finite, reading a device flag
+// back (a host sync), before anything is written. Off, nothing is checked and
+// quantize_value's rules apply: NaN quantizes to 0, an infinity to +-levels (0 in a block
+// whose factor is 0).
+void check_finite_if_strict(const at::Tensor& x_c, cudaStream_t stream) {
+  if (!strict_checks_enabled()) return;
+  at::Tensor nonfinite = at::zeros({1}, x_c.options().dtype(at::kInt));
+  find_nonfinite_kernel<<<grid_for(x_c.numel()), kThreads, 0, stream>>>(
+      x_c.const_data_ptr<float>(), x_c.numel(), nonfinite.mutable_data_ptr<int>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  TORCH_CHECK_VALUE(nonfinite.cpu().const_data_ptr<int>()[0] == 0, kNotFiniteX);
+}
+
 // Assumes validated arguments; `q` is int8/int16/int32 of x's shape, contiguous, on x's
-// device. Checks that x is finite before the first write to q, so a rejected call leaves q
+// device. Any rejection happens before the first write to q, so a rejected call leaves q
 // untouched (q may be the caller's out=); then writes every element of q.
 void quantize_into(const at::Tensor& x, const at::Tensor& scale, int64_t levels, at::Tensor& q) {
   const int64_t numel = x.numel();
@@ -88,11 +101,7 @@ void quantize_into(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor x_c = x.contiguous();
-  at::Tensor nonfinite = at::zeros({1}, x.options().dtype(at::kInt));
-  find_nonfinite_kernel<<<grid_for(numel), kThreads, 0, stream>>>(
-      x_c.const_data_ptr<float>(), numel, nonfinite.mutable_data_ptr<int>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  TORCH_CHECK_VALUE(nonfinite.cpu().const_data_ptr<int>()[0] == 0, kNotFiniteX);
+  check_finite_if_strict(x_c, stream);
 
   const at::Tensor factor = block_multipliers(scale, levels, /*quantizing=*/true, stream);
   const float bound = levels_bound(levels);

@@ -26,9 +26,21 @@ def test_the_op_list_is_the_registered_schemas_and_both_apis():
                   if schema.name.startswith("hetero_comm::")}
     public = {name for name in registered if not name.startswith("_")}
     assert public == set(KERNEL_OPS), public ^ set(KERNEL_OPS)
-    assert ops.__all__ == reference.__all__ == list(KERNELS)
+    assert reference.__all__ == list(KERNELS)
+    assert ops.__all__ == [*KERNELS, "set_strict_checks"]
     for name in KERNELS:
         assert callable(getattr(ops, name)) and callable(getattr(reference, name)), name
+
+
+def test_the_strict_checks_switch_reaches_the_extension():
+    require_compiled()
+    previous = ops.set_strict_checks(True)
+    try:
+        assert torch.ops.hetero_comm._set_strict_checks(True) is True
+        assert ops.set_strict_checks(False) is True
+        assert torch.ops.hetero_comm._set_strict_checks(False) is False
+    finally:
+        ops.set_strict_checks(previous)
 
 
 def test_parallel_for_runs_on_several_threads():

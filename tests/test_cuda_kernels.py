@@ -492,3 +492,102 @@ def test_segment_accumulate_and_select_out_forms():
     indices = cuda(torch.full((40,), -1, dtype=torch.int64))
     assert ops.select_segments(importance, 40, out=indices) is indices
     assert torch.equal(indices.cpu(), reference.select_segments(importance.cpu(), 40))
+
+
+# ------------------------------------------------------------ value checks without host syncs
+@pytest.fixture
+def strict_checks_off():
+    previous = ops.set_strict_checks(False)
+    yield
+    ops.set_strict_checks(previous)
+
+
+def _every_op_once(out_forms: dict) -> None:
+    """One call of every op (and of every out= form, writing the buffers in ``out_forms``)."""
+    n, segment_size = 100_003, 256
+    residual = out_forms["residual"]
+    grad = out_forms["grad"]
+    importance = ops.segment_accumulate_(residual, grad, segment_size)
+    ops.segment_accumulate_(residual, grad, segment_size, out=out_forms["importance"])
+    indices = ops.select_segments(importance, 40)
+    ops.select_segments(importance, 40, out=out_forms["indices"])
+    packed = ops.pack_segments_(residual, indices, segment_size)
+    ops.pack_segments_(residual, indices, segment_size, out=out_forms["packed"])
+    ops.unpack_segments(packed, indices, segment_size, n, 0.5)
+    ops.unpack_segments(out_forms["packed"], indices, segment_size, n, 0.5, out=out_forms["flat"])
+    coeffs = ops.dct_encode(grad, 256, 32)
+    ops.dct_encode(grad, 256, 32, out=out_forms["coeffs"])
+    ops.dct_decode(coeffs, 256, n)
+    ops.dct_decode(coeffs, 256, n, out=out_forms["flat"])
+    scale = coeffs.abs().amax(dim=1)
+    q = ops.quantize(coeffs, scale, 127, torch.int8)
+    ops.quantize(coeffs, scale, 127, torch.int8, out=out_forms["q"])
+    ops.dequantize(q, scale, 127)
+    ops.dequantize(q, scale, 127, out=out_forms["x_hat"])
+
+
+def test_no_op_synchronises_with_the_host(strict_checks_off):
+    n = 100_003
+    blocks = -(-n // 256)
+    buffers = {
+        "residual": torch.zeros(n, device="cuda"), "grad": cuda(random_tensor(n, torch.bfloat16, 1)),
+        "importance": torch.empty(blocks, device="cuda"),
+        "indices": torch.empty(40, dtype=torch.int64, device="cuda"),
+        "packed": torch.empty(40 * 256, dtype=torch.float16, device="cuda"),
+        "flat": torch.empty(n, device="cuda"), "coeffs": torch.empty(blocks, 32, device="cuda"),
+        "q": torch.empty(blocks, 32, dtype=torch.int8, device="cuda"),
+        "x_hat": torch.empty(blocks, 32, device="cuda"),
+    }
+    _every_op_once(buffers)  # warm-up: backend lookup, caching allocator
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _every_op_once(buffers)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+def test_strict_checks_do_synchronise():
+    # The sync-debug test above can fail: strict checks read indices back to the host.
+    previous = ops.set_strict_checks(True)
+    residual = torch.zeros(100, device="cuda")
+    indices = torch.tensor([1, 3], device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            ops.pack_segments_(residual, indices, 4)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        ops.set_strict_checks(previous)
+
+
+def test_bad_indices_without_strict_checks_stay_inside_the_buffers(strict_checks_off):
+    residual = cuda(torch.arange(1.0, 101.0))            # 25 segments of 4
+    packed = ops.pack_segments_(residual, cuda(torch.tensor([-1, 2, 25, 1 << 40])), 4)
+    expected = torch.zeros(16)
+    expected[4:8] = torch.arange(9.0, 13.0)               # only segment 2 is in range
+    assert torch.equal(packed.cpu(), expected)
+    kept = torch.arange(1.0, 101.0)
+    kept[8:12] = 0
+    assert torch.equal(residual.cpu(), kept)
+    flat = ops.unpack_segments(cuda(torch.ones(12)), cuda(torch.tensor([-5, 24, 99])), 4, 98)
+    expected_flat = torch.zeros(98)
+    expected_flat[96:] = 1.0                              # the short last segment, 2 elements
+    assert torch.equal(flat.cpu(), expected_flat)
+
+
+def test_non_finite_values_without_strict_checks(strict_checks_off):
+    x = torch.full((4, 8), 0.5)
+    x[0, 1], x[0, 2], x[0, 3] = float("nan"), float("inf"), float("-inf")
+    scale = torch.tensor([1.0, float("nan"), float("inf"), -1.0])
+    q = ops.quantize(cuda(x), cuda(scale), 127, torch.int8).cpu()
+    assert q[0].tolist() == [64, 0, 127, -127, 64, 64, 64, 64]   # 63.5 rounds half to even
+    assert q[1:].abs().sum() == 0                                 # bad scales: factor 0
+    importance = torch.rand(1000)
+    importance[10] = float("nan")
+    importance[20] = float("inf")
+    importance[30] = -float("nan")
+    selected = ops.select_segments(cuda(importance), 999).cpu()
+    assert 30 not in selected.tolist() and {10, 20} <= set(selected.tolist())
+    assert ops.select_segments(cuda(importance), 1).cpu().tolist() == [10]
