@@ -38,9 +38,9 @@ __device__ __forceinline__ int64_t segment_element(int64_t segment, int64_t offs
 // Packed element p belongs to segment indices[p / segment_size], offset p % segment_size.
 // Valid indices are distinct, so each residual element is read and written by one thread.
 template <typename OutT>
-__global__ void pack_kernel(float* __restrict__ residual, int64_t n,
-                            const int64_t* __restrict__ indices, int64_t segment_size,
-                            int64_t packed_numel, OutT* __restrict__ packed) {
+__global__ void __launch_bounds__(kThreads)
+pack_kernel(float* __restrict__ residual, int64_t n, const int64_t* __restrict__ indices,
+            int64_t segment_size, int64_t packed_numel, OutT* __restrict__ packed) {
   const int64_t segments = num_segments(n, segment_size);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packed_numel;
@@ -56,7 +56,8 @@ __global__ void pack_kernel(float* __restrict__ residual, int64_t n,
 }
 
 template <typename OutT>
-__global__ void fill_zero_kernel(OutT* __restrict__ out, int64_t numel) {
+__global__ void __launch_bounds__(kThreads)
+fill_zero_kernel(OutT* __restrict__ out, int64_t numel) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
        i += stride) {
@@ -67,9 +68,10 @@ __global__ void fill_zero_kernel(OutT* __restrict__ out, int64_t numel) {
 // Runs after fill_zero_kernel on the same stream: the selected segments overwrite the zeros,
 // the padding of a short last segment is dropped.
 template <typename PackedT, typename OutT>
-__global__ void unpack_kernel(const PackedT* __restrict__ packed, int64_t packed_numel,
-                              const int64_t* __restrict__ indices, int64_t segment_size,
-                              float scale, int64_t numel, OutT* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads)
+unpack_kernel(const PackedT* __restrict__ packed, int64_t packed_numel,
+              const int64_t* __restrict__ indices, int64_t segment_size, float scale, int64_t numel,
+              OutT* __restrict__ out) {
   const int64_t segments = num_segments(numel, segment_size);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packed_numel;

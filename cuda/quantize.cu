@@ -19,8 +19,8 @@ namespace cuda {
 namespace {
 
 // Sets *nonfinite to 1 if any x is NaN or infinite.
-__global__ void find_nonfinite_kernel(const float* __restrict__ x, int64_t numel,
-                                      int* __restrict__ nonfinite) {
+__global__ void __launch_bounds__(kThreads)
+find_nonfinite_kernel(const float* __restrict__ x, int64_t numel, int* __restrict__ nonfinite) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   bool found = false;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
@@ -33,9 +33,9 @@ __global__ void find_nonfinite_kernel(const float* __restrict__ x, int64_t numel
 // Per block: factor = quantize_factor(scale, levels) (quantize) or
 // step = dequantize_step(scale, levels) (dequantize); the float64 division is done once per
 // block instead of once per value.
-__global__ void block_multiplier_kernel(const float* __restrict__ scale, int64_t num_blocks,
-                                        int64_t levels, bool quantizing,
-                                        float* __restrict__ multiplier) {
+__global__ void __launch_bounds__(kThreads)
+block_multiplier_kernel(const float* __restrict__ scale, int64_t num_blocks, int64_t levels,
+                        bool quantizing, float* __restrict__ multiplier) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < num_blocks;
        b += stride) {
@@ -45,9 +45,9 @@ __global__ void block_multiplier_kernel(const float* __restrict__ scale, int64_t
 }
 
 template <typename QuantT>
-__global__ void quantize_kernel(const float* __restrict__ x, int64_t numel, int64_t block_len,
-                                const float* __restrict__ factor, float bound,
-                                QuantT* __restrict__ q) {
+__global__ void __launch_bounds__(kThreads)
+quantize_kernel(const float* __restrict__ x, int64_t numel, int64_t block_len,
+                const float* __restrict__ factor, float bound, QuantT* __restrict__ q) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
        i += stride) {
@@ -57,8 +57,9 @@ __global__ void quantize_kernel(const float* __restrict__ x, int64_t numel, int6
 }
 
 template <typename QuantT>
-__global__ void dequantize_kernel(const QuantT* __restrict__ q, int64_t numel, int64_t block_len,
-                                  const float* __restrict__ step, float* __restrict__ x_hat) {
+__global__ void __launch_bounds__(kThreads)
+dequantize_kernel(const QuantT* __restrict__ q, int64_t numel, int64_t block_len,
+                  const float* __restrict__ step, float* __restrict__ x_hat) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
        i += stride) {
