@@ -10,7 +10,7 @@ import torch
 
 from ._checks import check_int
 
-__all__ = ["PythonBufferPool", "size_class_bytes"]
+__all__ = ["PythonBufferPool", "pool_device", "size_class_bytes"]
 
 def size_class_bytes(nbytes: int) -> int:
     """Bytes reserved for a request: the next of {1, 1.25, 1.5, 1.75} x 2^p, at least 256.
@@ -23,6 +23,17 @@ def size_class_bytes(nbytes: int) -> int:
     power = 1 << (nbytes - 1).bit_length() - 1  # largest power of two below nbytes
     quarter = power // 4
     return power + ((nbytes - power + quarter - 1) // quarter) * quarter
+
+
+def pool_device(device) -> torch.device:
+    """The device free buffers are kept under: ``"cuda"`` (no index) is the current CUDA
+    device, so it shares buffers with ``"cuda:<current index>"``; ``"cpu:0"`` is ``"cpu"``."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.index is None:
+        return torch.device(device.type, torch.get_device_module(device.type).current_device())
+    return device
 
 
 class PythonBufferPool:
@@ -52,7 +63,7 @@ class PythonBufferPool:
     def acquire(self, numel: int, dtype: torch.dtype, device="cpu") -> torch.Tensor:
         """Return an uninitialised contiguous ``dtype`` tensor of ``numel`` elements."""
         check_int("numel", numel, 0)
-        device = torch.device(device)
+        device = pool_device(device)
         itemsize = torch.empty((), dtype=dtype).element_size()
         class_bytes = size_class_bytes(numel * itemsize)
         with self._lock:
@@ -91,7 +102,7 @@ class PythonBufferPool:
             if entry[0] == 0:
                 del self._in_use[key]
                 self._bytes_in_use -= entry[1]
-                self._free.setdefault((t.device, entry[1]), []).append(self._owned[key])
+                self._free.setdefault((pool_device(t.device), entry[1]), []).append(self._owned[key])
 
     def empty_cache(self) -> None:
         """Drop every free storage (buffers still in use are kept)."""

@@ -11,6 +11,7 @@ import torch
 
 import hetero_comm
 from hetero_comm import ops, reference
+from hetero_comm._python_pool import PythonBufferPool, pool_device
 from kernel_cases import GRAD_DTYPES, random_tensor, untouched
 
 
@@ -591,3 +592,16 @@ def test_non_finite_values_without_strict_checks(strict_checks_off):
     selected = ops.select_segments(cuda(importance), 999).cpu()
     assert 30 not in selected.tolist() and {10, 20} <= set(selected.tolist())
     assert ops.select_segments(cuda(importance), 1).cpu().tolist() == [10]
+
+
+# --------------------------------------------------------------------------- pool devices
+@pytest.mark.parametrize("make_pool", [hetero_comm.BufferPool, PythonBufferPool], ids=["compiled", "python"])
+def test_pool_shares_buffers_between_cuda_and_cuda_with_the_current_index(make_pool):
+    pool = make_pool()
+    current = f"cuda:{torch.cuda.current_device()}"
+    for device in ["cuda", current, "cuda", torch.device("cuda"), current]:
+        buffer = pool.acquire(1000, torch.float32, device)
+        assert buffer.device == torch.device(current)
+        pool.release(buffer)
+    assert pool.stats()["allocations"] == 1 and pool.stats()["reuses"] == 4
+    assert pool_device("cuda") == torch.device(current)
