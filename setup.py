@@ -16,6 +16,14 @@ from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
+# Link the shared libstdc++.so.6, whatever the toolchain adds. A compiler wrapper that links it
+# statically (-static-libstdc++) gives the extension a private copy of the locale code next to
+# torch's shared one, and c10::str crashed inside it. Named here before the driver's own
+# libraries, with --no-as-needed and -Bdynamic, the shared library resolves every std::
+# symbol and a later static archive adds nothing; push/pop-state leave the other libraries'
+# link mode alone. tests/test_build.py checks the NEEDED entries, and these flags.
+LIBSTDCXX_LINK_ARGS = ["-Wl,--push-state,--no-as-needed,-Bdynamic", "-lstdc++", "-Wl,--pop-state"]
+
 
 def _flag(name: str, default: str) -> str:
     return os.environ.get(name, default).strip().lower()
@@ -41,6 +49,7 @@ def _extensions():
     cxx_flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
     if _flag("HETERO_COMM_MARCH_NATIVE", "0") in ("1", "true", "yes"):
         cxx_flags.append("-march=native")
+    link_args = ["-fopenmp", *LIBSTDCXX_LINK_ARGS]
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     include_dirs = [os.path.join(ROOT, "csrc")]
     if with_cuda:
@@ -50,11 +59,11 @@ def _extensions():
         sources += sorted(glob.glob(os.path.join("cuda", "*.cu")))
         extension = cpp_extension.CUDAExtension(
             "hetero_comm._C", sources, include_dirs=include_dirs,
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]}, extra_link_args=["-fopenmp"])
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]}, extra_link_args=link_args)
     else:
         extension = cpp_extension.CppExtension(
             "hetero_comm._C", sources, include_dirs=include_dirs,
-            extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])
+            extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_args)
     build_ext = cpp_extension.BuildExtension.with_options(no_python_abi_suffix=False)
     return [extension], {"build_ext": build_ext}
 

@@ -37,6 +37,7 @@ import torch
 
 import hetero_comm
 from hetero_comm import ops, reference
+from hetero_comm._layout import num_segments
 
 FULL_SIZES = (1_000_000, 4_000_000, 25_000_000)
 QUICK_SIZES = (1_000_000, 4_000_000)
@@ -242,7 +243,7 @@ def random_segment_indices(segments: int, k: int) -> torch.Tensor:
 def bench_pack_unpack(sizes: Sequence[int], segment_size: int = 256) -> List[Row]:
     pack_rows, unpack_rows = [], []
     for numel in sizes:
-        segments = reference.num_segments(numel, segment_size)
+        segments = num_segments(numel, segment_size)
         original = torch.randn(numel)
         residual = original.clone()
         for density in (0.01, 0.10):
@@ -324,7 +325,7 @@ def bench_dct(sizes: Sequence[int]) -> List[Row]:
         x = torch.randn(numel)
         x_hat = torch.empty(numel)
         for block_size, keep in DCT_CONFIGS:
-            blocks = reference.num_segments(numel, block_size)
+            blocks = num_segments(numel, block_size)
             coeffs = torch.empty(blocks, keep)
             q = torch.empty(blocks, keep, dtype=torch.int8)
             config = f"n={count_label(numel)} B={block_size} keep={keep}"

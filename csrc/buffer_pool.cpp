@@ -3,6 +3,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/Storage.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/custom_class.h>
 
 #include <map>
@@ -16,10 +17,20 @@
 namespace hetero_comm {
 namespace {
 
+// The device free buffers are kept under: "cuda" means the current CUDA device, so it shares
+// buffers with "cuda:<current index>" (released buffers are keyed by their storage's device,
+// which always has an index); "cpu:0" is "cpu".
+c10::Device pool_device(c10::Device device) {
+  if (device.is_cpu()) return c10::Device(c10::kCPU);
+  if (device.has_index()) return device;
+  return c10::impl::VirtualGuardImpl(device.type()).getDevice();
+}
+
 class BufferPool : public torch::CustomClassHolder {
  public:
-  at::Tensor acquire(int64_t numel, at::ScalarType dtype, c10::Device device) {
-    TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0; got ", numel);
+  at::Tensor acquire(int64_t numel, at::ScalarType dtype, c10::Device requested) {
+    const c10::Device device = pool_device(requested);
+    TORCH_CHECK_VALUE(numel >= 0, "numel must be an integer >= 0; got ", numel);
     const int64_t class_bytes = size_class_bytes(numel * static_cast<int64_t>(c10::elementSize(dtype)));
     const FreeKey free_key{device.type(), device.index(), class_bytes};
     c10::Storage storage;
@@ -53,7 +64,7 @@ class BufferPool : public torch::CustomClassHolder {
     std::lock_guard<std::mutex> lock(mutex_);
     Entry& entry = entry_in_use(tensor, "release");
     if (--entry.refcount > 0) return;
-    const c10::Device device = entry.storage.device();
+    const c10::Device device = pool_device(entry.storage.device());
     free_[FreeKey{device.type(), device.index(), entry.class_bytes}].push_back(
         entry.storage.unsafeGetStorageImpl());
     bytes_in_use_ -= entry.class_bytes;

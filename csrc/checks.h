@@ -1,6 +1,14 @@
 // Argument validation shared by the CPU (csrc/) and CUDA (cuda/) bindings. Every check runs
 // before a kernel writes anything, and raises ValueError / TypeError naming the argument,
 // with the same wording as hetero_comm/reference.py.
+//
+// Host syncs: shapes, dtypes and devices are always checked (host metadata, free). The
+// checks that read tensor values (indices in range and strictly increasing, scale finite and
+// >= 0; x finite in quantize.cu, importance finite in select_segments.cu) run on CPU tensors
+// always, but on a GPU only while strict checks are on (hetero_comm.ops.set_strict_checks),
+// since they would copy to the host and synchronise on every call. Without them the CUDA
+// kernels stay memory-safe on bad values (an index outside [0, S) is skipped); what they
+// compute then is documented in hetero_comm/ops.py.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,6 +23,11 @@
 #include "kernels/common.h"
 
 namespace hetero_comm {
+
+// Whether the value checks also run on non-CPU tensors (defined in strict_checks.cpp).
+bool strict_checks_enabled();
+
+inline bool check_values_of(const at::Tensor& t) { return t.is_cpu() || strict_checks_enabled(); }
 
 constexpr int64_t kMaxBlockSize = int64_t{1} << 16;
 
@@ -58,8 +71,14 @@ inline void check_same_device(const at::Tensor& a, const char* a_name, const at:
                     a_name, " on ", a.device(), ", ", b_name, " on ", b.device());
 }
 
-inline void check_positive(const char* name, int64_t value) {
-  TORCH_CHECK_VALUE(value > 0, name, " must satisfy ", name, " >= 1; got ", value);
+// Integer settings, worded as hetero_comm/_checks.py's check_int (which reference.py uses).
+inline void check_at_least(const char* name, int64_t value, int64_t low) {
+  TORCH_CHECK_VALUE(value >= low, name, " must be an integer >= ", low, "; got ", value);
+}
+
+inline void check_in_range(const char* name, int64_t value, int64_t low, int64_t high) {
+  TORCH_CHECK_VALUE(value >= low && value <= high, name, " must be an integer in [", low, ", ",
+                    high, "]; got ", value);
 }
 
 inline void check_block_size(int64_t block_size) {
@@ -69,13 +88,13 @@ inline void check_block_size(int64_t block_size) {
                     block_size);
 }
 
-// Indices must be int64, 1-D, strictly increasing and in [0, count). `host_indices` is a
-// CPU copy (CUDA callers pass indices.cpu()); `indices` is the caller's tensor.
-inline void check_indices(const at::Tensor& host_indices, int64_t count) {
-  check_tensor(host_indices, "indices", {at::kLong}, 1);
-  const int64_t k = host_indices.numel();
-  if (k == 0) return;
-  const at::Tensor contiguous = host_indices.contiguous();
+// Indices must be int64, 1-D, strictly increasing and in [0, count); the values are read
+// through a host copy when check_values_of(indices).
+inline void check_indices(const at::Tensor& indices, int64_t count) {
+  check_tensor(indices, "indices", {at::kLong}, 1);
+  const int64_t k = indices.numel();
+  if (k == 0 || !check_values_of(indices)) return;
+  const at::Tensor contiguous = indices.cpu().contiguous();
   const int64_t* idx = contiguous.const_data_ptr<int64_t>();
   int64_t lo = idx[0], hi = idx[0];
   bool increasing = true;
@@ -89,11 +108,6 @@ inline void check_indices(const at::Tensor& host_indices, int64_t count) {
   TORCH_CHECK_VALUE(increasing, "indices must be strictly increasing (sorted, no duplicates)");
 }
 
-inline void check_k(int64_t k, int64_t count) {
-  TORCH_CHECK_VALUE(k >= 0 && k <= count, "k must satisfy 0 <= k <= ", count,
-                    " (the number of segments); got ", k);
-}
-
 inline void check_quant_dtype(at::ScalarType dtype) {
   TORCH_CHECK_TYPE(dtype == at::kChar || dtype == at::kShort || dtype == at::kInt,
                    "dtype must be int8, int16 or int32; got ", dtype_name(dtype));
@@ -104,17 +118,16 @@ inline int64_t quant_dtype_max(at::ScalarType dtype) {
 }
 
 inline void check_levels(int64_t levels, at::ScalarType dtype) {
-  const int64_t upper = quant_dtype_max(dtype);
-  TORCH_CHECK_VALUE(levels >= 1 && levels <= upper, "levels must satisfy 1 <= levels <= ", upper,
-                    " for ", dtype_name(dtype), "; got ", levels);
+  check_in_range("levels", levels, 1, quant_dtype_max(dtype));
 }
 
-// Scale: float32 [num_blocks], finite and >= 0. `host_scale` is a CPU copy.
-inline void check_scale(const at::Tensor& host_scale, int64_t num_blocks) {
-  check_tensor(host_scale, "scale", {at::kFloat}, 1);
-  TORCH_CHECK_VALUE(host_scale.numel() == num_blocks, "scale must have one entry per block (",
-                    num_blocks, "); got ", host_scale.numel());
-  const at::Tensor contiguous = host_scale.contiguous();
+// Scale: float32 [num_blocks], finite and >= 0 (the values when check_values_of(scale)).
+inline void check_scale(const at::Tensor& scale, int64_t num_blocks) {
+  check_tensor(scale, "scale", {at::kFloat}, 1);
+  TORCH_CHECK_VALUE(scale.numel() == num_blocks, "scale must have one entry per block (",
+                    num_blocks, "); got ", scale.numel());
+  if (num_blocks == 0 || !check_values_of(scale)) return;
+  const at::Tensor contiguous = scale.cpu().contiguous();
   const float* s = contiguous.const_data_ptr<float>();
   bool ok = true;
   for (int64_t i = 0; i < num_blocks; ++i) ok = ok && s[i] >= 0.0f && s[i] <= 3.4028235e38f;
@@ -122,8 +135,7 @@ inline void check_scale(const at::Tensor& host_scale, int64_t num_blocks) {
 }
 
 // ------------------------------------------------------------------ per-op argument checks
-// One definition per op, called by its CPU and its CUDA kernel. Data-dependent checks read a
-// host copy (`.cpu()` is free for a CPU tensor).
+// One definition per op, called by its CPU and its CUDA kernel.
 
 inline void check_segment_accumulate(const at::Tensor& residual, const at::Tensor& grad,
                                      int64_t segment_size) {
@@ -133,12 +145,12 @@ inline void check_segment_accumulate(const at::Tensor& residual, const at::Tenso
   TORCH_CHECK_VALUE(grad.numel() == residual.numel(),
                     "grad must have as many elements as residual (", residual.numel(), "); got ",
                     grad.numel());
-  check_positive("segment_size", segment_size);
+  check_at_least("segment_size", segment_size, 1);
 }
 
 inline void check_select(const at::Tensor& importance, int64_t k) {
   check_tensor(importance, "importance", {at::kFloat}, 1);
-  check_k(k, importance.numel());
+  check_in_range("k", k, 0, importance.numel());
 }
 
 // [first, last) bytes that a tensor's elements can touch (an over-estimate when strided).
@@ -168,19 +180,19 @@ inline void check_out_shape(const at::Tensor& out, std::initializer_list<at::Sca
 
 inline void check_pack(const at::Tensor& residual, const at::Tensor& indices, int64_t segment_size) {
   check_tensor(residual, "residual", {at::kFloat}, 1, /*writable=*/true);
-  check_positive("segment_size", segment_size);
+  check_at_least("segment_size", segment_size, 1);
   check_same_device(residual, "residual", indices, "indices");
-  check_indices(indices.cpu(), num_segments(residual.numel(), segment_size));
+  check_indices(indices, num_segments(residual.numel(), segment_size));
 }
 
 inline void check_unpack(const at::Tensor& packed, const at::Tensor& indices, int64_t segment_size,
                          int64_t numel, double scale) {
   check_tensor(packed, "packed", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
-  check_positive("segment_size", segment_size);
-  TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0; got ", numel);
+  check_at_least("segment_size", segment_size, 1);
+  check_at_least("numel", numel, 0);
   TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite; got ", scale);
   check_same_device(packed, "packed", indices, "indices");
-  check_indices(indices.cpu(), num_segments(numel, segment_size));
+  check_indices(indices, num_segments(numel, segment_size));
   TORCH_CHECK_VALUE(packed.numel() == indices.numel() * segment_size,
                     "packed must have k * segment_size = ", indices.numel() * segment_size,
                     " elements; got ", packed.numel());
@@ -189,14 +201,13 @@ inline void check_unpack(const at::Tensor& packed, const at::Tensor& indices, in
 inline void check_dct_encode(const at::Tensor& x, int64_t block_size, int64_t keep) {
   check_tensor(x, "x", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
   check_block_size(block_size);
-  TORCH_CHECK_VALUE(keep >= 0 && keep <= block_size, "keep must satisfy 0 <= keep <= block_size (",
-                    block_size, "); got ", keep);
+  check_in_range("keep", keep, 0, block_size);
 }
 
 inline void check_dct_decode(const at::Tensor& coeffs, int64_t block_size, int64_t numel) {
   check_tensor(coeffs, "coeffs", {at::kFloat}, 2);
   check_block_size(block_size);
-  TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0; got ", numel);
+  check_at_least("numel", numel, 0);
   const int64_t blocks = num_segments(numel, block_size);
   TORCH_CHECK_VALUE(coeffs.size(0) == blocks && coeffs.size(1) <= block_size,
                     "coeffs must have shape [ceil(numel / block_size) = ", blocks, ", keep <= ",
@@ -207,16 +218,16 @@ inline void check_quantize(const at::Tensor& x, const at::Tensor& scale, int64_t
                            at::ScalarType dtype) {
   check_tensor(x, "x", {at::kFloat}, 2);
   check_quant_dtype(dtype);
-  check_scale(scale.cpu(), x.size(0));
+  check_scale(scale, x.size(0));
   check_same_device(x, "x", scale, "scale");
   check_levels(levels, dtype);
 }
 
 inline void check_dequantize(const at::Tensor& q, const at::Tensor& scale, int64_t levels) {
   check_tensor(q, "q", {at::kChar, at::kShort, at::kInt}, 2);
-  check_scale(scale.cpu(), q.size(0));
+  check_scale(scale, q.size(0));
   check_same_device(q, "q", scale, "scale");
-  check_positive("levels", levels);
+  check_at_least("levels", levels, 1);
 }
 
 // ------------------------------------------------------ the out= forms (`*_into_` ops)

@@ -27,6 +27,8 @@ TORCH_LIBRARY(hetero_comm, m) {
   m.def("quantize_into_(Tensor x, Tensor scale, int levels, Tensor(a!) out) -> ()");
   m.def("dequantize(Tensor q, Tensor scale, int levels) -> Tensor");
   m.def("dequantize_into_(Tensor q, Tensor scale, int levels, Tensor(a!) out) -> ()");
+  // The strict-checks switch (csrc/strict_checks.cpp); returns the previous setting.
+  m.def("_set_strict_checks(bool enabled) -> bool");
   // Diagnostics: how many distinct threads at::parallel_for used (proves OpenMP is on).
   m.def("_parallel_threads_used(int work_items) -> int");
 }

@@ -12,6 +12,10 @@
 namespace hetero_comm {
 namespace cuda {
 
+// Every kernel declares __launch_bounds__ of the block size it is launched with (kThreads,
+// or kFindThreads in select_segments.cu), so ptxas keeps registers x threads within the
+// register file; without it a kernel can fail to launch ("too many resources requested").
+// tests/test_cmake_build.py checks every kernel on every architecture built.
 constexpr int kThreads = 256;               // threads per block for elementwise kernels
 constexpr int64_t kMaxBlocks = 8192;        // grid-stride loops cover the rest
 constexpr unsigned kFullMask = 0xffffffffu;

@@ -19,7 +19,8 @@ namespace cuda {
 namespace {
 
 // table[m] = cos(pi m / (2 B)) for m in [0, B]: a quarter period.
-__global__ void cos_table_kernel(double* __restrict__ table, uint32_t block_size) {
+__global__ void __launch_bounds__(kThreads)
+cos_table_kernel(double* __restrict__ table, uint32_t block_size) {
   const double denominator = 2.0 * block_size;
   for (uint32_t m = blockIdx.x * blockDim.x + threadIdx.x; m <= block_size;
        m += gridDim.x * blockDim.x) {
@@ -43,9 +44,10 @@ __device__ __forceinline__ uint32_t dct_phase(uint32_t i, uint32_t k, uint32_t b
 // One warp per coefficient: coeffs[b, k] = s_k sum_i x[b B + i] cos(pi (2 i + 1) k / (2 B)),
 // values past n being the zero padding of the last block.
 template <typename InT>
-__global__ void dct_encode_kernel(const InT* __restrict__ x, int64_t n, uint32_t block_size,
-                                  int64_t keep, int64_t num_coeffs,
-                                  const double* __restrict__ table, float* __restrict__ coeffs) {
+__global__ void __launch_bounds__(kThreads)
+dct_encode_kernel(const InT* __restrict__ x, int64_t n, uint32_t block_size, int64_t keep,
+                  int64_t num_coeffs, const double* __restrict__ table,
+                  float* __restrict__ coeffs) {
   const int lane = threadIdx.x % 32;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
@@ -65,9 +67,9 @@ __global__ void dct_encode_kernel(const InT* __restrict__ x, int64_t n, uint32_t
 }
 
 // One thread per output value: x[b B + i] = sum_k s_k coeffs[b, k] cos(pi (2 i + 1) k / (2 B)).
-__global__ void dct_decode_kernel(const float* __restrict__ coeffs, uint32_t block_size,
-                                  int64_t keep, int64_t numel,
-                                  const double* __restrict__ table, float* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads)
+dct_decode_kernel(const float* __restrict__ coeffs, uint32_t block_size, int64_t keep,
+                  int64_t numel, const double* __restrict__ table, float* __restrict__ out) {
   const double scale_dc = sqrt(1.0 / block_size);
   const double scale_ac = sqrt(2.0 / block_size);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;

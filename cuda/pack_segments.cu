@@ -1,5 +1,6 @@
 // pack_segments_ / pack_segments_into_: gather the selected segments into a packed buffer of
-// k * segment_size values (a short last segment zero padded) and zero them in the residual.
+// k * segment_size values (a short last segment zero padded), leaving in the residual what the
+// packed dtype could not represent (zero for float32).
 // unpack_segments / unpack_segments_into_: write every element of the output, zero except the
 // selected segments, which get scale * packed. See hetero_comm/reference.py for the spec.
 #include <ATen/core/Tensor.h>
@@ -11,6 +12,7 @@
 
 #include <cmath>
 #include <optional>
+#include <type_traits>
 
 #include "../csrc/checks.h"
 #include "cuda_utils.cuh"
@@ -19,27 +21,43 @@ namespace hetero_comm {
 namespace cuda {
 namespace {
 
+template <typename T>
+constexpr bool kExact = std::is_same_v<T, float>;
+
+// Element `offset` of segment `segment`, or -1 where there is none: past the end of a short
+// last segment, or an index outside [0, segments) (possible only without strict checks,
+// which is why the range is tested here: no access outside the buffers on bad indices).
+__device__ __forceinline__ int64_t segment_element(int64_t segment, int64_t offset,
+                                                   int64_t segment_size, int64_t segments,
+                                                   int64_t numel) {
+  if (segment < 0 || segment >= segments) return -1;
+  const int64_t element = segment * segment_size + offset;
+  return element < numel ? element : -1;
+}
+
 // Packed element p belongs to segment indices[p / segment_size], offset p % segment_size.
-// Indices are distinct, so each residual element is read and zeroed by exactly one thread.
+// Valid indices are distinct, so each residual element is read and written by one thread.
 template <typename OutT>
-__global__ void pack_kernel(float* __restrict__ residual, int64_t n,
-                            const int64_t* __restrict__ indices, int64_t segment_size,
-                            int64_t packed_numel, OutT* __restrict__ packed) {
+__global__ void __launch_bounds__(kThreads)
+pack_kernel(float* __restrict__ residual, int64_t n, const int64_t* __restrict__ indices,
+            int64_t segment_size, int64_t packed_numel, OutT* __restrict__ packed) {
+  const int64_t segments = num_segments(n, segment_size);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packed_numel;
        p += stride) {
-    const int64_t source = indices[p / segment_size] * segment_size + p % segment_size;
-    float value = 0.0f;  // padding of a short last segment
-    if (source < n) {
-      value = residual[source];
-      residual[source] = 0.0f;
-    }
-    packed[p] = static_cast<OutT>(value);
+    const int64_t source =
+        segment_element(indices[p / segment_size], p % segment_size, segment_size, segments, n);
+    const float value = source >= 0 ? residual[source] : 0.0f;  // 0: padding
+    const OutT rounded = static_cast<OutT>(value);
+    packed[p] = rounded;
+    // What `packed` could not represent stays behind (0 for float32, also for an infinity).
+    if (source >= 0) residual[source] = kExact<OutT> ? 0.0f : value - static_cast<float>(rounded);
   }
 }
 
 template <typename OutT>
-__global__ void fill_zero_kernel(OutT* __restrict__ out, int64_t numel) {
+__global__ void __launch_bounds__(kThreads)
+fill_zero_kernel(OutT* __restrict__ out, int64_t numel) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
        i += stride) {
@@ -50,14 +68,17 @@ __global__ void fill_zero_kernel(OutT* __restrict__ out, int64_t numel) {
 // Runs after fill_zero_kernel on the same stream: the selected segments overwrite the zeros,
 // the padding of a short last segment is dropped.
 template <typename PackedT, typename OutT>
-__global__ void unpack_kernel(const PackedT* __restrict__ packed, int64_t packed_numel,
-                              const int64_t* __restrict__ indices, int64_t segment_size,
-                              float scale, int64_t numel, OutT* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads)
+unpack_kernel(const PackedT* __restrict__ packed, int64_t packed_numel,
+              const int64_t* __restrict__ indices, int64_t segment_size, float scale, int64_t numel,
+              OutT* __restrict__ out) {
+  const int64_t segments = num_segments(numel, segment_size);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packed_numel;
        p += stride) {
-    const int64_t target = indices[p / segment_size] * segment_size + p % segment_size;
-    if (target < numel) out[target] = static_cast<OutT>(static_cast<float>(packed[p]) * scale);
+    const int64_t target =
+        segment_element(indices[p / segment_size], p % segment_size, segment_size, segments, numel);
+    if (target >= 0) out[target] = static_cast<OutT>(static_cast<float>(packed[p]) * scale);
   }
 }
 

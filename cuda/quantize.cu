@@ -19,8 +19,8 @@ namespace cuda {
 namespace {
 
 // Sets *nonfinite to 1 if any x is NaN or infinite.
-__global__ void find_nonfinite_kernel(const float* __restrict__ x, int64_t numel,
-                                      int* __restrict__ nonfinite) {
+__global__ void __launch_bounds__(kThreads)
+find_nonfinite_kernel(const float* __restrict__ x, int64_t numel, int* __restrict__ nonfinite) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   bool found = false;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
@@ -33,9 +33,9 @@ __global__ void find_nonfinite_kernel(const float* __restrict__ x, int64_t numel
 // Per block: factor = quantize_factor(scale, levels) (quantize) or
 // step = dequantize_step(scale, levels) (dequantize); the float64 division is done once per
 // block instead of once per value.
-__global__ void block_multiplier_kernel(const float* __restrict__ scale, int64_t num_blocks,
-                                        int64_t levels, bool quantizing,
-                                        float* __restrict__ multiplier) {
+__global__ void __launch_bounds__(kThreads)
+block_multiplier_kernel(const float* __restrict__ scale, int64_t num_blocks, int64_t levels,
+                        bool quantizing, float* __restrict__ multiplier) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < num_blocks;
        b += stride) {
@@ -45,9 +45,9 @@ __global__ void block_multiplier_kernel(const float* __restrict__ scale, int64_t
 }
 
 template <typename QuantT>
-__global__ void quantize_kernel(const float* __restrict__ x, int64_t numel, int64_t block_len,
-                                const float* __restrict__ factor, float bound,
-                                QuantT* __restrict__ q) {
+__global__ void __launch_bounds__(kThreads)
+quantize_kernel(const float* __restrict__ x, int64_t numel, int64_t block_len,
+                const float* __restrict__ factor, float bound, QuantT* __restrict__ q) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
        i += stride) {
@@ -57,8 +57,9 @@ __global__ void quantize_kernel(const float* __restrict__ x, int64_t numel, int6
 }
 
 template <typename QuantT>
-__global__ void dequantize_kernel(const QuantT* __restrict__ q, int64_t numel, int64_t block_len,
-                                  const float* __restrict__ step, float* __restrict__ x_hat) {
+__global__ void __launch_bounds__(kThreads)
+dequantize_kernel(const QuantT* __restrict__ q, int64_t numel, int64_t block_len,
+                  const float* __restrict__ step, float* __restrict__ x_hat) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
        i += stride) {
@@ -79,8 +80,21 @@ at::Tensor block_multipliers(const at::Tensor& scale, int64_t levels, bool quant
   return multiplier;
 }
 
+// With strict checks on (checks.h): raises unless every x is finite, reading a device flag
+// back (a host sync), before anything is written. Off, nothing is checked and
+// quantize_value's rules apply: NaN quantizes to 0, an infinity to +-levels (0 in a block
+// whose factor is 0).
+void check_finite_if_strict(const at::Tensor& x_c, cudaStream_t stream) {
+  if (!strict_checks_enabled()) return;
+  at::Tensor nonfinite = at::zeros({1}, x_c.options().dtype(at::kInt));
+  find_nonfinite_kernel<<<grid_for(x_c.numel()), kThreads, 0, stream>>>(
+      x_c.const_data_ptr<float>(), x_c.numel(), nonfinite.mutable_data_ptr<int>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  TORCH_CHECK_VALUE(nonfinite.cpu().const_data_ptr<int>()[0] == 0, kNotFiniteX);
+}
+
 // Assumes validated arguments; `q` is int8/int16/int32 of x's shape, contiguous, on x's
-// device. Checks that x is finite before the first write to q, so a rejected call leaves q
+// device. Any rejection happens before the first write to q, so a rejected call leaves q
 // untouched (q may be the caller's out=); then writes every element of q.
 void quantize_into(const at::Tensor& x, const at::Tensor& scale, int64_t levels, at::Tensor& q) {
   const int64_t numel = x.numel();
@@ -88,11 +102,7 @@ void quantize_into(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor x_c = x.contiguous();
-  at::Tensor nonfinite = at::zeros({1}, x.options().dtype(at::kInt));
-  find_nonfinite_kernel<<<grid_for(numel), kThreads, 0, stream>>>(
-      x_c.const_data_ptr<float>(), numel, nonfinite.mutable_data_ptr<int>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  TORCH_CHECK_VALUE(nonfinite.cpu().const_data_ptr<int>()[0] == 0, kNotFiniteX);
+  check_finite_if_strict(x_c, stream);
 
   const at::Tensor factor = block_multipliers(scale, levels, /*quantizing=*/true, stream);
   const float bound = levels_bound(levels);

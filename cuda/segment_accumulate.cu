@@ -17,10 +17,9 @@ namespace {
 // Groups of kGroup lanes (1, 8 or 32) each own one segment at a time. The loop bound is
 // uniform across the warp, so every lane reaches the shuffles of group_sum.
 template <int kGroup, typename GradT>
-__global__ void accumulate_group_kernel(float* __restrict__ residual,
-                                        const GradT* __restrict__ grad, int64_t n,
-                                        int64_t segment_size, int64_t segments,
-                                        float* __restrict__ norms) {
+__global__ void __launch_bounds__(kThreads)
+accumulate_group_kernel(float* __restrict__ residual, const GradT* __restrict__ grad, int64_t n,
+                        int64_t segment_size, int64_t segments, float* __restrict__ norms) {
   constexpr int kGroupsPerWarp = 32 / kGroup;
   const int lane = threadIdx.x % 32;
   const int group_lane = lane % kGroup;
@@ -46,10 +45,9 @@ __global__ void accumulate_group_kernel(float* __restrict__ residual,
 
 // One block per segment (grid-stride over segments) for long segments.
 template <typename GradT>
-__global__ void accumulate_block_kernel(float* __restrict__ residual,
-                                        const GradT* __restrict__ grad, int64_t n,
-                                        int64_t segment_size, int64_t segments,
-                                        float* __restrict__ norms) {
+__global__ void __launch_bounds__(kThreads)
+accumulate_block_kernel(float* __restrict__ residual, const GradT* __restrict__ grad, int64_t n,
+                        int64_t segment_size, int64_t segments, float* __restrict__ norms) {
   __shared__ float warp_sums[kThreads / 32];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;

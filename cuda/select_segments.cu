@@ -5,7 +5,9 @@
 //      `needed`, how many keys equal to T are taken (k minus the number of keys above T);
 //   2. an ordered compaction over tiles of 4096 values writes every index whose key is
 //      above T, plus the first `needed` indices whose key equals T, in index order.
-// The only host synchronisation reads the "non-finite value seen" flag of the first pass.
+// No host synchronisation, except with strict checks on (csrc/checks.h): then the "non-finite
+// value seen" flag of the first pass is read back. Off, a NaN ranks by its bits: above +inf
+// with the sign bit clear, below -inf with it set; infinities rank as themselves.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -42,10 +44,10 @@ enum Slot : int64_t {
 // flag. Pass 2: histogram of key & 0xffff over the values whose high bits are *high_bin.
 // Lanes with the same bin add once per warp (__match_any_sync), so a vector of equal values
 // does not serialise on one counter.
-__global__ void radix_histogram_kernel(const float* __restrict__ importance, int64_t n,
-                                       const int64_t* __restrict__ high_bin,
-                                       unsigned long long* __restrict__ hist,
-                                       int64_t* __restrict__ nonfinite) {
+__global__ void __launch_bounds__(kThreads)
+radix_histogram_kernel(const float* __restrict__ importance, int64_t n,
+                       const int64_t* __restrict__ high_bin, unsigned long long* __restrict__ hist,
+                       int64_t* __restrict__ nonfinite) {
   const int lane = threadIdx.x % 32;
   const bool low_pass = high_bin != nullptr;
   const uint32_t wanted_high = low_pass ? static_cast<uint32_t>(*high_bin) : 0u;
@@ -74,10 +76,10 @@ __global__ void radix_histogram_kernel(const float* __restrict__ importance, int
 // One block of kFindThreads threads. Finds the bin b holding the `remaining`-th largest
 // counted key (1 <= remaining <= total count): count(bins > b) < remaining <= count(bins >= b).
 // Writes b and remaining - count(bins > b), the rank of the wanted key inside bin b.
-__global__ void radix_find_bin_kernel(const unsigned long long* __restrict__ hist, int64_t k,
-                                      const int64_t* __restrict__ remaining_in,
-                                      int64_t* __restrict__ bin_out,
-                                      int64_t* __restrict__ remaining_out) {
+__global__ void __launch_bounds__(kFindThreads)
+radix_find_bin_kernel(const unsigned long long* __restrict__ hist, int64_t k,
+                      const int64_t* __restrict__ remaining_in, int64_t* __restrict__ bin_out,
+                      int64_t* __restrict__ remaining_out) {
   const int64_t remaining = remaining_in != nullptr ? *remaining_in : k;
   // Thread t owns bins top - t * kBinsPerThread down to top - (t + 1) * kBinsPerThread + 1,
   // so thread order is descending bin order.
@@ -106,9 +108,9 @@ __device__ __forceinline__ uint32_t threshold_key(const int64_t* slots) {
 
 // One block of kThreads per tile: how many keys of the tile are above / equal to the
 // threshold. tile_counts[2 t] = above, tile_counts[2 t + 1] = equal.
-__global__ void tile_count_kernel(const float* __restrict__ importance, int64_t n,
-                                  const int64_t* __restrict__ slots,
-                                  int64_t* __restrict__ tile_counts) {
+__global__ void __launch_bounds__(kThreads)
+tile_count_kernel(const float* __restrict__ importance, int64_t n,
+                  const int64_t* __restrict__ slots, int64_t* __restrict__ tile_counts) {
   __shared__ unsigned counts[2];
   if (threadIdx.x == 0) counts[0] = counts[1] = 0;
   __syncthreads();
@@ -137,8 +139,9 @@ __global__ void tile_count_kernel(const float* __restrict__ importance, int64_t 
 }
 
 // One block of kFindThreads threads: exclusive prefix sums of the tile counts, in tile order.
-__global__ void tile_scan_kernel(const int64_t* __restrict__ tile_counts, int64_t tiles,
-                                 int64_t* __restrict__ tile_bases) {
+__global__ void __launch_bounds__(kFindThreads)
+tile_scan_kernel(const int64_t* __restrict__ tile_counts, int64_t tiles,
+                 int64_t* __restrict__ tile_bases) {
   int64_t carry_greater = 0, carry_equal = 0;
   for (int64_t start = 0; start < tiles; start += blockDim.x) {  // uniform across the block
     const int64_t t = start + threadIdx.x;
@@ -159,10 +162,10 @@ __global__ void tile_scan_kernel(const int64_t* __restrict__ tile_counts, int64_
 // One block of kThreads per tile. Index i is selected if its key is above the threshold, or
 // equal to it and among the first `needed` such indices; its output position is the number
 // of selected indices below it: (keys above T before i) + min(keys equal to T before i, needed).
-__global__ void tile_write_kernel(const float* __restrict__ importance, int64_t n,
-                                  const int64_t* __restrict__ slots,
-                                  const int64_t* __restrict__ tile_bases,
-                                  int64_t* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads)
+tile_write_kernel(const float* __restrict__ importance, int64_t n,
+                  const int64_t* __restrict__ slots, const int64_t* __restrict__ tile_bases,
+                  int64_t* __restrict__ out) {
   constexpr int kWarps = kThreads / 32;
   __shared__ unsigned warp_greater[kWarps];
   __shared__ unsigned warp_equal[kWarps];
@@ -206,8 +209,8 @@ __global__ void tile_write_kernel(const float* __restrict__ importance, int64_t 
   }
 }
 
-// Assumes validated arguments; `out` is int64 [k], contiguous, on importance's device. The
-// finiteness check is read back before the first write into `out`.
+// Assumes validated arguments; `out` is int64 [k], contiguous, on importance's device. With
+// strict checks on, the finiteness flag is read back before the first write into `out`.
 void select_into(const at::Tensor& importance, at::Tensor& out) {
   const int64_t count = importance.numel(), k = out.numel();
   const c10::cuda::CUDAGuard guard(importance.device());
@@ -226,9 +229,11 @@ void select_into(const at::Tensor& importance, at::Tensor& out) {
   radix_histogram_kernel<<<grid_for(count), kThreads, 0, stream>>>(
       values_ptr, count, nullptr, high_hist, slots + kNonFinite);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const at::Tensor nonfinite = workspace.narrow(0, 2 * kRadixBins + kNonFinite, 1).cpu();
-  TORCH_CHECK_VALUE(nonfinite.const_data_ptr<int64_t>()[0] == 0,
-                    "importance must be finite (found NaN or infinity)");
+  if (strict_checks_enabled()) {
+    const at::Tensor nonfinite = workspace.narrow(0, 2 * kRadixBins + kNonFinite, 1).cpu();
+    TORCH_CHECK_VALUE(nonfinite.const_data_ptr<int64_t>()[0] == 0,
+                      "importance must be finite (found NaN or infinity)");
+  }
   if (k == 0) return;
 
   radix_find_bin_kernel<<<1, kFindThreads, 0, stream>>>(high_hist, k, nullptr,

@@ -7,14 +7,10 @@ from typing import Optional, Union
 
 import torch
 
+from ._kernels import KERNEL_OPS
+
 logger = logging.getLogger("hetero_comm")
 
-KERNEL_OPS = (
-    "segment_accumulate_", "segment_accumulate_into_", "select_segments", "select_segments_into_",
-    "pack_segments_", "pack_segments_into_",
-    "unpack_segments", "unpack_segments_into_", "dct_encode", "dct_encode_into_", "dct_decode",
-    "dct_decode_into_", "quantize", "quantize_into_", "dequantize", "dequantize_into_",
-)
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
 load_error: Optional[BaseException] = None

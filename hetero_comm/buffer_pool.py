@@ -1,4 +1,5 @@
-"""``hetero_comm.BufferPool``: the C++ pool when the extension is built, else the reference."""
+"""``hetero_comm.BufferPool``: the C++ pool when the extension is built, else the pure-Python
+one (``_python_pool``)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from typing import Union
 
 import torch
 
-from . import reference
 from ._backend import extension_loaded
+from ._python_pool import PythonBufferPool
 
 
 class BufferPool:
@@ -32,7 +33,7 @@ class BufferPool:
     """
 
     def __init__(self) -> None:
-        self._impl = torch.classes.hetero_comm.BufferPool() if extension_loaded() else reference.BufferPool()
+        self._impl = torch.classes.hetero_comm.BufferPool() if extension_loaded() else PythonBufferPool()
 
     def acquire(self, numel: int, dtype: torch.dtype = torch.float32,
                 device: Union[str, torch.device] = "cpu") -> torch.Tensor:

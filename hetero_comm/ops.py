@@ -3,6 +3,25 @@
 Each function has the signature and semantics of the function of the same name in
 :mod:`hetero_comm.reference` (whose docstrings are the specification) and runs the compiled
 kernel when one is registered for the input's device type, else that reference.
+
+Argument checks and host syncs. Shapes, dtypes, devices and scalar settings are always
+checked, before anything is written. The checks that read tensor values (indices in range
+and strictly increasing; scale finite and >= 0; x finite in :func:`quantize`; importance
+finite in :func:`select_segments`) always run on CPU tensors, where they are free. On a GPU
+they would copy to the host and synchronise on every call, so the compiled CUDA kernels run
+them only while strict checks are on (:func:`set_strict_checks`; off by default). Without
+them no CUDA kernel reads or writes outside its buffers, and bad values give:
+
+* ``pack_segments_`` / ``unpack_segments``: an index outside ``[0, S)`` is skipped (its packed
+  segment is zeros; nothing is written for it); with duplicate indices the values of the
+  repeated segments are unspecified.
+* ``quantize``: a NaN in ``x`` quantizes to 0, an infinity to ``+-levels``; a block whose
+  scale is NaN, infinite or negative quantizes to 0 (its factor is 0, and so is ``inf * 0``).
+* ``dequantize``: multiplies by ``scale / levels`` as given (a NaN scale gives NaN).
+* ``select_segments``: a NaN ranks by its bits, above ``+inf`` with the sign bit clear and
+  below ``-inf`` with it set; the result is still deterministic.
+
+The pure-PyTorch references always run every check, on every device.
 """
 
 from __future__ import annotations
@@ -13,18 +32,29 @@ import torch
 
 from . import reference
 from ._backend import extension_loaded, kernel_backend
-from .reference import num_segments
+from ._kernels import KERNELS
+from ._layout import num_segments
 
-__all__ = [
-    "segment_accumulate_",
-    "select_segments",
-    "pack_segments_",
-    "unpack_segments",
-    "dct_encode",
-    "dct_decode",
-    "quantize",
-    "dequantize",
-]
+__all__ = [*KERNELS, "set_strict_checks"]
+
+_strict_checks = False
+
+
+def set_strict_checks(enabled: bool) -> bool:
+    """Turn the value checks of the compiled CUDA kernels on or off; returns the previous
+    setting. On, a bad index, scale or non-finite input on a GPU raises ``ValueError`` like on
+    CPU, at the cost of a host sync per call (see the module docstring). Process-wide; CPU
+    kernels and the references always check.
+
+    Example::
+
+        >>> previous = hetero_comm.ops.set_strict_checks(True)   # e.g. while debugging
+    """
+    global _strict_checks
+    previous, _strict_checks = _strict_checks, bool(enabled)
+    if extension_loaded():
+        torch.ops.hetero_comm._set_strict_checks(_strict_checks)
+    return previous
 
 
 def _compiled(tensor: torch.Tensor) -> bool:
@@ -76,8 +106,9 @@ def select_segments(importance: torch.Tensor, k: int,
 
 def pack_segments_(residual: torch.Tensor, indices: torch.Tensor, segment_size: int,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Gather the selected segments (zero-padded to ``segment_size``) and zero them in
-    ``residual``.
+    """Gather the selected segments (zero-padded to ``segment_size``); each selected element
+    ``v`` of ``residual`` becomes ``v - float32(packed value)``: 0 for a float32 ``out``, the
+    rounding error for bfloat16/float16.
 
     Args:
         residual: float32 [n], contiguous, modified in place.

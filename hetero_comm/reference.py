@@ -11,7 +11,11 @@ Conventions shared by every kernel:
 * Gradients may be float32, bfloat16 or float16; residuals, importance, packed values and
   every accumulation are float32.
 * Bad input raises ``ValueError`` (``TypeError`` for a wrong dtype) naming the argument,
-  before anything is written, so a rejected call leaves every input untouched.
+  before anything is written, so a rejected call leaves every input untouched. The
+  references check everything on every device; the compiled CUDA kernels skip the checks
+  that read tensor values unless strict checks are on, to avoid a host sync per call
+  (``hetero_comm.ops.set_strict_checks``; what they do with bad values is stated in
+  :mod:`hetero_comm.ops`).
 * Tensors that a kernel only reads may be non-contiguous (they are read through a contiguous
   copy); tensors that it writes must be contiguous.
 """
@@ -19,26 +23,15 @@ Conventions shared by every kernel:
 from __future__ import annotations
 
 import math
-import threading
 from typing import Optional
 
 import torch
 
-__all__ = [
-    "segment_accumulate_",
-    "select_segments",
-    "pack_segments_",
-    "unpack_segments",
-    "dct_encode",
-    "dct_decode",
-    "quantize",
-    "dequantize",
-    "BufferPool",
-]
+from ._checks import check_int
+from ._kernels import KERNELS
+from ._layout import GRADIENT_DTYPES, MAX_BLOCK_SIZE, QUANT_DTYPES, num_segments
 
-GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-QUANT_DTYPES = (torch.int8, torch.int16, torch.int32)
-MAX_BLOCK_SIZE = 1 << 16
+__all__ = list(KERNELS)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -86,20 +79,9 @@ def _check_out(out: torch.Tensor, dtypes, shape, like: torch.Tensor, like_name: 
     _check_no_overlap(out, like, like_name)
 
 
-def _check_positive(name: str, value: int, upper: Optional[int] = None) -> None:
-    if value <= 0 or (upper is not None and value > upper):
-        bound = f"1 <= {name} <= {upper}" if upper is not None else f"{name} >= 1"
-        raise ValueError(f"{name} must satisfy {bound}; got {value}")
-
-
 def _check_block_size(block_size: int) -> None:
     if block_size <= 0 or block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}]; got {block_size}")
-
-
-def num_segments(numel: int, segment_size: int) -> int:
-    """Number of segments, ``ceil(numel / segment_size)``."""
-    return (numel + segment_size - 1) // segment_size
 
 
 def _check_indices(indices: torch.Tensor, count: int, what: str = "segments") -> None:
@@ -111,12 +93,6 @@ def _check_indices(indices: torch.Tensor, count: int, what: str = "segments") ->
                          f"got values from {int(indices.min())} to {int(indices.max())}")
     if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
         raise ValueError("indices must be strictly increasing (sorted, no duplicates)")
-
-
-def _check_levels(levels: int, dtype: torch.dtype) -> None:
-    upper = torch.iinfo(dtype).max
-    if levels < 1 or levels > upper:
-        raise ValueError(f"levels must satisfy 1 <= levels <= {upper} for {dtype}; got {levels}")
 
 
 def _check_scale(scale: torch.Tensor, num_blocks: int) -> None:
@@ -143,11 +119,11 @@ def segment_accumulate_(residual: torch.Tensor, grad: torch.Tensor, segment_size
         updated residual.
     """
     _check_tensor("residual", residual, (torch.float32,), 1, writable=True)
-    _check_tensor("grad", grad, GRAD_DTYPES, 1)
+    _check_tensor("grad", grad, GRADIENT_DTYPES, 1)
     _check_same_device(residual=residual, grad=grad)
     if grad.numel() != residual.numel():
         raise ValueError(f"grad must have as many elements as residual ({residual.numel()}); got {grad.numel()}")
-    _check_positive("segment_size", segment_size)
+    check_int("segment_size", segment_size, 1)
     if out is not None:
         _check_out(out, (torch.float32,), (num_segments(residual.numel(), segment_size),),
                    residual, "residual")
@@ -179,8 +155,7 @@ def select_segments(importance: torch.Tensor, k: int,
     """
     _check_tensor("importance", importance, (torch.float32,), 1)
     count = importance.numel()
-    if k < 0 or k > count:
-        raise ValueError(f"k must satisfy 0 <= k <= {count} (the number of segments); got {k}")
+    check_int("k", k, 0, count)
     if out is not None:
         _check_out(out, (torch.int64,), (k,), importance, "importance")
     if count and not bool(torch.isfinite(importance).all()):
@@ -193,36 +168,48 @@ def select_segments(importance: torch.Tensor, k: int,
 
 def pack_segments_(residual: torch.Tensor, indices: torch.Tensor, segment_size: int,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Copy the selected segments into one contiguous tensor and zero them in ``residual``.
+    """Move the selected segments into one contiguous tensor, leaving in ``residual`` what
+    the packed dtype cannot represent.
 
     Segment ``indices[j]`` lands at ``packed[j * segment_size : (j + 1) * segment_size]``;
     a short last segment is padded with zeros, so the packed length is always
     ``k * segment_size`` (a fixed size per ``k``, which is what a collective needs).
 
+    Each selected element ``v`` of ``residual`` becomes ``v - float32(packed value)``: zero for
+    a float32 ``out`` (written as 0, also for an infinite ``v``), the rounding error for a
+    bfloat16 or float16 ``out`` (values are rounded to nearest, ties to even). That
+    difference is exact in float32, so ``unpack_segments(packed) + residual`` equals the
+    residual before the call on the selected segments, bit for bit (unless a value overflows
+    the 16-bit range: float16 rounds it to infinity and the residual then holds minus
+    infinity). Error feedback needs nothing else.
+
     Args:
-        residual: float32 [n], contiguous; the selected segments are set to zero.
+        residual: float32 [n], contiguous; the selected segments are updated as above.
         indices: int64 [k], strictly increasing, each in [0, S).
         segment_size: elements per segment, >= 1.
         out: optional float32, bfloat16 or float16 [k * segment_size], contiguous, to write
-            into instead of allocating (values are rounded to its dtype).
+            into instead of allocating.
 
     Returns:
         packed: ``out`` if given, else a new float32 [k * segment_size].
     """
     _check_tensor("residual", residual, (torch.float32,), 1, writable=True)
-    _check_positive("segment_size", segment_size)
+    check_int("segment_size", segment_size, 1)
     _check_indices(indices, num_segments(residual.numel(), segment_size))
     _check_same_device(residual=residual, indices=indices)
     packed_numel = indices.numel() * segment_size
     if out is not None:
-        _check_out(out, GRAD_DTYPES, (packed_numel,), residual, "residual")
+        _check_out(out, GRADIENT_DTYPES, (packed_numel,), residual, "residual")
     else:
         out = torch.empty(packed_numel, dtype=torch.float32, device=residual.device)
     if indices.numel():
         positions, inside = _segment_positions(indices, segment_size, residual.numel())
         picked = torch.where(inside, residual[positions.clamp(max=residual.numel() - 1)], 0.0)
         out.copy_(picked.view(-1))
-        residual[positions[inside]] = 0
+        if out.dtype == torch.float32:
+            residual[positions[inside]] = 0
+        else:
+            residual[positions[inside]] = (picked - out.view_as(picked).float())[inside]
     return out
 
 
@@ -245,10 +232,9 @@ def unpack_segments(packed: torch.Tensor, indices: torch.Tensor, segment_size: i
     Returns:
         ``out`` if given, else a new float32 [numel].
     """
-    _check_tensor("packed", packed, GRAD_DTYPES, 1)
-    _check_positive("segment_size", segment_size)
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0; got {numel}")
+    _check_tensor("packed", packed, GRADIENT_DTYPES, 1)
+    check_int("segment_size", segment_size, 1)
+    check_int("numel", numel, 0)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite; got {scale}")
     _check_indices(indices, num_segments(numel, segment_size))
@@ -257,7 +243,7 @@ def unpack_segments(packed: torch.Tensor, indices: torch.Tensor, segment_size: i
         raise ValueError(f"packed must have k * segment_size = {indices.numel() * segment_size} "
                          f"elements; got {packed.numel()}")
     if out is not None:
-        _check_out(out, GRAD_DTYPES, (numel,), packed, "packed")
+        _check_out(out, GRADIENT_DTYPES, (numel,), packed, "packed")
     else:
         out = torch.empty(numel, dtype=torch.float32, device=packed.device)
     result = torch.zeros(numel, dtype=torch.float32, device=packed.device)
@@ -314,10 +300,9 @@ def dct_encode(x: torch.Tensor, block_size: int, keep: int,
     Returns:
         coeffs: ``out``, or a new float32 [num_blocks, keep].
     """
-    _check_tensor("x", x, GRAD_DTYPES, 1)
+    _check_tensor("x", x, GRADIENT_DTYPES, 1)
     _check_block_size(block_size)
-    if keep < 0 or keep > block_size:
-        raise ValueError(f"keep must satisfy 0 <= keep <= block_size ({block_size}); got {keep}")
+    check_int("keep", keep, 0, block_size)
     if out is not None:
         _check_out(out, (torch.float32,), (num_segments(x.numel(), block_size), keep), x, "x")
     coeffs = _padded_segment_view(x, block_size) @ dct_basis(block_size, x.device)[:keep].T
@@ -340,8 +325,7 @@ def dct_decode(coeffs: torch.Tensor, block_size: int, numel: int,
     """
     _check_tensor("coeffs", coeffs, (torch.float32,), 2)
     _check_block_size(block_size)
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0; got {numel}")
+    check_int("numel", numel, 0)
     blocks = num_segments(numel, block_size)
     if coeffs.shape[0] != blocks or coeffs.shape[1] > block_size:
         raise ValueError(f"coeffs must have shape [ceil(numel / block_size) = {blocks}, keep <= "
@@ -381,11 +365,11 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, levels: int, dtype: torch.dty
         q: ``out``, or a new ``dtype`` [num_blocks, m].
     """
     _check_tensor("x", x, (torch.float32,), 2)
-    if dtype not in QUANT_DTYPES:
+    if dtype not in QUANT_DTYPES.values():
         raise TypeError(f"dtype must be int8, int16 or int32; got {dtype}")
     _check_scale(scale, x.shape[0])
     _check_same_device(x=x, scale=scale)
-    _check_levels(levels, dtype)
+    check_int("levels", levels, 1, torch.iinfo(dtype).max)
     if out is not None:
         _check_out(out, (dtype,), tuple(x.shape), x, "x")
     if x.numel() and not bool(torch.isfinite(x).all()):
@@ -411,116 +395,12 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, levels: int,
     Returns:
         x_hat: ``out``, or a new float32 [num_blocks, m].
     """
-    _check_tensor("q", q, QUANT_DTYPES, 2)
+    _check_tensor("q", q, tuple(QUANT_DTYPES.values()), 2)
     _check_scale(scale, q.shape[0])
     _check_same_device(q=q, scale=scale)
-    _check_positive("levels", levels)
+    check_int("levels", levels, 1)
     if out is not None:
         _check_out(out, (torch.float32,), tuple(q.shape), q, "q")
     step = (scale.double() / levels).float()
     x_hat = q.float() * step.unsqueeze(1)
     return x_hat if out is None else out.copy_(x_hat)
-
-
-# --------------------------------------------------------------------------- buffer pool
-def size_class_bytes(nbytes: int) -> int:
-    """Bytes reserved for a request: the next of {1, 1.25, 1.5, 1.75} x 2^p, at least 256.
-
-    Quarter-power-of-two classes waste at most 25% while letting buffers of nearby sizes
-    share storage.
-    """
-    if nbytes <= 256:
-        return 256
-    power = 1 << (nbytes - 1).bit_length() - 1  # largest power of two below nbytes
-    quarter = power // 4
-    return power + ((nbytes - power + quarter - 1) // quarter) * quarter
-
-
-class BufferPool:
-    """Reference-counted pool of work buffers (pure-Python reference of the C++ pool).
-
-    ``acquire`` returns a tensor with reference count 1, taking the storage of an earlier
-    released buffer of the same size class and device when one is free; ``retain`` adds a
-    reference; ``release`` removes one, and at zero the storage goes back to the pool.
-    Releasing a tensor the pool did not hand out, or one already returned, raises
-    ``ValueError``. Thread-safe.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._in_use: dict = {}   # storage key -> [refcount, class bytes]
-        self._free: dict = {}     # (device, class bytes) -> list of untyped storages
-        self._owned: dict = {}    # storage key -> untyped storage, every storage the pool made
-        self._allocations = 0
-        self._reuses = 0
-        self._bytes_reserved = 0
-        self._bytes_in_use = 0
-
-    @staticmethod
-    def _key(t: torch.Tensor) -> int:
-        return t.untyped_storage().data_ptr()
-
-    def acquire(self, numel: int, dtype: torch.dtype, device="cpu") -> torch.Tensor:
-        """Return an uninitialised contiguous ``dtype`` tensor of ``numel`` elements."""
-        if numel < 0:
-            raise ValueError(f"numel must be >= 0; got {numel}")
-        device = torch.device(device)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        class_bytes = size_class_bytes(numel * itemsize)
-        with self._lock:
-            free = self._free.get((device, class_bytes))
-            if free:
-                storage = free.pop()
-                self._reuses += 1
-            else:
-                storage = torch.empty(class_bytes, dtype=torch.uint8, device=device).untyped_storage()
-                self._owned[storage.data_ptr()] = storage
-                self._allocations += 1
-                self._bytes_reserved += class_bytes
-            self._in_use[storage.data_ptr()] = [1, class_bytes]
-            self._bytes_in_use += class_bytes
-        return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
-
-    def _entry(self, t: torch.Tensor, action: str):
-        key = self._key(t)
-        entry = self._in_use.get(key)
-        if entry is None:
-            if key in self._owned:
-                raise ValueError(f"cannot {action} a buffer that was already released to the pool")
-            raise ValueError(f"cannot {action} a tensor this pool did not hand out")
-        return key, entry
-
-    def retain(self, t: torch.Tensor) -> None:
-        """Add one reference to a buffer handed out by :meth:`acquire`."""
-        with self._lock:
-            self._entry(t, "retain")[1][0] += 1
-
-    def release(self, t: torch.Tensor) -> None:
-        """Drop one reference; at zero the storage becomes free for the next acquire."""
-        with self._lock:
-            key, entry = self._entry(t, "release")
-            entry[0] -= 1
-            if entry[0] == 0:
-                del self._in_use[key]
-                self._bytes_in_use -= entry[1]
-                self._free.setdefault((t.device, entry[1]), []).append(self._owned[key])
-
-    def empty_cache(self) -> None:
-        """Drop every free storage (buffers still in use are kept)."""
-        with self._lock:
-            for storages in self._free.values():
-                for storage in storages:
-                    self._bytes_reserved -= storage.nbytes()
-                    del self._owned[storage.data_ptr()]
-            self._free.clear()
-
-    def stats(self) -> dict:
-        """Counters: allocations, reuses, bytes_reserved, bytes_in_use, buffers_in_use."""
-        with self._lock:
-            return {
-                "allocations": self._allocations,
-                "reuses": self._reuses,
-                "bytes_reserved": self._bytes_reserved,
-                "bytes_in_use": self._bytes_in_use,
-                "buffers_in_use": len(self._in_use),
-            }

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import hetero_comm
-from hetero_comm import reference
+from hetero_comm._python_pool import PythonBufferPool, pool_device
 from kernel_cases import require_compiled
 
-POOLS = pytest.mark.parametrize("make_pool", [hetero_comm.BufferPool, reference.BufferPool],
-                                ids=["compiled", "reference"])
+POOLS = pytest.mark.parametrize("make_pool", [hetero_comm.BufferPool, PythonBufferPool],
+                                ids=["compiled", "python"])
 
 
 def test_the_public_pool_is_the_compiled_one():
@@ -87,7 +87,7 @@ def test_bad_releases_are_clear_errors(make_pool):
         pool.release(buffer)
     with pytest.raises(ValueError, match="already released"):
         pool.retain(buffer)
-    with pytest.raises(ValueError, match="numel must be >= 0"):
+    with pytest.raises(ValueError, match="numel must be an integer >= 0"):
         pool.acquire(-1, torch.float32)
 
 
@@ -127,3 +127,20 @@ def test_concurrent_acquire_and_release(make_pool):
     stats = pool.stats()
     assert stats["buffers_in_use"] == 0 and stats["allocations"] + stats["reuses"] == 1200
     assert stats["allocations"] <= 4 * 5
+
+
+def test_pool_device_names_one_device_one_way():
+    assert pool_device("cpu") == pool_device("cpu:0") == pool_device(torch.device("cpu", 0)) == torch.device("cpu")
+    assert pool_device("cuda:1") == torch.device("cuda", 1)   # an explicit index stays
+
+
+@POOLS
+def test_device_spellings_of_one_device_share_free_buffers(make_pool):
+    # Free buffers are keyed by the device: "cpu" and "cpu:0" (like "cuda" and "cuda:0",
+    # tested in test_cuda_kernels.py) are one device and must reuse each other's storage.
+    pool = make_pool()
+    for step, device in enumerate(["cpu", "cpu:0", torch.device("cpu"), "cpu:0", "cpu"]):
+        buffer = pool.acquire(1000, torch.float32, device)
+        assert buffer.device == torch.device("cpu")
+        pool.release(buffer)
+    assert pool.stats()["allocations"] == 1 and pool.stats()["reuses"] == 4

@@ -1,22 +1,52 @@
 """The build itself: compiled kernels registered, OpenMP really parallel, clean fallback."""
 
+import ast
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 import hetero_comm
-from hetero_comm._backend import KERNEL_OPS
+from hetero_comm import ops, reference
+from hetero_comm._kernels import KERNEL_OPS, KERNELS
 from kernel_cases import require_compiled
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_compiled_kernels_serve_cpu():
     require_compiled("cpu")
     for op in KERNEL_OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"hetero_comm::{op}", "CPU"), op
+
+
+def test_the_op_list_is_the_registered_schemas_and_both_apis():
+    require_compiled("cpu")
+    registered = {schema.name.split("::", 1)[1] for schema in torch._C._jit_get_all_schemas()
+                  if schema.name.startswith("hetero_comm::")}
+    public = {name for name in registered if not name.startswith("_")}
+    assert public == set(KERNEL_OPS), public ^ set(KERNEL_OPS)
+    assert reference.__all__ == list(KERNELS)
+    assert ops.__all__ == [*KERNELS, "set_strict_checks"]
+    for name in KERNELS:
+        assert callable(getattr(ops, name)) and callable(getattr(reference, name)), name
+
+
+def test_the_strict_checks_switch_reaches_the_extension():
+    require_compiled()
+    previous = ops.set_strict_checks(True)
+    try:
+        assert torch.ops.hetero_comm._set_strict_checks(True) is True
+        assert ops.set_strict_checks(False) is True
+        assert torch.ops.hetero_comm._set_strict_checks(False) is False
+    finally:
+        ops.set_strict_checks(previous)
 
 
 def test_parallel_for_runs_on_several_threads():
@@ -54,3 +84,39 @@ def test_import_falls_back_to_references_with_one_warning():
     assert result.returncode == 0, result.stderr
     assert "fallback ok" in result.stdout
     assert result.stderr.count("falling back to the pure-PyTorch reference kernels") == 1, result.stderr
+
+
+def needed_libraries(path) -> list:
+    """The NEEDED entries of a shared object's dynamic section (``readelf -d``)."""
+    readelf = shutil.which("readelf")
+    assert readelf, "readelf (binutils, which the build's linker comes with) is not on PATH"
+    dynamic = subprocess.run([readelf, "-d", str(path)], capture_output=True, text=True, check=True)
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic.stdout)
+
+
+def test_the_extension_links_libstdcxx_dynamically():
+    # A private static libstdc++ next to torch's shared one crashed c10::str (a SIGSEGV on
+    # the first error message containing a number).
+    require_compiled()
+    from hetero_comm import _C
+    assert "libstdc++.so.6" in needed_libraries(_C.__file__), needed_libraries(_C.__file__)
+
+
+def test_setup_link_flags_keep_libstdcxx_shared_under_a_static_toolchain(tmp_path):
+    # What a wrapper that adds -static-libstdc++ does to a link, with and without the flags.
+    tree = ast.parse((REPO / "setup.py").read_text())
+    link_args = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                     and getattr(node.targets[0], "id", "") == "LIBSTDCXX_LINK_ARGS")
+    source = tmp_path / "uses_std.cpp"
+    source.write_text("#include <sstream>\n#include <string>\n"
+                      "std::string text(int x) { std::ostringstream s; s << x; return s.str(); }\n")
+    compiler = shutil.which("c++") or shutil.which("g++")
+    assert compiler, "no C++ compiler on PATH (the extension build needs one)"
+    built = {}
+    for name, extra in (("static", []), ("fixed", link_args)):
+        target = tmp_path / f"{name}.so"
+        subprocess.run([compiler, "-shared", "-fPIC", "-static-libstdc++", str(source), *extra,
+                        "-o", str(target)], check=True, capture_output=True, timeout=120)
+        built[name] = needed_libraries(target)
+    assert "libstdc++.so.6" not in built["static"], built   # the failure the flags prevent
+    assert "libstdc++.so.6" in built["fixed"], built

@@ -1,5 +1,7 @@
-// Torch-free arithmetic shared by the CPU kernels (csrc/) and the CUDA kernels (cuda/).
-// One definition of each rule, so both backends round, order and scale identically.
+// Torch-free arithmetic of the kernels. The first part (HC_HOST_DEVICE functions) is shared
+// by the CPU kernels (csrc/) and the CUDA kernels (cuda/): one definition of each rule, so
+// both backends round, order and scale identically. The second part, the row loops at the
+// end, is used by the CPU kernels only.
 #pragma once
 
 #include <cmath>
@@ -88,6 +90,7 @@ HC_HOST_DEVICE int32_t quantize_value(float x, float factor, float bound) {
 
 }  // namespace hetero_comm
 
+// ----------------------------------------------------------------- CPU only: row loops
 namespace hetero_comm {
 
 // One row of quantize: returns false if any input is not finite. __restrict: the output is a

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace hetero_comm {
 
@@ -32,12 +33,21 @@ float accumulate_segment(float* residual, const Grad* grad, int64_t len) {
 }
 
 // Copies one segment (len <= segment_size elements) to `dest`, zero-pads it to segment_size,
-// and zeroes the source.
+// and leaves in the source what `dest` could not represent: v - float(Out(v)), exactly zero
+// for a float destination (written as 0, so an infinity leaves 0 rather than NaN).
 template <typename Out>
 void pack_segment(float* source, int64_t len, int64_t segment_size, Out* dest) {
-  for (int64_t i = 0; i < len; ++i) dest[i] = static_cast<Out>(source[i]);
+  if constexpr (std::is_same_v<Out, float>) {
+    for (int64_t i = 0; i < len; ++i) dest[i] = source[i];
+    for (int64_t i = 0; i < len; ++i) source[i] = 0.0f;
+  } else {
+    for (int64_t i = 0; i < len; ++i) {
+      const Out rounded = static_cast<Out>(source[i]);
+      dest[i] = rounded;
+      source[i] -= static_cast<float>(rounded);
+    }
+  }
   for (int64_t i = len; i < segment_size; ++i) dest[i] = static_cast<Out>(0.0f);
-  for (int64_t i = 0; i < len; ++i) source[i] = 0.0f;
 }
 
 // Writes segments [first, last) of the flat output: scale * packed for selected segments,

@@ -126,6 +126,12 @@ static void test_segment_helpers() {
   hc::pack_segment(residual.data() + 3, 2, 8, packed.data());
   EXPECT(packed[0] == 5.0f && packed[1] == 6.0f && packed[2] == 0.0f && packed[7] == 0.0f);
   EXPECT(residual[3] == 0.0f && residual[4] == 0.0f && residual[2] == 4.0f);
+  // A narrower destination (int truncates): the source keeps what it could not hold.
+  std::vector<float> exact = {2.75f, -1.5f};
+  std::vector<int> narrow(3, 9);
+  hc::pack_segment(exact.data(), 2, 3, narrow.data());
+  EXPECT(narrow[0] == 2 && narrow[1] == -1 && narrow[2] == 0);
+  EXPECT(exact[0] == 0.75f && exact[1] == -0.5f);
   std::vector<float> out(10, -1.0f), values = {1, 2, 3, 4};
   const int64_t indices[] = {1, 4};
   hc::unpack_segment_range(values.data(), indices, 2, 0, 2, 9, 2.0f, 0, 5, out.data());
