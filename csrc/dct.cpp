@@ -31,30 +31,46 @@ int64_t grain_blocks(int64_t block_size) {
   return std::max<int64_t>(1, (int64_t{1} << 16) / block_size);
 }
 
+// What the fast encode and decode share: the transform's tables and the split of the blocks
+// into groups of kLanes, handed out to threads `grain` groups at a time.
+struct LanePlan {
+  LanePlan(int64_t numel, int64_t block_size, int64_t keep)
+      : twiddles(dct_twiddles(block_size)),
+        ortho(dct_ortho_scales(keep, block_size)),
+        blocks(num_segments(numel, block_size)),
+        groups(num_segments(blocks, kLanes)),
+        grain(std::max<int64_t>(1, grain_blocks(block_size) / kLanes)) {}
+  const std::vector<float> twiddles, ortho;
+  const int64_t blocks, groups, grain;
+};
+
+// Runs body(group, work, scratch, lanes) for every group of kLanes blocks, in parallel, with
+// per-thread rows `work` and `scratch` of block_size Lanes. Lane l of row i is
+// lanes[i * kLanes + l]: plain float access, since subscripting a GCC vector with a run-time
+// lane goes through the stack.
+template <typename Body>
+void for_each_group(const LanePlan& plan, int64_t block_size, const Body& body) {
+  at::parallel_for(0, plan.groups, plan.grain, [&](int64_t first, int64_t last) {
+    std::vector<Lanes> work(block_size), scratch(block_size);
+    float* lanes = reinterpret_cast<float*>(work.data());
+    for (int64_t group = first; group < last; ++group) body(group, work.data(), scratch.data(), lanes);
+  });
+}
+
 template <typename T>
 void encode_fast(const T* x, int64_t numel, int64_t block_size, int64_t keep, float* out) {
-  const std::vector<float> twiddles = dct_twiddles(block_size);
-  const std::vector<float> ortho = dct_ortho_scales(keep, block_size);
-  const int64_t blocks = num_segments(numel, block_size);
-  const int64_t groups = num_segments(blocks, kLanes);
-  const int64_t grain = std::max<int64_t>(1, grain_blocks(block_size) / kLanes);
-  at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
-    std::vector<Lanes> work(block_size), scratch(block_size);
-    // Lane l of row i is lanes[i * kLanes + l]: plain float access, since subscripting a
-    // GCC vector with a run-time lane goes through the stack.
-    float* lanes = reinterpret_cast<float*>(work.data());
-    for (int64_t group = first; group < last; ++group) {
-      for (int lane = 0; lane < kLanes; ++lane) {
-        const int64_t begin = std::min((group * kLanes + lane) * block_size, numel);
-        const int64_t len = std::min(block_size, numel - begin);
-        for (int64_t i = 0; i < len; ++i) lanes[i * kLanes + lane] = static_cast<float>(x[begin + i]);
-        for (int64_t i = len; i < block_size; ++i) lanes[i * kLanes + lane] = 0.0f;
-      }
-      dct2_unnormalized(work.data(), scratch.data(), block_size, twiddles.data());
-      for (int lane = 0; lane < kLanes && group * kLanes + lane < blocks; ++lane) {
-        float* dest = out + (group * kLanes + lane) * keep;
-        for (int64_t k = 0; k < keep; ++k) dest[k] = lanes[k * kLanes + lane] * ortho[k];
-      }
+  const LanePlan plan(numel, block_size, keep);
+  for_each_group(plan, block_size, [&](int64_t group, Lanes* work, Lanes* scratch, float* lanes) {
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const int64_t begin = std::min((group * kLanes + lane) * block_size, numel);
+      const int64_t len = std::min(block_size, numel - begin);
+      for (int64_t i = 0; i < len; ++i) lanes[i * kLanes + lane] = static_cast<float>(x[begin + i]);
+      for (int64_t i = len; i < block_size; ++i) lanes[i * kLanes + lane] = 0.0f;
+    }
+    dct2_unnormalized(work, scratch, block_size, plan.twiddles.data());
+    for (int lane = 0; lane < kLanes && group * kLanes + lane < plan.blocks; ++lane) {
+      float* dest = out + (group * kLanes + lane) * keep;
+      for (int64_t k = 0; k < keep; ++k) dest[k] = lanes[k * kLanes + lane] * plan.ortho[k];
     }
   });
 }
@@ -75,26 +91,18 @@ void decode_direct(const float* coeffs, int64_t keep, int64_t block_size, int64_
 }
 
 void decode_fast(const float* coeffs, int64_t keep, int64_t block_size, int64_t numel, float* out) {
-  const std::vector<float> twiddles = dct_twiddles(block_size);
-  const std::vector<float> ortho = dct_ortho_scales(keep, block_size);
-  const int64_t blocks = num_segments(numel, block_size);
-  const int64_t groups = num_segments(blocks, kLanes);
-  const int64_t grain = std::max<int64_t>(1, grain_blocks(block_size) / kLanes);
-  at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
-    std::vector<Lanes> work(block_size), scratch(block_size);
-    float* lanes = reinterpret_cast<float*>(work.data());  // see encode_fast
-    for (int64_t group = first; group < last; ++group) {
-      for (int lane = 0; lane < kLanes; ++lane) {
-        const int64_t block = std::min(group * kLanes + lane, blocks - 1);
-        for (int64_t k = 0; k < keep; ++k) lanes[k * kLanes + lane] = coeffs[block * keep + k] * ortho[k];
-      }
-      for (int64_t k = keep; k < block_size; ++k) work[k] = Lanes{};
-      dct3_unnormalized(work.data(), scratch.data(), block_size, twiddles.data());
-      for (int lane = 0; lane < kLanes && group * kLanes + lane < blocks; ++lane) {
-        const int64_t begin = (group * kLanes + lane) * block_size;
-        const int64_t len = std::min(block_size, numel - begin);
-        for (int64_t i = 0; i < len; ++i) out[begin + i] = lanes[i * kLanes + lane];
-      }
+  const LanePlan plan(numel, block_size, keep);
+  for_each_group(plan, block_size, [&](int64_t group, Lanes* work, Lanes* scratch, float* lanes) {
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const int64_t block = std::min(group * kLanes + lane, plan.blocks - 1);
+      for (int64_t k = 0; k < keep; ++k) lanes[k * kLanes + lane] = coeffs[block * keep + k] * plan.ortho[k];
+    }
+    for (int64_t k = keep; k < block_size; ++k) work[k] = Lanes{};
+    dct3_unnormalized(work, scratch, block_size, plan.twiddles.data());
+    for (int lane = 0; lane < kLanes && group * kLanes + lane < plan.blocks; ++lane) {
+      const int64_t begin = (group * kLanes + lane) * block_size;
+      const int64_t len = std::min(block_size, numel - begin);
+      for (int64_t i = 0; i < len; ++i) out[begin + i] = lanes[i * kLanes + lane];
     }
   });
 }

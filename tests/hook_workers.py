@@ -40,7 +40,8 @@ def train(rank, world_size, hook, settings, steps, options=None):
 
     ``options``: ``dtype`` (parameters and gradients), ``bucket_cap_mb``, ``weights`` (one
     rank_weight per rank), ``no_sync_every`` (accumulate locally on every n-th step),
-    ``nan_at`` ((rank, step): that rank's gradient becomes NaN), ``resume_at`` (save all
+    ``nan_at`` ((rank, step): that rank's gradient becomes NaN; the run then ends with the
+    exception ``backward()`` raised, as ``{"error": (type name, message)}``), ``resume_at`` (save all
     state there, rebuild model, DDP and hook state from the checkpoint and continue; every
     rank loads rank 0's ``state_dict()``, as frameworks do, or with ``checkpoint_from="own"``
     its own).
@@ -85,7 +86,12 @@ def train(rank, world_size, hook, settings, steps, options=None):
             with ddp.no_sync():
                 nn.functional.mse_loss(ddp(x), y).backward()
             continue  # gradients stay in .grad and join the next synchronised step
-        nn.functional.mse_loss(ddp(x), y).backward()
+        try:
+            nn.functional.mse_loss(ddp(x), y).backward()
+        except Exception as error:
+            if options.get("nan_at") is None:
+                raise
+            return {"error": (type(error).__name__, str(error))}
         produced.append(flat(pending))
         applied.append(flat(p.grad for p in model.parameters()))
         with torch.no_grad():

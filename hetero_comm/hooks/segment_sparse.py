@@ -121,8 +121,8 @@ def segment_sparse_hook(state: SegmentSparseState, bucket: dist.GradBucket) -> t
         A future of the bucket's buffer, overwritten with the sparse weighted sum.
 
     Raises:
-        FloatingPointError: a NaN or infinity reached the bucket on any rank (raised by the
-            hook in the current mode, by its future in the lagged mode).
+        FloatingPointError: a NaN or infinity reached the bucket on any rank (from the hook,
+            in either mode, on every rank).
 
     Example::
 
@@ -163,12 +163,13 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
             _load_importance(wire[packed_numel:], importance, finite)
     state.count_bytes(grad.numel() * grad.element_size(),
                       wire.numel() * wire.element_size() + (4 * count if agree_now else 0), True)
-    # 4. Allreduce.
-    summed = dist.all_reduce(wire, group=state.process_group, async_op=True).get_future()
+    # 4. Allreduce. Lagged: waited for here, so that a NaN on any rank raises from the hook
+    #    (FloatingPointError, like the current mode's wait for the importance), not later from
+    #    DDP's wait for the future (which would wrap it in a RuntimeError).
+    work = dist.all_reduce(wire, group=state.process_group, async_op=True)
 
     # 5. Unpack.
-    def unpack(fut) -> torch.Tensor:
-        fut.value()
+    def unpack() -> torch.Tensor:
         with state.timer("decode_seconds"):
             to_release = (importance, wire) + ((indices,) if agree_now else ())
             if not agree_now:
@@ -182,7 +183,16 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
             _release(pool, to_release)
         return grad
 
-    return summed.then(unpack)
+    def after_sum(fut) -> torch.Tensor:
+        fut.wait()
+        return unpack()
+
+    if agree_now:
+        return work.get_future().then(after_sum)
+    work.wait()
+    done = torch.futures.Future()
+    done.set_result(unpack())
+    return done
 
 
 def _contribution(state: SegmentSparseState, plan_bucket: PlanBucket, grad: torch.Tensor) -> torch.Tensor:

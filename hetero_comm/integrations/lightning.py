@@ -1,0 +1,52 @@
+"""A Lightning callback that runs a hetero_comm hook on any device and checkpoints its state."""
+
+from typing import Any, Callable, Dict
+
+from lightning.pytorch.callbacks import Callback
+from torch.nn.parallel import DistributedDataParallel
+
+from ..hooks import HookState
+
+__all__ = ["HeteroCommCallback"]
+
+
+class HeteroCommCallback(Callback):
+    """Register ``hook`` with ``state`` on the DDP model of Lightning's ``"ddp"`` strategy,
+    and save and restore the state with Lightning's checkpoints (``trainer.fit(ckpt_path=)``
+    then resumes exactly: the state's dict holds every rank's part).
+
+    Give the hook to this callback only, not to ``DDPStrategy(ddp_comm_hook=...)``.
+
+    Example::
+
+        >>> state = SegmentSparseState(density=0.01)
+        >>> trainer = Trainer(strategy="ddp", devices=2, accelerator="cpu",
+        ...                   callbacks=[HeteroCommCallback(state, segment_sparse_hook)])
+    """
+
+    def __init__(self, state: HookState, hook: Callable) -> None:
+        if not isinstance(state, HookState):
+            raise TypeError(f"state must be a hetero_comm hook state; got {type(state).__name__}")
+        self.state, self.hook = state, hook
+
+    @property
+    def state_key(self) -> str:
+        return f"HeteroCommCallback[{type(self.state).__name__}]"
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        strategy = trainer.strategy
+        model = strategy.model
+        if not isinstance(model, DistributedDataParallel):
+            raise ValueError(f"HeteroCommCallback needs a DistributedDataParallel model (Lightning's "
+                             f"'ddp' strategy with several processes); the strategy is "
+                             f"{type(strategy).__name__} and its model a {type(model).__name__}")
+        if getattr(strategy, "_ddp_comm_hook", None) is not None:
+            raise ValueError("the DDP strategy has a ddp_comm_hook of its own (Lightning registers "
+                             "it on CUDA only): give the hook to HeteroCommCallback alone")
+        model.register_comm_hook(self.state, self.hook)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.state.state_dict()  # a collective: Lightning calls it on every rank
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.state.load_state_dict(state_dict)

@@ -1,0 +1,134 @@
+"""One rank of the framework tests, started by torchrun (tests/test_integrations.py):
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/framework_worker.py FRAMEWORK HOOK OUT
+
+For FRAMEWORK in ``lightning`` / ``accelerate`` and HOOK in ``sparse`` / ``dct``: an
+uninterrupted run, the same run stopped half-way, saved through the framework's own
+checkpoint and resumed in fresh objects, and a run with gradient accumulation. Each rank
+writes what it ended with to ``OUT/rank<r>.pt``.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hetero_comm.lab.registry import HOOKS
+
+SETTINGS = {"sparse": dict(density=0.05, segment_size=16, warmup_steps=2),
+            "dct": dict(block_size=16, keep_ratio=0.25, bits=8, warmup_steps=2)}
+SAMPLES, BATCH = 256, 8  # per rank: 16 steps an epoch
+
+
+def make_data():
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(SAMPLES, 20, generator=generator), torch.randn(SAMPLES, 5, generator=generator)
+
+
+def make_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 5))
+
+
+def flat_parameters(module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
+
+
+def summary(state, module) -> dict:
+    stats = state.stats()
+    return {"params": flat_parameters(module), "steps": stats["steps"],
+            "bytes_sent": stats["bytes_sent"], "bytes_dense": stats["bytes_dense"]}
+
+
+# ------------------------------------------------------------------------------ Lightning
+def lightning_fit(hook, epochs, ckpt_path=None, save_to=None, accumulate=1):
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hetero_comm.integrations.lightning import HeteroCommCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = make_net()
+
+        def training_step(self, batch, batch_index):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    spec = HOOKS[hook]
+    state = spec.make_state(SETTINGS[hook])
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=epochs,
+                         accumulate_grad_batches=accumulate,
+                         callbacks=[HeteroCommCallback(state, spec.hook)], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    module = Module()
+    trainer.fit(module, DataLoader(TensorDataset(*make_data()), batch_size=BATCH), ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    return summary(state, module.net)
+
+
+def run_lightning(hook, directory):
+    path = os.path.join(directory, "lightning.ckpt")
+    lightning_fit(hook, 1, save_to=path)
+    return {"uninterrupted": lightning_fit(hook, 2),
+            "resumed": lightning_fit(hook, 2, ckpt_path=path),
+            "accumulated": lightning_fit(hook, 1, accumulate=2)}
+
+
+# ----------------------------------------------------------------------------- Accelerate
+def accelerate_run(hook, steps, save_at=None, load_from=None, accumulate=1, directory=None):
+    from accelerate import Accelerator
+
+    from hetero_comm.integrations.accelerate import register_comm_hook
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = accelerator.prepare(net, optimizer)
+    spec = HOOKS[hook]
+    state = spec.make_state(SETTINGS[hook])
+    register_comm_hook(accelerator, model, state, spec.hook)
+    first = 0
+    if load_from is not None:
+        accelerator.load_state(load_from)
+        first = save_at
+    x, y = make_data()
+    rank = accelerator.process_index
+    for step in range(first, steps):
+        index = torch.arange(BATCH) + (step * 2 + rank) * BATCH % SAMPLES
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x[index]), y[index]))
+            optimizer.step()
+            optimizer.zero_grad()
+        if step + 1 == save_at and load_from is None:
+            accelerator.save_state(directory)
+            accelerator.wait_for_everyone()
+            return None
+    return summary(state, net)
+
+
+def run_accelerate(hook, directory):
+    saved = os.path.join(directory, "accelerate_state")
+    accelerate_run(hook, 16, save_at=9, directory=saved)
+    return {"uninterrupted": accelerate_run(hook, 16),
+            "resumed": accelerate_run(hook, 16, save_at=9, load_from=saved),
+            "accumulated": accelerate_run(hook, 16, accumulate=2)}
+
+
+def main():
+    framework, hook, out = sys.argv[1:4]  # OUT also holds the checkpoints (every rank sees it)
+    result = {"lightning": run_lightning, "accelerate": run_accelerate}[framework](hook, out)
+    torch.save(result, os.path.join(out, f"rank{dist.get_rank()}.pt"))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
