@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from .lab.data import MODELS
+from .lab.data import DIGITS_MODELS
 from .lab.registry import HOOKS, WEIGHTED_HOOKS
 from .lab.throttle import cpu_quota_unavailable
 from .lab.training import BATCHING, TrainConfig, run_training
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--momentum", type=_number(float), default=0.9, help="SGD momentum")
     demo.add_argument("--selection", choices=("current", "lagged"), default="current",
                       help="segment_sparse_hook: selection mode")
-    demo.add_argument("--model", choices=MODELS, default="mlp",
+    demo.add_argument("--model", choices=DIGITS_MODELS, default="mlp",
                       help="mlp: 85K parameters; cnn: bound by compute (where a slow worker "
                            "shows most); cnn_wide: two convolutions and a wide linear layer")
     demo.add_argument("--slow-worker-cores", type=_number(float), default=None,

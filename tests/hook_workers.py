@@ -124,6 +124,24 @@ def loaded(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+def load_into_another_model(rank, world_size, hook, settings, checkpoint: bytes):
+    """Load a hook state saved with :func:`make_model`'s model, then train a wider model
+    with it. Returns the error message."""
+    spec = HOOKS[hook]
+    state = spec.make_state(settings)
+    state.load_state_dict(loaded(checkpoint))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 31), nn.ReLU(), nn.Linear(31, 5))
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(state, spec.hook)
+    x, y = batch(rank, 0)
+    try:
+        nn.functional.mse_loss(ddp(x), y).backward()
+    except Exception as error:  # DDP may wrap the hook's ValueError
+        return str(error)
+    return "no error"
+
+
 def share_one_state(rank, world_size, hook, settings):
     """Register one hook state on two models and train each a step: the second must be
     refused. Returns the error message."""

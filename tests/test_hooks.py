@@ -2,6 +2,7 @@
 
 import math
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from hetero_comm.hooks import (AllreduceState, DCTQuantState, SegmentSparseState
                                dct_quant_hook, segment_sparse_hook)
 from hetero_comm.hooks.dct_quant import pack_int16_pairs, quantization_levels, unpack_int16_pair_sums
 from hetero_comm.lab.launch import run_ranks
-from hook_workers import loaded, share_one_state, train
+from hook_workers import load_into_another_model, loaded, share_one_state, train
 
 SPARSE = dict(segment_size=16, density=0.05, warmup_steps=2)
 DCT = dict(block_size=16, keep_ratio=0.25, bits=8, warmup_steps=2)
@@ -161,6 +162,13 @@ def test_state_dict_into_another_world_size_keeps_what_is_held_back():
     assert np.abs(results[0]["held_back"]).max() > 1e-3  # there was something to keep
     with pytest.raises(ValueError, match=r"holds the part of rank\(s\) \[1\] of 2"):
         SegmentSparseState(**SPARSE).load_state_dict(loaded(results[1]["state_dict"]))
+
+
+def test_a_state_dict_loaded_for_another_model_says_what_differs():
+    saved = run_ranks(2, train, "sparse", SPARSE, 4, dict(return_state_dict=True))[0]["state_dict"]
+    messages = run_ranks(2, load_into_another_model, "sparse", SPARSE, saved)
+    pattern = r"parameter \d+\.\d+ has \d+ elements but the loaded state_dict has \d+: it is for another model"
+    assert all(re.search(pattern, m) for m in messages), messages
 
 
 def test_settings_are_keyword_only_and_the_process_group_is_checked():

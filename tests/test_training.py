@@ -1,6 +1,7 @@
 """Convergence on real data (scikit-learn's digits, 2 gloo ranks) and the demo command."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -64,6 +65,28 @@ def test_demo_rejects_bad_flags(flags, message):
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert message in result.stderr or pytest.fail(result.stderr)
+
+
+def test_text_workload_trains_with_adamw_and_a_cosine_schedule():
+    """The transformer on text (the convergence benchmark's workload, narrower), 40 steps: the
+    byte-level validation loss falls well below uniform guessing (ln 256 = 5.55 nats; measured
+    about 3.6)."""
+    record = run_training(TrainConfig(model="gpt", hidden=32, optimizer="adamw", lr=3e-3,
+                                      weight_decay=0.01, lr_warmup_steps=5, lr_schedule="cosine",
+                                      clip_norm=1.0, epochs=1, max_steps=40, global_batch=32))
+    assert record["ranks_identical"] and record["steps"] == 40
+    assert record["epochs"]["test_loss"][-1] < 4.5
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(optimizer="adam"), "optimizer must be one of 'sgd', 'adamw'"),
+    (dict(lr_schedule="linear"), "lr_schedule must be one of"),
+    (dict(clip_norm=0.0), "clip_norm must be a number in (0.0"),
+    (dict(hook="sparse", hook_settings=dict(density=2.0)), "density must be a number in (0.0, 1.0]"),
+])
+def test_train_config_rejects_bad_settings(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainConfig(**overrides).validate()
 
 
 @pytest.mark.parametrize("hook", ["dense", "sparse"])

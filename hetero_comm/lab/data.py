@@ -1,14 +1,27 @@
-"""The digits data set (scikit-learn's: 1,797 8x8 images, 10 classes, shipped with the
-package, nothing downloaded) and the small models the demo, benchmarks and tests train on it."""
+"""The workloads the demo, benchmarks and tests train: the digits data set (scikit-learn's:
+1,797 8x8 images, 10 classes, shipped with the package) with small MLPs and CNNs, and bytes of
+real text with a small transformer (:mod:`~hetero_comm.lab.text`). Nothing is downloaded."""
 
 from typing import Tuple
 
 import torch
 import torch.nn as nn
 
-__all__ = ["MODELS", "load_digits_split", "make_model"]
+from .text import TinyGPT, load_text_split
 
-MODELS = ("mlp", "cnn", "cnn_wide")
+__all__ = ["MODELS", "DIGITS_MODELS", "load_digits_split", "make_model", "make_workload"]
+
+DIGITS_MODELS = ("mlp", "cnn", "cnn_wide")
+MODELS = DIGITS_MODELS + ("gpt",)  # gpt: the text workload
+
+
+def make_workload(model: str, hidden: int, seed: int):
+    """``(x_train, y_train, x_test, y_test, module)`` for ``model``: the digits for the digit
+    models, text windows for ``"gpt"`` (``hidden`` is its width). Targets are class or byte
+    indices: the loss is the cross-entropy of the logits' last dimension either way."""
+    if model == "gpt":
+        return (*load_text_split(), TinyGPT(width=hidden))
+    return (*load_digits_split(seed), make_model(hidden, model))
 
 
 def load_digits_split(seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -49,4 +62,4 @@ def make_model(hidden: int = 256, kind: str = "mlp") -> nn.Module:
                              nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(),
                              nn.Conv2d(c2, c2, 3, padding=1), nn.ReLU(),
                              nn.Flatten(), nn.Linear(c2 * 64, 10))
-    raise ValueError(f"kind must be one of {MODELS}; got {kind!r}")
+    raise ValueError(f"kind must be one of {DIGITS_MODELS}; got {kind!r}")

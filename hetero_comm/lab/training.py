@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -24,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .._checks import check_choice, check_float, check_int, check_optional
 from ..hetero import DynamicBatchController, HeteroSampler
 from .byte_count import count_collective_bytes
-from .data import MODELS, load_digits_split, make_model
+from .data import MODELS, make_workload
 from .launch import report_progress, run_ranks
 from .registry import HOOKS, WEIGHTED_HOOKS, make_hook
 from .throttle import PERIOD_US, CpuQuota
@@ -32,13 +33,21 @@ from .throttle import PERIOD_US, CpuQuota
 __all__ = ["TrainConfig", "BATCHING", "run_training", "train_rank"]
 
 BATCHING = ("equal", "dynamic")
+OPTIMIZERS = ("sgd", "adamw")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclasses.dataclass
 class TrainConfig:
-    """One training run: SGD on the digits with ``hook`` (a name of
+    """One training run of ``model`` (:data:`~hetero_comm.lab.data.MODELS`: the digit models,
+    or ``"gpt"`` on text, ``hidden`` its width) with ``hook`` (a name of
     :data:`~hetero_comm.lab.registry.HOOKS`), whose state is built from ``hook_settings``
     (passed straight to its constructor, which validates them).
+
+    ``optimizer``: ``"sgd"`` (with ``momentum``) or ``"adamw"`` (betas 0.9, 0.999), with
+    ``weight_decay``; the learning rate rises linearly over ``lr_warmup_steps`` and then stays
+    (``lr_schedule="constant"``) or follows a cosine to 0 at the last step (``"cosine"``);
+    ``clip_norm`` clips the global gradient norm (after the hook) before each step.
 
     ``batching="dynamic"`` re-plans the per-rank batch sizes from measured speed every epoch
     (and every ``replan_every`` steps if set, with ``smoothing`` and ``max_change`` as in
@@ -55,6 +64,11 @@ class TrainConfig:
     global_batch: int = 64
     lr: float = 0.02
     momentum: float = 0.9
+    optimizer: str = "sgd"
+    weight_decay: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    clip_norm: Optional[float] = None
     seed: int = 0
     hidden: int = 256
     model: str = "mlp"
@@ -75,6 +89,11 @@ class TrainConfig:
         check_float("lr", self.lr, 0.0, float("inf"), low_open=True)
         check_float("momentum", self.momentum, 0.0, 0.999)
         check_choice("model", self.model, MODELS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        check_float("weight_decay", self.weight_decay, 0.0, 1.0)
+        check_int("lr_warmup_steps", self.lr_warmup_steps, 0)
+        check_optional(check_float, "clip_norm", self.clip_norm, 0.0, float("inf"), low_open=True)
         check_choice("batching", self.batching, BATCHING)
         check_optional(check_int, "max_steps", self.max_steps, 1)
         check_optional(check_float, "slow_worker_cores", self.slow_worker_cores, 0.0,
@@ -90,6 +109,29 @@ class TrainConfig:
     def optimizer_momentum(self) -> float:
         """The SGD momentum: 0 when the sparse hook's momentum correction replaces it."""
         return 0.0 if self.hook_settings.get("momentum") else self.momentum
+
+    def make_optimizer(self, parameters, total_steps: int):
+        """The optimizer and its per-step learning-rate schedule."""
+        if self.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(parameters, lr=self.lr, weight_decay=self.weight_decay)
+        else:
+            optimizer = torch.optim.SGD(parameters, lr=self.lr, momentum=self.optimizer_momentum(),
+                                        weight_decay=self.weight_decay)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor(total_steps))
+
+    def lr_factor(self, total_steps: int) -> Callable[[int], float]:
+        """The learning rate at a step, as a fraction of ``lr``."""
+        warmup, cosine = self.lr_warmup_steps, self.lr_schedule == "cosine"
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if not cosine:
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        return factor
 
     def measures_speed(self) -> bool:
         """Whether a :class:`DynamicBatchController` runs (it also just measures, with equal
@@ -156,9 +198,9 @@ class _Run:
 
     def __init__(self, rank: int, config: TrainConfig) -> None:
         self.config = config
-        self.x_train, self.y_train, self.x_test, self.y_test = load_digits_split(config.seed)
         torch.manual_seed(config.seed)
-        self.model = make_model(config.hidden, config.model)
+        self.x_train, self.y_train, self.x_test, self.y_test, self.model = make_workload(
+            config.model, config.hidden, config.seed)
         self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=config.bucket_cap_mb)
         self.state, hook = make_hook(config.hook, config.hook_settings)
         # Full global batches only, each shuffled once per epoch with a seed every rank shares.
@@ -173,8 +215,10 @@ class _Run:
             self.controller.register_comm_hook(self.ddp, hook)
         else:
             self.ddp.register_comm_hook(self.state, hook)
-        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=config.lr,
-                                         momentum=config.optimizer_momentum())
+        total_steps = config.epochs * self.sampler.num_steps()
+        if config.max_steps is not None:
+            total_steps = min(total_steps, config.max_steps)
+        self.optimizer, self.schedule = config.make_optimizer(self.ddp.parameters(), total_steps)
         self.step = 0
         self.bytes_sent = {"bytes": 0}
         self.history: Dict[str, List[float]] = {"step": [], "loss": [], "bytes": [], "seconds": []}
@@ -189,9 +233,12 @@ class _Run:
         began = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         with self.controller.step(len(index)) if self.controller else contextlib.nullcontext():
-            loss = nn.functional.cross_entropy(self.ddp(self.x_train[index]), self.y_train[index])
+            loss = _cross_entropy(self.ddp(self.x_train[index]), self.y_train[index])
             loss.backward()
+        if self.config.clip_norm is not None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip_norm)
         self.optimizer.step()
+        self.schedule.step()
         self.step += 1
         for name, value in (("step", self.step), ("loss", loss.item()),
                             ("bytes", self.bytes_sent["bytes"]),
@@ -217,10 +264,16 @@ class _Run:
             self.epochs[name].append(value)
 
     def evaluate(self) -> Tuple[float, float]:
+        """Test loss and accuracy (of the next byte, for text)."""
         with torch.no_grad():
             logits = self.model(self.x_test)
-            return (float(nn.functional.cross_entropy(logits, self.y_test)),
-                    float((logits.argmax(1) == self.y_test).float().mean()))
+            return (float(_cross_entropy(logits, self.y_test)),
+                    float((logits.argmax(-1) == self.y_test).float().mean()))
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every prediction (one per image, or one per byte)."""
+    return nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
 def _train(rank: int, config: TrainConfig) -> dict:

@@ -1,0 +1,131 @@
+"""Does compressed sync converge where people train? Final validation loss (and accuracy) of
+every hook against dense, on several workloads and optimizers, at 2 and 4 gloo ranks.
+
+Workloads:
+* ``gpt_adamw``: a byte-level transformer (0.83M parameters) on real text (Python's pydoc
+  topics), AdamW with linear warm-up and a cosine schedule, clipping 1.0;
+* ``digits_sgd_<lr>``: the digits MLP with SGD, momentum 0.9, at lr 0.02, 0.05 and 0.1;
+* ``cnn_sgd``: the digits CNN, SGD lr 0.05, momentum 0.9.
+
+Prints one table (final validation loss, accuracy, their difference to dense, bytes per step,
+compression, wall time) and writes a PNG of validation loss against steps and against bytes.
+
+Usage: python benchmarks/bench_convergence.py [--workloads gpt_adamw,digits_sgd_0.05]
+       [--ranks 2,4] [--rows dense,sparse_1] [--quick] [--out DIR]
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from hetero_comm.lab.training import TrainConfig, run_training
+
+WORKLOADS = {
+    "gpt_adamw": dict(model="gpt", hidden=128, optimizer="adamw", lr=3e-3, weight_decay=0.01,
+                      lr_warmup_steps=30, lr_schedule="cosine", clip_norm=1.0, epochs=4,
+                      global_batch=32),
+    **{f"digits_sgd_{lr}": dict(model="mlp", optimizer="sgd", lr=lr, momentum=0.9, epochs=8,
+                                global_batch=64) for lr in (0.02, 0.05, 0.1)},
+    "cnn_sgd": dict(model="cnn", hidden=64, optimizer="sgd", lr=0.05, momentum=0.9, epochs=6,
+                    global_batch=64),
+}
+ROWS = {
+    "dense": ("dense allreduce", "dense", {}),
+    "fp16": ("torch fp16_compress", "fp16", {}),
+    "powersgd_1": ("torch PowerSGD rank 1", "powersgd", dict(matrix_approximation_rank=1)),
+    "powersgd_4": ("torch PowerSGD rank 4", "powersgd", dict(matrix_approximation_rank=4)),
+    "sparse_10": ("segment_sparse 10%", "sparse", dict(density=0.1)),
+    "sparse_3": ("segment_sparse 3%", "sparse", dict(density=0.03)),
+    "sparse_1": ("segment_sparse 1%", "sparse", dict(density=0.01)),
+    "dct_8": ("dct_quant keep 1/8, 8 bit", "dct", dict(keep_ratio=0.125, bits=8)),
+}
+
+
+def run(workload: str, ranks: int, row: str, quick: bool) -> dict:
+    title, hook, settings = ROWS[row]
+    options = dict(WORKLOADS[workload])
+    options["global_batch"] = options["global_batch"] // 2 * ranks  # the same per-rank batch
+    if quick:
+        options["epochs"] = 1
+    config = TrainConfig(hook=hook, hook_settings=settings, workers=ranks, **options)
+    began = time.perf_counter()
+    try:
+        record = run_training(config, timeout=3600)
+    except RuntimeError as error:  # a hook that diverges says so (non-finite gradient)
+        if "non-finite gradient" not in str(error):
+            raise
+        return dict(workload=workload, ranks=ranks, row=row, title=title, diverged=True)
+    return dict(workload=workload, ranks=ranks, row=row, title=title, diverged=False,
+                loss=record["epochs"]["test_loss"][-1], accuracy=record["final_accuracy"],
+                bytes_per_step=record["bytes_per_step"],
+                compression=record["dense_bytes_per_step"] / record["bytes_per_step"],
+                wall_seconds=time.perf_counter() - began, curve=record["epochs"],
+                ranks_identical=record["ranks_identical"])
+
+
+def table(results: list) -> str:
+    dense = {(r["workload"], r["ranks"]): r for r in results if r["row"] == "dense"}
+    lines = ["| workload | ranks | hook | val loss | vs dense | val acc | vs dense | bytes/step | "
+             "compression | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r["diverged"]:
+            lines.append(f"| {r['workload']} | {r['ranks']} | {r['title']} | diverged | | | | | | |")
+            continue
+        base = dense.get((r["workload"], r["ranks"]))
+        loss_gap = f"{100 * (r['loss'] / base['loss'] - 1):+.1f}%" if base else ""
+        acc_gap = f"{100 * (r['accuracy'] - base['accuracy']):+.1f}" if base else ""
+        lines.append(f"| {r['workload']} | {r['ranks']} | {r['title']} | {r['loss']:.3f} | {loss_gap} | "
+                     f"{100 * r['accuracy']:.1f}% | {acc_gap} | {r['bytes_per_step']:,.0f} | "
+                     f"{r['compression']:.1f}x | {r['wall_seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(results: list, path: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["workload"], r["ranks"]) for r in results})
+    figure, axes = plt.subplots(2, len(panels), figsize=(4.5 * len(panels), 7), squeeze=False)
+    for column, (workload, ranks) in enumerate(panels):
+        for r in results:
+            if (r["workload"], r["ranks"]) != (workload, ranks) or r["diverged"]:
+                continue
+            curve = r["curve"]
+            axes[0][column].plot(curve["step"], curve["test_loss"], marker="o", label=r["title"])
+            axes[1][column].plot([b / 1e6 for b in curve["bytes"]], curve["test_loss"], marker="o")
+        axes[0][column].set(title=f"{workload}, {ranks} ranks", xlabel="step", ylabel="val loss")
+        axes[1][column].set(xlabel="MB sent by rank 0", ylabel="val loss", xscale="log")
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--quick", action="store_true", help="one epoch per run")
+    parser.add_argument("--out", default="bench_out")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for workload in args.workloads.split(","):
+        for ranks in (int(r) for r in args.ranks.split(",")):
+            for row in args.rows.split(","):
+                results.append(run(workload, ranks, row, args.quick))
+                print(f"  done: {workload}, {ranks} ranks, {row}", file=sys.stderr, flush=True)
+    print(table(results))
+    with open(os.path.join(args.out, "bench_convergence.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"plot: {plot(results, os.path.join(args.out, 'bench_convergence.png'))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
