@@ -2,6 +2,7 @@
 under examples/, and misuse of the integrations."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +17,24 @@ from hetero_comm.lab.launch import free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def torchrun(*args, cwd=None, timeout=300) -> str:
+# torch 2.13's gloo DDP processes abort in some runs at interpreter exit, after the script's
+# last line, with or without hetero_comm (4 and 5 of 30 plain-DDP runs here; benchmarks/NOTES.md).
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def check_finished(result: subprocess.CompletedProcess, last_line: str) -> str:
+    """The script's output, once it printed ``last_line``: exit code 0, or torch's abort at
+    exit (and nothing else going wrong)."""
+    output = result.stdout[-3000:] + result.stderr[-5000:]
+    assert last_line in result.stdout, output
+    assert result.returncode == 0 or EXIT_ABORT in result.stderr, output
+    return result.stdout
+
+
+def torchrun(*args, timeout=300) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *map(str, args)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result.stdout
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("hook", ["sparse", "dct"])
@@ -30,7 +43,8 @@ def test_hook_runs_and_resumes_exactly_through_the_frameworks_checkpoint(framewo
     """Rank 0 writes the framework's checkpoint and every rank loads it: the resumed run ends
     bitwise where the uninterrupted one does (each rank's error feedback is in rank 0's
     file). Gradient accumulation syncs every second batch."""
-    torchrun(ROOT / "tests" / "framework_worker.py", framework, hook, tmp_path)
+    result = torchrun(ROOT / "tests" / "framework_worker.py", framework, hook, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     for run in ("uninterrupted", "resumed", "accumulated"):
         assert torch.equal(ranks[0][run]["params"], ranks[1][run]["params"]), run
@@ -50,13 +64,12 @@ def test_hook_runs_and_resumes_exactly_through_the_frameworks_checkpoint(framewo
 def test_examples_run_as_written(example, launch):
     path = ROOT / "examples" / example
     if launch == "torchrun":
-        out = torchrun(path)
+        result = torchrun(path)
     else:
         result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
                                 timeout=300, env=dict(os.environ, MASTER_PORT=str(free_port())))
-        assert result.returncode == 0, result.stderr[-5000:]
-        out = result.stdout
-    assert "compression" in out and "steps" in out
+    out = check_finished(result, "compression")
+    assert re.search(r"steps \d+, compression \d+\.\dx", out), out
 
 
 def test_integrations_import_without_the_frameworks():
