@@ -39,6 +39,9 @@ ROWS = {
     "sparse_10": ("segment_sparse 10%", "sparse", dict(density=0.1)),
     "sparse_3": ("segment_sparse 3%", "sparse", dict(density=0.03)),
     "sparse_1": ("segment_sparse 1%", "sparse", dict(density=0.01)),
+    # Momentum correction (Deep Gradient Compression): the hook keeps the velocity and the
+    # optimizer's momentum is off (TrainConfig does that when the hook has a momentum).
+    "sparse_3_mc": ("segment_sparse 3% + momentum corr.", "sparse", dict(density=0.03, momentum=0.9)),
     "sparse_6_bf16": ("segment_sparse 6%, bfloat16 wire", "sparse",
                       dict(density=0.06, wire_dtype="bfloat16")),
     "dct_8": ("dct_quant keep 1/8, 8 bit", "dct", dict(keep_ratio=0.125, bits=8)),
