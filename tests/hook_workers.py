@@ -124,6 +124,14 @@ def loaded(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+def loaded_residual_total(rank, world_size, hook, settings, checkpoint: bytes) -> float:
+    """Load a hook state saved by another world size; the sum of what it holds back here."""
+    state = HOOKS[hook].make_state(settings)
+    state.load_state_dict(loaded(checkpoint))
+    assert state.step == loaded(checkpoint)["step"]
+    return float(sum(b.tensors["residual"].double().sum() for b in state.plan.buckets))
+
+
 def load_into_another_model(rank, world_size, hook, settings, checkpoint: bytes):
     """Load a hook state saved with :func:`make_model`'s model, then train a wider model
     with it. Returns the error message."""

@@ -13,7 +13,8 @@ from hetero_comm.hooks import (AllreduceState, DCTQuantState, SegmentSparseState
                                dct_quant_hook, segment_sparse_hook)
 from hetero_comm.hooks.dct_quant import pack_int16_pairs, quantization_levels, unpack_int16_pair_sums
 from hetero_comm.lab.launch import run_ranks
-from hook_workers import load_into_another_model, loaded, share_one_state, train
+from hook_workers import (load_into_another_model, loaded, loaded_residual_total,
+                          share_one_state, train)
 
 SPARSE = dict(segment_size=16, density=0.05, warmup_steps=2)
 DCT = dict(block_size=16, keep_ratio=0.25, bits=8, warmup_steps=2)
@@ -149,19 +150,21 @@ def test_resume_with_each_rank_loading_its_own_checkpoint():
 
 
 def test_state_dict_into_another_world_size_keeps_what_is_held_back():
-    """Rank 0's dict of 2 ranks, loaded without a process group (world size 1): the one rank
-    holds back what both did; rank 1's dict alone cannot serve another rank."""
+    """Rank 0's dict of 2 ranks, loaded by 1 and by 3 ranks: together they hold back what the
+    2 did. Rank 1's dict alone cannot serve another rank, and no dict of several ranks can be
+    loaded before the process group exists (it could not tell this rank's part)."""
     results = run_ranks(2, train, "sparse", SPARSE, 6, dict(return_state_dict=True))
     checkpoint = loaded(results[0]["state_dict"])
     assert checkpoint["world_size"] == 2 and sorted(checkpoint["ranks"]) == [0, 1]
-    state = SegmentSparseState(**SPARSE)
-    state.load_state_dict(checkpoint)
-    residual = torch.cat([b.tensors["residual"] for b in state.plan.buckets]).double()
-    assert state.step == 6
-    assert float(residual.sum()) == pytest.approx(sum(r["held_back"].sum() for r in results), rel=1e-5)
+    saved_total = sum(r["held_back"].sum() for r in results)
     assert np.abs(results[0]["held_back"]).max() > 1e-3  # there was something to keep
-    with pytest.raises(ValueError, match=r"holds the part of rank\(s\) \[1\] of 2"):
-        SegmentSparseState(**SPARSE).load_state_dict(loaded(results[1]["state_dict"]))
+    for world_size in (1, 3):
+        totals = run_ranks(world_size, loaded_residual_total, "sparse", SPARSE, results[0]["state_dict"])
+        assert sum(totals) == pytest.approx(saved_total, rel=1e-5)
+    with pytest.raises(RuntimeError, match="load it after init_process_group"):
+        SegmentSparseState(**SPARSE).load_state_dict(checkpoint)
+    with pytest.raises(RuntimeError, match=r"ValueError: this state_dict holds the part of rank\(s\) \[1\] of 2"):
+        run_ranks(1, loaded_residual_total, "sparse", SPARSE, results[1]["state_dict"])
 
 
 def test_a_state_dict_loaded_for_another_model_says_what_differs():

@@ -261,9 +261,15 @@ class ErrorFeedbackState(HookState):
         among the new ranks (the total held back, and so everything not yet applied, is
         kept); that needs the dict of rank 0, which holds every saved rank's part.
         """
+        if "ranks" not in state_dict:
+            raise ValueError("this state_dict has no per-rank error-feedback state: it was "
+                             "saved by an older hetero_comm; start the hook state afresh")
         super().load_state_dict(state_dict)
         world_size, rank = self._group_shape()
         saved_size, parts = state_dict["world_size"], state_dict["ranks"]
+        if saved_size > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"this state_dict holds the error feedback of {saved_size} ranks: "
+                               f"load it after init_process_group, which tells this rank's part")
         if saved_size == world_size and rank in parts:
             mine = parts[rank]
         elif len(parts) == saved_size:
@@ -315,7 +321,12 @@ class ErrorFeedbackState(HookState):
         sent = []
         for part in route.parts:
             buffer = route.gather(part, grad, self.pool.acquire(part.numel, grad.dtype, grad.device))
-            sent.append((part, buffer, send(self, part, buffer, index)))
+            try:
+                sent.append((part, buffer, send(self, part, buffer, index)))
+            except BaseException:  # e.g. a non-finite gradient: give every gather buffer back
+                for held in [buffer] + [b for _, b, _ in sent]:
+                    self.pool.release(held)
+                raise
 
         def scatter(_):
             for part, buffer, future in sent:

@@ -160,12 +160,13 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
         if lagged:  # sent segments are no longer held back
             importance[indices] = 0.0
         if not agree_now:
-            _load_importance(wire[packed_numel:], importance, finite)
+            _load_importance(wire[packed_numel:], importance, finite, state.world_size())
     state.count_bytes(grad.numel() * grad.element_size(),
                       wire.numel() * wire.element_size() + (4 * count if agree_now else 0), True)
     # 4. Allreduce. Lagged: waited for here, so that a NaN on any rank raises from the hook
     #    (FloatingPointError, like the current mode's wait for the importance), not later from
-    #    DDP's wait for the future (which would wrap it in a RuntimeError).
+    #    DDP's wait for the future (which would wrap it in a RuntimeError). The price: this
+    #    bucket's allreduce no longer overlaps the rest of the backward pass.
     work = dist.all_reduce(wire, group=state.process_group, async_op=True)
 
     # 5. Unpack.
@@ -218,14 +219,16 @@ def _agree_and_select(state: SegmentSparseState, plan_bucket: PlanBucket, import
         return ops.select_segments(importance, k, out=indices)
 
 
-def _load_importance(out: torch.Tensor, importance: torch.Tensor, finite: bool) -> None:
+def _load_importance(out: torch.Tensor, importance: torch.Tensor, finite: bool,
+                     world_size: int) -> None:
     """Lagged mode: put the importance on the wire. Zeroing the sent segments and
     saturating to a 16-bit wire could hide a NaN or infinity, so a non-finite vector is
-    poisoned whole: every rank sees it after the sum."""
+    poisoned whole: every rank sees it after the sum. A finite one is saturated so that the
+    sum over ranks stays finite too."""
     if not finite:
         importance.fill_(math.nan)
     elif out.dtype != torch.float32:
-        importance.clamp_(max=torch.finfo(out.dtype).max)
+        importance.clamp_(max=torch.finfo(out.dtype).max / world_size)
     out.copy_(importance)
 
 

@@ -30,6 +30,7 @@ def register_comm_hook(accelerator, model, state: HookState, hook: Callable) -> 
     if not isinstance(model, DistributedDataParallel):
         raise ValueError(f"model is a {type(model).__name__}, not DistributedDataParallel: "
                          f"Accelerate prepared it for a single process (accelerate launch "
-                         f"--cpu starts one; use --multi_gpu --num_processes N, or torchrun)")
+                         f"--cpu starts one; use --multi_gpu --num_processes N, or torchrun), "
+                         f"or for another wrapper (FSDP, DeepSpeed), which DDP hooks do not serve")
     model.register_comm_hook(state, hook)
     accelerator.register_for_checkpointing(state)

@@ -1,6 +1,5 @@
 """Local worker processes, one gloo rank each, on 127.0.0.1 (a free port)."""
 
-import os
 import queue
 import socket
 import time
@@ -53,9 +52,9 @@ def run_ranks(world_size: int, target: Callable, *args, timeout: float = 600.0,
                  for rank in range(world_size)]
     for process in processes:
         process.start()
-    if on_start is not None:
-        on_start(processes)
     try:
+        if on_start is not None:
+            on_start(processes)
         collected = _collect(processes, results, progress, on_progress, time.monotonic() + timeout)
     finally:
         for process in processes:
@@ -97,7 +96,6 @@ def _rank_entry(rank, world_size, port, target, args, results, progress) -> None
     global _progress
     _progress = progress
     torch.set_num_threads(1)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     try:

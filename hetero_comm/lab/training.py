@@ -46,7 +46,8 @@ class TrainConfig:
 
     ``optimizer``: ``"sgd"`` (with ``momentum``) or ``"adamw"`` (betas 0.9, 0.999), with
     ``weight_decay``; the learning rate rises linearly over ``lr_warmup_steps`` and then stays
-    (``lr_schedule="constant"``) or follows a cosine to 0 at the last step (``"cosine"``);
+    (``lr_schedule="constant"``) or follows a cosine down towards 0 (``"cosine"``, which would
+    reach 0 one step after the last);
     ``clip_norm`` clips the global gradient norm (after the hook) before each step.
 
     ``batching="dynamic"`` re-plans the per-rank batch sizes from measured speed every epoch
@@ -101,6 +102,9 @@ class TrainConfig:
         if self.global_batch % self.workers:
             raise ValueError(f"global_batch ({self.global_batch}) must be a multiple of "
                              f"workers ({self.workers})")
+        if self.optimizer != "sgd" and self.hook_settings.get("momentum"):
+            raise ValueError("the sparse hook's momentum correction replaces SGD's momentum; "
+                             f"with optimizer={self.optimizer!r} it would apply momentum twice")
         if self.batching == "dynamic" and self.hook not in WEIGHTED_HOOKS:
             raise ValueError(f"batching='dynamic' needs a hook that weights ranks "
                              f"({', '.join(WEIGHTED_HOOKS)}); {self.hook!r} averages them "
