@@ -163,10 +163,9 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
             _load_importance(wire[packed_numel:], importance, finite, state.world_size())
     state.count_bytes(grad.numel() * grad.element_size(),
                       wire.numel() * wire.element_size() + (4 * count if agree_now else 0), True)
-    # 4. Allreduce. Lagged: waited for here, so that a NaN on any rank raises from the hook
-    #    (FloatingPointError, like the current mode's wait for the importance), not later from
-    #    DDP's wait for the future (which would wrap it in a RuntimeError). The price: this
-    #    bucket's allreduce no longer overlaps the rest of the backward pass.
+    # 4. Allreduce. Lagged: waited for here, so a NaN on any rank raises FloatingPointError
+    #    from the hook, not from DDP's wait (wrapped in a RuntimeError); the price is no
+    #    overlap of this allreduce with the rest of the backward pass.
     work = dist.all_reduce(wire, group=state.process_group, async_op=True)
 
     # 5. Unpack.
