@@ -54,6 +54,10 @@ def run(workload: str, ranks: int, row: str, quick: bool) -> dict:
     options["global_batch"] = options["global_batch"] // 2 * ranks  # the same per-rank batch
     if quick:
         options["epochs"] = 1
+    if hook == "powersgd":
+        # On gloo, torch's powerSGD_hook with several buckets lets ranks issue collectives in
+        # different orders (a "collective mismatch" abort, seen at 4 ranks): one bucket.
+        options["bucket_cap_mb"] = 64
     config = TrainConfig(hook=hook, hook_settings=settings, workers=ranks, **options)
     began = time.perf_counter()
     try:
