@@ -123,13 +123,10 @@ class Plan:
         """Stable keys of the bucket's parameters (learnt at this model's first iteration),
         their sizes, and whether the bucket is in the provisional layout."""
         params = bucket.parameters()
-        known = [id(p) in self._key_of_param for p in params]
-        if not any(known):  # first iteration of this model: the provisional layout
+        # All known or none (HookState.claim has refused parameters of another model).
+        if id(params[0]) not in self._key_of_param:  # this model's first iteration
             for position, p in enumerate(params):
                 self._learn_key(f"{bucket.index()}.{position}", p)
-        elif not all(known):
-            raise ValueError("a DDP bucket mixes parameters this hook state has seen with new "
-                             "ones; use one state per model")
         keys = tuple(self._key_of_param[id(p)] for p in params)
         numels = tuple(p.numel() for p in params)
         provisional = keys == tuple(f"{bucket.index()}.{i}" for i in range(len(params)))
