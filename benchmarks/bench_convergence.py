@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 from hetero_comm.lab.training import TrainConfig, run_training
 
@@ -42,15 +43,29 @@ ROWS = {
     # Momentum correction (Deep Gradient Compression): the hook keeps the velocity and the
     # optimizer's momentum is off (TrainConfig does that when the hook has a momentum).
     "sparse_3_mc": ("segment_sparse 3% + momentum corr.", "sparse", dict(density=0.03, momentum=0.9)),
+    "sparse_10_mc": ("segment_sparse 10% + momentum corr.", "sparse", dict(density=0.1, momentum=0.9)),
     "sparse_6_bf16": ("segment_sparse 6%, bfloat16 wire", "sparse",
                       dict(density=0.06, wire_dtype="bfloat16")),
     "dct_8": ("dct_quant keep 1/8, 8 bit", "dct", dict(keep_ratio=0.125, bits=8)),
+    **{f"sparse_dct_{p}": (f"segment_sparse {p}% DCT basis", "sparse", dict(density=p / 100, basis="dct"))
+       for p in (3, 10)},
+    # DCT segments and the sign of the sum; TrainConfig gives AdamW betas (0, 0) with it.
+    **{f"sparse_dct_sign_{p}": (f"segment_sparse {p}% DCT basis, sign", "sparse",
+                                dict(density=p / 100, basis="dct", output="sign"))
+       for p in (1, 2, 3)},
+    **{f"sparse_dct_sign_{p}_bf16": (f"segment_sparse {p}% DCT basis, sign, bfloat16 wire", "sparse",
+                                     dict(density=p / 100, basis="dct", output="sign",
+                                          wire_dtype="bfloat16"))
+       for p in (3, 6)},
 }
+ADAMW_ONLY = {row for row, (_, _, settings) in ROWS.items() if settings.get("output") == "sign"}
 
 
-def run(workload: str, ranks: int, row: str, quick: bool) -> dict:
+def run(workload: str, ranks: int, row: str, quick: bool) -> Optional[dict]:
     title, hook, settings = ROWS[row]
     options = dict(WORKLOADS[workload])
+    if row in ADAMW_ONLY and options["optimizer"] != "adamw":
+        return None
     options["global_batch"] = options["global_batch"] // 2 * ranks  # the same per-rank batch
     if quick:
         options["epochs"] = 1
@@ -127,7 +142,9 @@ def main() -> int:
     for workload in args.workloads.split(","):
         for ranks in (int(r) for r in args.ranks.split(",")):
             for row in args.rows.split(","):
-                results.append(run(workload, ranks, row, args.quick))
+                result = run(workload, ranks, row, args.quick)
+                if result is not None:
+                    results.append(result)
                 print(f"  done: {workload}, {ranks} ranks, {row}", file=sys.stderr, flush=True)
     print(table(results))
     with open(os.path.join(args.out, "bench_convergence.json"), "w") as f:

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hetero_comm.hetero import DynamicBatchController, HeteroSampler
-from hetero_comm.lab.registry import HOOKS
+from hetero_comm.lab.registry import HOOKS, make_hook
 
 
 def make_model(seed: int = 0, dtype=torch.float32) -> nn.Module:
@@ -238,3 +238,21 @@ def controlled_training(rank, world_size, hook, settings, options):
             model.zero_grad(set_to_none=True)
     controller.replan()
     return {"steps": steps, "history": controller.history}
+
+
+def train_on_cuda(rank, world_size, hook, settings, steps):
+    """Six Linear(512, 512) on CUDA in several DDP buckets, SGD; returns the parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)]).cuda()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1.5)  # several buckets in flight
+    state, hook_function = make_hook(hook, settings)
+    ddp.register_comm_hook(state, hook_function)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        batch = torch.randn(64, 512, generator=data).cuda()
+        ddp(batch).square().mean().backward()
+        optimizer.step()
+    torch.cuda.synchronize()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy()

@@ -32,14 +32,18 @@ def assert_ranks_identical(results):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("selection", ["current", "lagged"])
-def test_sparse_at_full_density_equals_dense_allreduce(world_size, selection):
-    settings_ = dict(segment_size=16, density=1.0, warmup_steps=1, selection=selection)
+@pytest.mark.parametrize("selection,basis", [("current", "elements"), ("lagged", "elements"),
+                                             ("current", "dct"), ("lagged", "dct")])
+def test_sparse_at_full_density_equals_dense_allreduce(world_size, selection, basis):
+    settings_ = dict(segment_size=16, density=1.0, warmup_steps=1, selection=selection,
+                     basis=basis, dct_block_size=8)
     results = run_ranks(world_size, train, "sparse", settings_, 5)
     dense = run_ranks(world_size, train, "dense", {}, 5)
-    np.testing.assert_allclose(results[0]["applied"], weighted_sum(results), rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(results[0]["params"], dense[0]["params"], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(results[0]["held_back"], 0.0, atol=1e-7)
+    # The DCT basis adds the float32 rounding of a transform and its inverse.
+    atol = 1e-7 if basis == "elements" else 1e-6
+    np.testing.assert_allclose(results[0]["applied"], weighted_sum(results), rtol=1e-5, atol=atol)
+    np.testing.assert_allclose(results[0]["params"], dense[0]["params"], rtol=1e-5, atol=atol)
+    np.testing.assert_allclose(results[0]["held_back"], 0.0, atol=atol)
     assert_ranks_identical(results)
     assert dense[0]["stats"]["compression_ratio"] == 1.0
 
@@ -67,6 +71,8 @@ def test_dct_keeping_every_coefficient_is_within_quantization_error(world_size, 
     ("sparse", SPARSE),
     ("sparse", dict(SPARSE, selection="lagged")),
     ("sparse", dict(SPARSE, wire_dtype="float16", density_warmup_steps=3)),
+    ("sparse", dict(SPARSE, basis="dct", dct_block_size=8)),
+    ("sparse", dict(SPARSE, basis="dct", dct_block_size=4, selection="lagged", output="sign")),
     ("dct", DCT),
     ("dct", dict(DCT, bits=16, band="low")),
     ("dct", dict(DCT, bits=32)),
@@ -91,6 +97,23 @@ def test_conservation_law(hook, settings_, world_size):
     assert stats["steps"] == 12 and stats["compression_ratio"] > 1
 
 
+@pytest.mark.parametrize("basis", ["elements", "dct"])
+def test_sign_output_is_the_sign_of_the_sum(basis):
+    """At full density the sum delivered is the weighted sum of what every rank produced;
+    output="sign" delivers its sign, and every rank applies the same."""
+    settings_ = dict(SPARSE, density=1.0, basis=basis, output="sign")
+    results = run_ranks(2, train, "sparse", settings_, 6)
+    compressed = slice(settings_["warmup_steps"], None)  # the dense warm-up sends sums
+    expected = np.sign(weighted_sum(results)[compressed])
+    applied = results[0]["applied"][compressed]
+    if basis == "elements":
+        np.testing.assert_array_equal(applied, expected)
+    else:  # a transform's rounding may flip the sign of a sum within ~1e-6 of zero
+        tiny = np.abs(weighted_sum(results)[compressed]) < 1e-5
+        np.testing.assert_array_equal(applied[~tiny], expected[~tiny])
+    assert_ranks_identical(results)
+
+
 def test_unequal_rank_weights_and_uneven_buckets():
     weights = [0.2, 0.3, 0.5]
     options = dict(weights=weights, bucket_cap_mb=0.002)  # several uneven buckets
@@ -104,6 +127,7 @@ def test_unequal_rank_weights_and_uneven_buckets():
 
 
 @pytest.mark.parametrize("hook,settings_", [("sparse", dict(SPARSE, density=1.0)),
+                                            ("sparse", dict(SPARSE, density=1.0, basis="dct")),
                                             ("dct", dict(DCT, keep_ratio=1.0, bits=32, band="low"))])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_gradients(hook, settings_, dtype):
@@ -126,6 +150,7 @@ def test_no_sync_gradient_accumulation(hook, settings_):
 @pytest.mark.parametrize("hook,settings_", [
     ("sparse", SPARSE),
     ("sparse", dict(SPARSE, selection="lagged", momentum=0.9)),
+    ("sparse", dict(SPARSE, basis="dct", dct_block_size=8, output="sign")),
     ("dct", DCT),
 ])
 @pytest.mark.parametrize("bucket_cap_mb", [25, 0.002])
@@ -199,7 +224,8 @@ def test_one_state_serves_one_model(hook, settings_):
     assert all("already serves another model" in m for m in messages), messages
 
 
-@pytest.mark.parametrize("hook,settings_", [("sparse", SPARSE), ("dct", DCT)])
+@pytest.mark.parametrize("hook,settings_", [("sparse", SPARSE), ("sparse", dict(SPARSE, basis="dct")),
+                                            ("dct", DCT)])
 def test_steady_state_steps_allocate_no_pool_storage(hook, settings_):
     results = run_ranks(2, train, hook, settings_, 10)
     allocations = results[0]["pool_allocations"]
@@ -212,6 +238,7 @@ def test_steady_state_steps_allocate_no_pool_storage(hook, settings_):
     ("sparse", dict(SPARSE, selection="lagged")),
     # Every segment is sent, so zeroing the sent importance would hide the NaN.
     ("sparse", dict(SPARSE, selection="lagged", density=1.0, wire_dtype="float16")),
+    ("sparse", dict(SPARSE, basis="dct", dct_block_size=8)),
     ("dct", DCT),
 ])
 def test_non_finite_gradient_raises_a_clear_error_on_every_rank(hook, settings_):
@@ -248,6 +275,10 @@ def test_stats_count_bytes_on_the_wire():
     (lambda: SegmentSparseState(min_compress_numel=-1), "min_compress_numel"),
     (lambda: SegmentSparseState(rank_weight=-0.5), "rank_weight"),
     (lambda: SegmentSparseState(density_warmup_steps=-1), "density_warmup_steps"),
+    (lambda: SegmentSparseState(basis="wavelet"), "basis must be one of"),
+    (lambda: SegmentSparseState(basis="dct", dct_block_size=48), "dct_block_size must be a power of two"),
+    (lambda: SegmentSparseState(basis="dct", momentum=0.9), "use basis='elements' with momentum"),
+    (lambda: SegmentSparseState(output="mean"), "output must be one of"),
     (lambda: DCTQuantState(block_size=100), "block_size must be a power of two"),
     (lambda: DCTQuantState(block_size=1), "block_size"),
     (lambda: DCTQuantState(keep_ratio=0.0), "keep_ratio"),

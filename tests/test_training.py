@@ -84,6 +84,7 @@ def test_text_workload_trains_with_adamw_and_a_cosine_schedule():
     (dict(clip_norm=0.0), "clip_norm must be a number in (0.0"),
     (dict(hook="sparse", hook_settings=dict(density=2.0)), "density must be a number in (0.0, 1.0]"),
     (dict(hook="sparse", optimizer="adamw", hook_settings=dict(momentum=0.9)), "apply momentum twice"),
+    (dict(hook="sparse", hook_settings=dict(output="sign")), "output='sign' is a recipe for AdamW"),
 ])
 def test_train_config_rejects_bad_settings(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):

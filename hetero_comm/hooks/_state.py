@@ -19,6 +19,7 @@ from .._checks import check_float, check_int, check_optional
 from .._layout import GRADIENT_DTYPES
 from ..buffer_pool import BufferPool
 from ._plan import Plan, PlanBucket, Route, redistribute
+from ._streams import CallbackOrder
 
 logger = logging.getLogger("hetero_comm")
 
@@ -209,6 +210,7 @@ class ErrorFeedbackState(HookState):
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 1)
         self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 0)
         self.pool = BufferPool()
+        self.callbacks = CallbackOrder(self.pool)
         self.plan = Plan(plan_tensors, type(self).__name__)
 
     def settings(self) -> dict:
@@ -218,12 +220,13 @@ class ErrorFeedbackState(HookState):
     def __getstate__(self) -> dict:
         """Pickle without the pool (its storage belongs to this process)."""
         state = super().__getstate__()
-        del state["pool"]
+        del state["pool"], state["callbacks"]
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.pool = BufferPool()
+        self.callbacks = CallbackOrder(self.pool)
 
     def stats(self) -> dict:
         """:meth:`HookState.stats` plus ``pool`` (the buffer pool's counters)."""
@@ -294,6 +297,7 @@ class ErrorFeedbackState(HookState):
         does not hold yet; else ``send`` each plan bucket's worth of it. Advances
         :attr:`step` after the last bucket."""
         self.claim(bucket)
+        self.callbacks.settle()
         grad = bucket.buffer()
         if grad.dtype not in GRADIENT_DTYPES:
             raise TypeError(f"{type(self).__name__}: bucket {bucket.index()} has dtype "
@@ -329,9 +333,9 @@ class ErrorFeedbackState(HookState):
                 raise
 
         def scatter(_):
-            for part, buffer, future in sent:
-                route.scatter(part, future.value(), grad)
-                self.pool.release(buffer)
+            for part, _, future in sent:
+                route.scatter(part, future.wait(), grad)  # wait(): orders CUDA streams too
+            self.callbacks.release([buffer for _, buffer, _ in sent], grad.device)
             return grad
 
         return torch.futures.collect_all([future for _, _, future in sent]).then(scatter)

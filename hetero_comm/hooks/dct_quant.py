@@ -183,15 +183,16 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
     n, device, pool, step = grad.numel(), grad.device, state.pool, state.step
     blocks, keep, levels, world_size = num_segments(n, state.block_size), state.keep, state.levels(), state.world_size()
     residual = plan_bucket.tensors["residual"]
-    buffers = _Buffers(pool, device, blocks, keep, n, state.bits)
+    band = state.frequencies(step - state.warmup_steps)
+    band = None if band is None else band.to(device)
+    buffers = _Buffers(pool, device, blocks, keep, n, state.bits,
+                       None if band is None else state.block_size)
     coeffs, scale, q = buffers.coeffs, buffers.scale, buffers.q
     with state.timer("encode_seconds"):
         # 1. Accumulate.
         residual.add_(grad, alpha=state.weight())
         # 2. Transform.
-        band = state.frequencies(step - state.warmup_steps)
-        band = None if band is None else band.to(device)
-        _encode(state, residual, band, out=coeffs)
+        _encode(state, residual, band, coeffs, buffers.full)
         # 3. Agree on a scale (below): each block's largest |coefficient|.
         torch.linalg.vector_norm(coeffs, math.inf, dim=1, out=scale)
         scale.nan_to_num_(nan=math.inf)  # MAX keeps an infinity, so every rank sees it
@@ -214,19 +215,24 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
     summed = dist.all_reduce(buffers.wire, group=state.process_group, async_op=True).get_future()
     with state.timer("encode_seconds"):
         ops.dequantize(q, scale, levels, out=coeffs)
-        _decode(state, coeffs, band, out=buffers.decoded)
+        _decode(state, coeffs, band, buffers.decoded, buffers.full)
         residual.sub_(buffers.decoded)
+    # CUDA: the callback reuses coeffs and decoded on a stream of its own, after this.
+    error_feedback_done = state.callbacks.mark(device)
 
     # 6. Dequantize the sum and invert the transform into the bucket.
     def decode(fut) -> torch.Tensor:
         fut.value()
         with state.timer("decode_seconds"):
+            state.callbacks.wait(error_feedback_done, device)
+            if band is not None and device.type == "cuda":  # freed after this stream's use
+                band.record_stream(torch.cuda.current_stream(device))
             if state.bits == 16:
                 unpack_int16_pair_sums(buffers.wire, levels, world_size, blocks * keep, buffers.summed.view(-1))
             ops.dequantize(buffers.summed, scale, levels, out=coeffs)
-            _decode(state, coeffs, band, out=buffers.decoded)
+            _decode(state, coeffs, band, buffers.decoded, buffers.full)
             grad.copy_(buffers.decoded)
-            buffers.release()
+            state.callbacks.release(buffers.all, device)
         return grad
 
     return summed.then(decode)
@@ -235,49 +241,51 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
 class _Buffers:
     """The pooled work buffers of one :func:`_dct_quant_allreduce` call."""
 
-    def __init__(self, pool, device, blocks: int, keep: int, n: int, bits: int) -> None:
+    def __init__(self, pool, device, blocks: int, keep: int, n: int, bits: int,
+                 block_size: Optional[int]) -> None:
         self.pool = pool
         self.coeffs = pool.acquire(blocks * keep, torch.float32, device).view(blocks, keep)
         self.scale = pool.acquire(blocks, torch.float32, device)
         self.q = pool.acquire(blocks * keep, QUANT_DTYPES[bits], device).view(blocks, keep)
         self.decoded = pool.acquire(n, torch.float32, device)
-        self._all = [self.coeffs, self.scale, self.q, self.decoded]
+        self.all = [self.coeffs, self.scale, self.q, self.decoded]
+        # Every coefficient of each block, when a band is picked out of them (acquired here,
+        # on the hook's thread: the callback must not take buffers from the pool).
+        self.full = None
+        if block_size is not None:
+            self.full = pool.acquire(blocks * block_size, torch.float32, device).view(blocks, block_size)
+            self.all.append(self.full)
         if bits == 16:  # two int16 per int32 word on the wire, the sums unpacked to int32
             self.wire = pool.acquire((blocks * keep + 1) // 2, torch.int32, device)
             self.summed = pool.acquire(blocks * keep, torch.int32, device).view(blocks, keep)
-            self._all += [self.wire, self.summed]
+            self.all += [self.wire, self.summed]
         else:
             self.wire = pool.acquire(blocks * keep, QUANT_DTYPES[bits], device)
             self.summed = self.wire.view(blocks, keep)
-            self._all.append(self.wire)
+            self.all.append(self.wire)
 
     def release(self) -> None:
-        for buffer in self._all:
+        for buffer in self.all:
             self.pool.release(buffer)
 
 
 def _encode(state: DCTQuantState, residual: torch.Tensor, band: Optional[torch.Tensor],
-            out: torch.Tensor) -> None:
-    """The coefficients ``band`` (``None``: the lowest ``keep``) of each block of ``residual``."""
+            out: torch.Tensor, full: Optional[torch.Tensor]) -> None:
+    """The coefficients ``band`` (``None``: the lowest ``keep``) of each block of ``residual``
+    (``full``: scratch for every coefficient, given with a band)."""
     if band is None:
         ops.dct_encode(residual, state.block_size, state.keep, out=out)
         return
-    full = state.pool.acquire(out.shape[0] * state.block_size, torch.float32, out.device)
-    full = full.view(out.shape[0], state.block_size)
     ops.dct_encode(residual, state.block_size, state.block_size, out=full)
     torch.index_select(full, 1, band, out=out)
-    state.pool.release(full)
 
 
 def _decode(state: DCTQuantState, coeffs: torch.Tensor, band: Optional[torch.Tensor],
-            out: torch.Tensor) -> None:
+            out: torch.Tensor, full: Optional[torch.Tensor]) -> None:
     """Inverse of :func:`_encode`: the blocks whose coefficients ``band`` are ``coeffs``,
     every other coefficient zero."""
     if band is None:
         ops.dct_decode(coeffs, state.block_size, out.numel(), out=out)
         return
-    full = state.pool.acquire(coeffs.shape[0] * state.block_size, torch.float32, out.device)
-    full = full.view(coeffs.shape[0], state.block_size).zero_()
-    full.index_copy_(1, band, coeffs)
+    full.zero_().index_copy_(1, band, coeffs)
     ops.dct_decode(full, state.block_size, out.numel(), out=out)
-    state.pool.release(full)

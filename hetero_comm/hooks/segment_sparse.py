@@ -7,6 +7,12 @@ allgather, no index exchange. The default (``selection="current"``) agrees on th
 importance first, in a small allreduce of one float per segment, so it makes two allreduces
 per bucket; ``selection="lagged"`` sends the segments agreed at the previous step and makes
 one.
+
+``basis="dct"`` selects segments of blockwise DCT coefficients instead (one frequency of a
+group of blocks, see :mod:`._basis`), so that a sparse selection moves almost every
+coordinate at every step; ``output="sign"`` delivers the sign of the agreed sum, the step
+that makes such a selection train well with Adam-family optimizers (see the README's
+"Compression with AdamW").
 """
 
 import math
@@ -18,6 +24,7 @@ import torch.distributed as dist
 from .. import ops
 from .._checks import check_choice, check_float, check_int
 from .._layout import num_segments
+from ._basis import DctBasis
 from ._plan import PlanBucket
 from ._state import ErrorFeedbackState, check_state
 
@@ -25,6 +32,8 @@ __all__ = ["SegmentSparseState", "segment_sparse_hook"]
 
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SELECTIONS = ("current", "lagged")
+BASES = ("elements", "dct")
+OUTPUTS = ("sum", "sign")
 
 
 class SegmentSparseState(ErrorFeedbackState):
@@ -48,17 +57,28 @@ class SegmentSparseState(ErrorFeedbackState):
         wire_dtype: dtype of the packed values on the wire: ``"float32"`` (default),
             ``"float16"`` or ``"bfloat16"`` (half the bytes; each rank's rounding error stays
             in its residual, the rounding of the sum on the wire is not fed back).
+        basis: ``"elements"`` (default): a segment is ``segment_size`` consecutive gradient
+            elements; ``"dct"``: each block of ``dct_block_size`` elements goes through an
+            orthonormal DCT and a segment is one frequency of ``segment_size`` consecutive
+            blocks, so every selected segment touches all their elements. Not with
+            ``momentum``.
+        dct_block_size: the DCT's block, a power of two in [2, 4096] (default 64).
+        output: ``"sum"`` (default): the bucket becomes the (weighted) sum of what was sent;
+            ``"sign"``: its elementwise sign (-1, 0 or 1), a sign step for AdamW with
+            ``betas=(0.0, 0.0)`` (it then moves each coordinate by ``lr`` in the direction of
+            the agreed sum; the residual plays the momentum's part). See the README.
         rank_weight, warmup_steps, min_compress_numel: see
             :class:`~hetero_comm.hooks.ErrorFeedbackState`.
     """
 
     _checkpoint_settings = ("density", "segment_size", "selection", "momentum",
-                            "density_warmup_steps")
+                            "density_warmup_steps", "basis", "dct_block_size")
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
                  density: float = 0.01, segment_size: int = 256, selection: str = "current",
                  momentum: float = 0.0, density_warmup_steps: int = 0,
-                 wire_dtype: str = "float32", rank_weight: Optional[float] = None,
+                 wire_dtype: str = "float32", basis: str = "elements", dct_block_size: int = 64,
+                 output: str = "sum", rank_weight: Optional[float] = None,
                  warmup_steps: int = 1, min_compress_numel: int = 0) -> None:
         self.momentum = check_float("momentum", momentum, 0.0, 0.999)
         super().__init__(process_group=process_group, rank_weight=rank_weight,
@@ -69,12 +89,21 @@ class SegmentSparseState(ErrorFeedbackState):
         self.selection = check_choice("selection", selection, SELECTIONS)
         self.density_warmup_steps = check_int("density_warmup_steps", density_warmup_steps, 0)
         self.wire_dtype = check_choice("wire_dtype", wire_dtype, WIRE_DTYPES)
+        self.basis = check_choice("basis", basis, BASES)
+        self.dct_block_size = check_int("dct_block_size", dct_block_size, 2, 4096)
+        if dct_block_size & (dct_block_size - 1):
+            raise ValueError(f"dct_block_size must be a power of two in [2, 4096]; got {dct_block_size}")
+        if self.basis == "dct" and self.momentum:
+            raise ValueError("momentum correction clears the velocity of the sent elements, which "
+                             "basis='dct' does not send one by one: use basis='elements' with momentum")
+        self.output = check_choice("output", output, OUTPUTS)
         self._log_settings()
 
     def settings(self) -> dict:
         return dict(density=self.density, segment_size=self.segment_size,
                     selection=self.selection, momentum=self.momentum,
                     density_warmup_steps=self.density_warmup_steps, wire_dtype=self.wire_dtype,
+                    basis=self.basis, dct_block_size=self.dct_block_size, output=self.output,
                     **super().settings())
 
     def density_at(self, step: int) -> float:
@@ -113,6 +142,11 @@ def segment_sparse_hook(state: SegmentSparseState, bucket: dist.GradBucket) -> t
        (:func:`hetero_comm.ops.unpack_segments`). Lagged: the top ``k`` of the summed
        importance is the next step's selection.
 
+    With ``basis="dct"`` the segments are cut from the residual's interleaved DCT
+    coefficients (step 1 transforms the residual, step 3 transforms what was not sent back
+    into it, step 5 inverts the transform of the sum). With ``output="sign"`` step 5 keeps
+    only the sign of the result.
+
     Args:
         state: a :class:`SegmentSparseState`.
         bucket: the DDP gradient bucket.
@@ -137,24 +171,25 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
                       index: int) -> torch.futures.Future[torch.Tensor]:
     """Steps 1-5 of :func:`segment_sparse_hook` for ``grad``, laid out like ``plan_bucket``."""
     step, segment, pool, lagged = state.step, state.segment_size, state.pool, state.selection == "lagged"
-    residual = plan_bucket.tensors["residual"]
-    count = num_segments(grad.numel(), segment)
+    space = _Segmented(state, plan_bucket.tensors["residual"], grad)
+    count = num_segments(space.numel, segment)
     k = state.segments_to_send(count, step)
     # 1. Accumulate.
     importance = pool.acquire(count, torch.float32, grad.device)
     with state.timer("encode_seconds"):
-        ops.segment_accumulate_(residual, _contribution(state, plan_bucket, grad), segment, out=importance)
+        space.accumulate(_contribution(state, plan_bucket, grad), importance)
     # 2. Select.
     indices = plan_bucket.extra.get("indicator") if lagged else None
     agree_now = indices is None or indices.numel() != k
     if agree_now:
-        indices = _agree_and_select(state, plan_bucket, importance, k, index, step)
+        indices = _agree_and_select(state, plan_bucket, importance, k, index, step, space)
     # 3. Pack (lagged, from the previous selection: with the importance riding along).
     packed_numel = k * segment
     wire = pool.acquire(packed_numel + (0 if agree_now else count), WIRE_DTYPES[state.wire_dtype], grad.device)
     with state.timer("encode_seconds"):
         finite = agree_now or bool(torch.isfinite(importance).all())
-        ops.pack_segments_(residual, indices, segment, out=wire[:packed_numel])
+        ops.pack_segments_(space.vector, indices, segment, out=wire[:packed_numel])
+        space.keep_unsent()
         if state.momentum:  # sent segments' velocity restarts from zero
             _clear_segments(state, plan_bucket.tensors["momentum"], indices)
         if lagged:  # sent segments are no longer held back
@@ -163,24 +198,23 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
             _load_importance(wire[packed_numel:], importance, finite, state.world_size())
     state.count_bytes(grad.numel() * grad.element_size(),
                       wire.numel() * wire.element_size() + (4 * count if agree_now else 0), True)
-    # 4. Allreduce. Lagged: waited for here, so a NaN on any rank raises FloatingPointError
-    #    from the hook, not from DDP's wait (wrapped in a RuntimeError); the price is no
-    #    overlap of this allreduce with the rest of the backward pass.
+    # 4. Allreduce. Lagged: waited for here, so a NaN raises FloatingPointError from the hook
+    #    (not wrapped by DDP's wait), at the price of no overlap with the backward pass.
     work = dist.all_reduce(wire, group=state.process_group, async_op=True)
 
     # 5. Unpack.
     def unpack() -> torch.Tensor:
         with state.timer("decode_seconds"):
-            to_release = (importance, wire) + ((indices,) if agree_now else ())
+            to_release = (importance, wire) + ((indices,) if agree_now else ()) + space.buffers
             if not agree_now:
                 importance.copy_(wire[packed_numel:])
                 if not bool(torch.isfinite(importance).all()):
                     _release(pool, to_release)
                     raise state.non_finite(index, step, plan_bucket)
-            ops.unpack_segments(wire[:packed_numel], indices, segment, grad.numel(), out=grad)
+            space.deliver(wire[:packed_numel], indices, grad)
             if lagged:
                 _select_next(state, plan_bucket, importance, step)
-            _release(pool, to_release)
+            state.callbacks.release(to_release, grad.device)  # CUDA: after this stream's work
         return grad
 
     def after_sum(fut) -> torch.Tensor:
@@ -195,6 +229,53 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
     return done
 
 
+class _Segmented:
+    """What the segments cut: the residual itself (``basis="elements"``), or its interleaved
+    DCT coefficients (``basis="dct"``, in pooled work buffers)."""
+
+    def __init__(self, state: SegmentSparseState, residual: torch.Tensor, grad: torch.Tensor) -> None:
+        self.state, self.residual = state, residual
+        self.basis = None
+        self.vector, self.numel, self.buffers = residual, residual.numel(), ()
+        if state.basis == "dct":
+            self.basis = DctBasis(residual.numel(), state.dct_block_size, state.segment_size)
+            self.numel = self.basis.coefficients
+            self.vector = state.pool.acquire(self.numel, torch.float32, grad.device)
+            self.scratch = state.pool.acquire(self.numel, torch.float32, grad.device)
+            self.buffers = (self.vector, self.scratch)
+            if grad.dtype != torch.float32:  # the decoded sum, before its cast into the bucket
+                self.decoded = state.pool.acquire(grad.numel(), torch.float32, grad.device)
+                self.buffers += (self.decoded,)
+
+    def accumulate(self, contribution: torch.Tensor, importance: torch.Tensor) -> None:
+        """``residual += contribution``; the L2 norm of every segment into ``importance``."""
+        if self.basis is None:
+            ops.segment_accumulate_(self.residual, contribution, self.state.segment_size, out=importance)
+            return
+        self.residual.add_(contribution)
+        self.basis.encode(self.residual, self.vector, self.scratch)
+        torch.linalg.vector_norm(self.vector.view(-1, self.state.segment_size), dim=1, out=importance)
+
+    def keep_unsent(self) -> None:
+        """After packing zeroed the sent segments: the residual is what was not sent."""
+        if self.basis is not None:
+            self.basis.decode(self.vector, self.residual, self.scratch)
+
+    def deliver(self, packed: torch.Tensor, indices: torch.Tensor, grad: torch.Tensor) -> None:
+        """The summed segments into the bucket, zeros elsewhere (``output="sign"``: signs)."""
+        segment = self.state.segment_size
+        if self.basis is None:
+            ops.unpack_segments(packed, indices, segment, grad.numel(), out=grad)
+        else:
+            ops.unpack_segments(packed, indices, segment, self.numel, out=self.vector)
+            decoded = grad if grad.dtype == torch.float32 else self.decoded
+            self.basis.decode(self.vector, decoded, self.scratch)
+            if decoded is not grad:
+                grad.copy_(decoded)
+        if self.state.output == "sign":
+            grad.sign_()
+
+
 def _contribution(state: SegmentSparseState, plan_bucket: PlanBucket, grad: torch.Tensor) -> torch.Tensor:
     """What goes into the residual this step: the weighted gradient, or with momentum
     correction the velocity ``u = momentum * u + w * g``."""
@@ -205,14 +286,14 @@ def _contribution(state: SegmentSparseState, plan_bucket: PlanBucket, grad: torc
 
 
 def _agree_and_select(state: SegmentSparseState, plan_bucket: PlanBucket, importance: torch.Tensor,
-                      k: int, index: int, step: int) -> torch.Tensor:
+                      k: int, index: int, step: int, space: _Segmented) -> torch.Tensor:
     """Sum the importance over ranks and take its top ``k`` (pooled int64 indices)."""
     # Wait here rather than in a callback: every collective is issued from this thread,
     # so all ranks issue them in the same order (gloo and NCCL match them by order).
     dist.all_reduce(importance, group=state.process_group)
     with state.timer("encode_seconds"):
         if not bool(torch.isfinite(importance).all()):  # norms are >= 0: the sum keeps a NaN
-            state.pool.release(importance)
+            _release(state.pool, (importance,) + space.buffers)
             raise state.non_finite(index, step, plan_bucket)
         indices = state.pool.acquire(k, torch.int64, importance.device)
         return ops.select_segments(importance, k, out=indices)

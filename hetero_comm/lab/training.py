@@ -44,7 +44,7 @@ class TrainConfig:
     :data:`~hetero_comm.lab.registry.HOOKS`), whose state is built from ``hook_settings``
     (passed straight to its constructor, which validates them).
 
-    ``optimizer``: ``"sgd"`` (with ``momentum``) or ``"adamw"`` (betas 0.9, 0.999), with
+    ``optimizer``: ``"sgd"`` (with ``momentum``) or ``"adamw"`` (:meth:`adam_betas`), with
     ``weight_decay``; the learning rate rises linearly over ``lr_warmup_steps`` and then stays
     (``lr_schedule="constant"``) or follows a cosine down towards 0 (``"cosine"``, which would
     reach 0 one step after the last);
@@ -105,6 +105,10 @@ class TrainConfig:
         if self.optimizer != "sgd" and self.hook_settings.get("momentum"):
             raise ValueError("the sparse hook's momentum correction replaces SGD's momentum; "
                              f"with optimizer={self.optimizer!r} it would apply momentum twice")
+        if self.optimizer != "adamw" and self.hook_settings.get("output") == "sign":
+            raise ValueError("the sparse hook's output='sign' is a recipe for AdamW (with "
+                             "betas=(0.0, 0.0)); SGD's learning rate is not one for sign "
+                             "steps: use output='sum'")
         if self.batching == "dynamic" and self.hook not in WEIGHTED_HOOKS:
             raise ValueError(f"batching='dynamic' needs a hook that weights ranks "
                              f"({', '.join(WEIGHTED_HOOKS)}); {self.hook!r} averages them "
@@ -114,10 +118,18 @@ class TrainConfig:
         """The SGD momentum: 0 when the sparse hook's momentum correction replaces it."""
         return 0.0 if self.hook_settings.get("momentum") else self.momentum
 
+    def adam_betas(self) -> Tuple[float, float]:
+        """AdamW's betas: ``(0.0, 0.0)`` with the sparse hook's ``output="sign"`` (AdamW then
+        steps by ``lr`` times the sign it is given, with its decoupled weight decay: error
+        feedback already accumulates the gradient as a momentum would); else
+        ``(0.9, 0.999)``."""
+        return (0.0, 0.0) if self.hook_settings.get("output") == "sign" else (0.9, 0.999)
+
     def make_optimizer(self, parameters, total_steps: int):
         """The optimizer and its per-step learning-rate schedule."""
         if self.optimizer == "adamw":
-            optimizer = torch.optim.AdamW(parameters, lr=self.lr, weight_decay=self.weight_decay)
+            optimizer = torch.optim.AdamW(parameters, lr=self.lr, betas=self.adam_betas(),
+                                          weight_decay=self.weight_decay)
         else:
             optimizer = torch.optim.SGD(parameters, lr=self.lr, momentum=self.optimizer_momentum(),
                                         weight_decay=self.weight_decay)
