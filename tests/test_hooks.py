@@ -11,6 +11,8 @@ from hypothesis import given, settings, strategies as st
 
 from hetero_comm.hooks import (AllreduceState, DCTQuantState, SegmentSparseState, allreduce_hook,
                                dct_quant_hook, segment_sparse_hook)
+from hetero_comm import reference
+from hetero_comm.hooks._basis import DctBasis
 from hetero_comm.hooks.dct_quant import pack_int16_pairs, quantization_levels, unpack_int16_pair_sums
 from hetero_comm.lab.launch import run_ranks
 from hook_workers import (load_into_another_model, loaded, loaded_residual_total,
@@ -114,13 +116,33 @@ def test_sign_output_is_the_sign_of_the_sum(basis):
     assert_ranks_identical(results)
 
 
-def test_unequal_rank_weights_and_uneven_buckets():
+@pytest.mark.parametrize("numel,block,group", [(1, 4, 2), (100, 8, 3), (1000, 64, 4), (4096, 16, 16)])
+def test_dct_basis_segments_are_one_frequency_of_a_group_of_blocks(numel, block, group):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    basis = DctBasis(numel, block, group)
+    coefficients, scratch = torch.empty(basis.coefficients), torch.empty(basis.coefficients)
+    basis.encode(x, coefficients, scratch)
+    by_block = reference.dct_encode(x, block, block)  # [blocks, block]
+    padded = torch.zeros(basis.groups * group, block)
+    padded[: by_block.shape[0]] = by_block
+    segments = coefficients.view(-1, group)
+    for segment in (0, segments.shape[0] // 2, segments.shape[0] - 1):
+        g, frequency = divmod(segment, block)
+        torch.testing.assert_close(segments[segment], padded[g * group:(g + 1) * group, frequency])
+    torch.testing.assert_close(coefficients.norm(), x.norm())  # orthonormal: importance carries over
+    decoded = torch.empty(numel)
+    torch.testing.assert_close(basis.decode(coefficients, decoded, scratch), x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("basis", ["elements", "dct"])
+def test_unequal_rank_weights_and_uneven_buckets(basis):
     weights = [0.2, 0.3, 0.5]
     options = dict(weights=weights, bucket_cap_mb=0.002)  # several uneven buckets
-    for hook, settings_ in (("dense", {}), ("sparse", dict(SPARSE, density=1.0))):
+    sparse = dict(SPARSE, basis=basis, dct_block_size=4)
+    for hook, settings_ in (("dense", {}), ("sparse", dict(sparse, density=1.0))):
         results = run_ranks(3, train, hook, settings_, 4, options)
-        np.testing.assert_allclose(results[0]["applied"], weighted_sum(results), rtol=1e-5, atol=1e-7)
-    results = run_ranks(3, train, "sparse", SPARSE, 8, options)
+        np.testing.assert_allclose(results[0]["applied"], weighted_sum(results), rtol=1e-5, atol=1e-6)
+    results = run_ranks(3, train, "sparse", sparse, 8, options)
     produced = weighted_sum(results).sum(axis=0)
     held = sum(r["held_back"] for r in results)
     np.testing.assert_allclose(results[0]["applied"].sum(axis=0) + held, produced, rtol=1e-4, atol=1e-5)

@@ -1,19 +1,31 @@
-"""Issue 17 experiment (not part of the package): what the optimizer sees between two sends of
-a segment. A pure-PyTorch DDP hook with the agreed top-k segment selection, in three modes:
+"""Issue 17 experiments (not part of the package): what should the optimizer see, when only a
+few percent of the gradient crosses the wire each step? Pure-PyTorch DDP hooks with the
+agreed top-k segment selection (segments of 256), on a workload of bench_convergence.py.
+Modes (MODE):
 
 * ``ef``: plain error feedback (what segment_sparse_hook does): a held-back segment delivers
-  zero, then its accumulated sum at once.
+  zero, then its accumulated sum at once. ``sign``: the same, delivering the sign of the sum.
 * ``rate``: every rank also keeps the same dense estimate ``h`` of the per-step gradient;
   each step delivers ``h`` everywhere plus the agreed top-k of the residual, where the
-  residual accumulates ``w_i g_i - h / W`` (so the cumulative delivery stays exact, as in
-  error feedback). A sent segment's ``h`` becomes the mean gradient over the steps since it
-  was last sent.
-* ``ef21``: EF21 (Richtarik et al. 2021): every rank keeps ``h_i`` (its last sent value),
-  sends the top-k of ``w_i g_i - h_i`` (or of its local momentum, EF21-SGDM), and the
+  residual accumulates ``w_i g_i - h / W`` (so the cumulative delivery stays exact). A sent
+  segment's ``h`` becomes the mean gradient over the steps since it was last sent.
+* ``spread:R``: error feedback whose delivered sums go into a shared accumulator released at
+  rate R per step (bursts spread over ~1/R steps).
+* ``ef21`` / ``ef21m``: EF21 (Richtarik et al. 2021): every rank keeps ``h_i`` (its last sent
+  value), sends the top-k of ``w_i g_i - h_i`` (of its local momentum for ``ef21m``), and the
   optimizer sees ``h = sum h_i``.
+* ``onebit``: every coordinate every step as a scaled sign (1 bit plus a float per 256), with
+  error feedback on each rank and again on the sum, as 1-bit Adam's compressed allreduce
+  (simulated with an allreduce of the scaled signs).
+* ``dct`` / ``dctsign``: segments of blockwise DCT coefficients (blocks of 64; a segment is one
+  frequency of 256 consecutive blocks), delivering the sum or its sign.
+
+Environment: ``DECAY`` (the residual decays by this factor per step, as DeMo's momentum;
+default 1), ``BETA1`` (AdamW's beta1), ``OPTIONS`` (JSON overriding the workload's
+TrainConfig fields, e.g. a plain SGD sign step), ``BALANCED`` (dct modes: the same number of
+frequencies in every group). Results: benchmarks/results/predicted_ef_experiments.txt.
 
 Usage: python benchmarks/experiments/predicted_ef.py WORKLOAD MODE DENSITY [RANKS] [EPOCHS]
-       (WORKLOAD: a key of bench_convergence.WORKLOADS; MODE: dense, ef, rate, ef21, ef21m)
 """
 
 import json
