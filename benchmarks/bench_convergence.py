@@ -12,6 +12,7 @@ compression, wall time) and writes a PNG of validation loss against steps and ag
 
 Usage: python benchmarks/bench_convergence.py [--workloads gpt_adamw,digits_sgd_0.05]
        [--ranks 2,4] [--rows dense,sparse_1] [--quick] [--out DIR]
+(--rows defaults to DEFAULT_ROWS; ``--help`` lists every row, the density sweep included.)
 """
 
 import argparse
@@ -69,6 +70,9 @@ ROWS = {
                                          dct_block_size=128)),
 }
 ADAMW_ONLY = {row for row, (_, _, settings) in ROWS.items() if settings.get("output") == "sign"}
+# Without --rows: the peers and one row per hetero_comm mode (the rest is the density sweep).
+DEFAULT_ROWS = ("dense", "fp16", "powersgd_1", "powersgd_4", "sparse_10", "sparse_3", "sparse_1",
+                "sparse_dct_3", "dct_8", "sparse_dct_sign_5.5_bf16_s512")
 
 
 def run(workload: str, ranks: int, row: str, quick: bool) -> Optional[dict]:
@@ -143,7 +147,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--ranks", default="2,4")
-    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"of: {', '.join(ROWS)}")
     parser.add_argument("--quick", action="store_true", help="one epoch per run")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args()

@@ -1,0 +1,41 @@
+"""Does the DCT-sign recipe (README: "Compression with AdamW") hold beyond the configuration
+bench_convergence.py measures (the transformer at AdamW lr 3e-3)? AdamW on the digits MLP at
+two learning rates, on the digits CNN (also at higher density), and on the transformer at lr
+1e-3; each against dense and torch's PowerSGD rank 4, 2 ranks. Prints one line per case.
+Results: benchmarks/results/recipe_generality.txt.
+
+Usage: python benchmarks/experiments/recipe_generality.py
+"""
+
+from hetero_comm.lab.training import TrainConfig, run_training
+
+RECIPE = dict(density=0.055, segment_size=512, wire_dtype="bfloat16", basis="dct", output="sign")
+CASES = [
+    ("mlp", dict(model="mlp", optimizer="adamw", lr=1e-3, weight_decay=0.01, epochs=8, global_batch=64), ()),
+    ("mlp", dict(model="mlp", optimizer="adamw", lr=3e-3, weight_decay=0.01, epochs=8, global_batch=64), ()),
+    ("cnn", dict(model="cnn", hidden=64, optimizer="adamw", lr=1e-3, weight_decay=0.01, epochs=6,
+                 global_batch=64),
+     (("recipe at 20%, segments of 64", dict(RECIPE, density=0.2, segment_size=64)),
+      ("plain sparse 5.5%", dict(density=0.055)))),
+    ("gpt", dict(model="gpt", hidden=128, optimizer="adamw", lr=1e-3, weight_decay=0.01,
+                 lr_warmup_steps=30, lr_schedule="cosine", clip_norm=1.0, epochs=4, global_batch=32), ()),
+]
+
+
+def measure(hook: str, settings: dict, options: dict) -> str:
+    extra = dict(bucket_cap_mb=64) if hook == "powersgd" else {}  # torch's hook on gloo: one bucket
+    record = run_training(TrainConfig(hook=hook, hook_settings=settings, **options, **extra), timeout=3600)
+    return (f"loss {record['epochs']['test_loss'][-1]:.3f} acc {100 * record['final_accuracy']:.1f} "
+            f"({record['dense_bytes_per_step'] / record['bytes_per_step']:.1f}x)")
+
+
+def main() -> None:
+    for model, options, more in CASES:
+        rows = [("dense", "dense", {}), ("PowerSGD rank 4", "powersgd", dict(matrix_approximation_rank=4)),
+                ("recipe", "sparse", RECIPE)] + [(name, "sparse", s) for name, s in more]
+        cells = [f"{name}: {measure(hook, settings, options)}" for name, hook, settings in rows]
+        print(f"{model} AdamW lr {options['lr']}: " + " | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
