@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run --nproc_per_node 2 tests/framework_worker.py FRAMEWORK HOOK OUT
 
-For FRAMEWORK in ``lightning`` / ``accelerate`` and HOOK in ``sparse`` / ``dct``: an
+For FRAMEWORK in ``lightning`` / ``accelerate`` and HOOK a key of ``CASES`` (``dct_sign``: the
+sparse hook's AdamW recipe, with AdamW betas (0, 0); the others with SGD): an
 uninterrupted run, the same run stopped half-way, saved through the framework's own
 checkpoint and resumed in fresh objects, and a run with gradient accumulation. Each rank
 writes what it ended with to ``OUT/rank<r>.pt``.
@@ -17,8 +18,22 @@ import torch.nn as nn
 
 from hetero_comm.lab.registry import HOOKS
 
-SETTINGS = {"sparse": dict(density=0.05, segment_size=16, warmup_steps=2),
-            "dct": dict(block_size=16, keep_ratio=0.25, bits=8, warmup_steps=2)}
+CASES = {"sparse": ("sparse", dict(density=0.05, segment_size=16, warmup_steps=2)),
+         "dct": ("dct", dict(block_size=16, keep_ratio=0.25, bits=8, warmup_steps=2)),
+         "dct_sign": ("sparse", dict(density=0.05, segment_size=4, basis="dct", dct_block_size=8,
+                                     wire_dtype="bfloat16", output="sign", warmup_steps=2))}
+
+
+def make_hook_state(case):
+    hook, settings = CASES[case]
+    spec = HOOKS[hook]
+    return spec.make_state(settings), spec.hook
+
+
+def make_optimizer(parameters, case):
+    if case == "dct_sign":
+        return torch.optim.AdamW(parameters, lr=1e-3, betas=(0.0, 0.0), weight_decay=0.01)
+    return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
 SAMPLES, BATCH = 256, 8  # per rank: 16 steps an epoch
 
 
@@ -59,13 +74,12 @@ def lightning_fit(hook, epochs, ckpt_path=None, save_to=None, accumulate=1):
             return nn.functional.mse_loss(self.net(x), y)
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+            return make_optimizer(self.parameters(), hook)
 
-    spec = HOOKS[hook]
-    state = spec.make_state(SETTINGS[hook])
+    state, hook_function = make_hook_state(hook)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=epochs,
                          accumulate_grad_batches=accumulate,
-                         callbacks=[HeteroCommCallback(state, spec.hook)], logger=False,
+                         callbacks=[HeteroCommCallback(state, hook_function)], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
     module = Module()
@@ -91,11 +105,10 @@ def accelerate_run(hook, steps, save_at=None, load_from=None, accumulate=1, dire
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
     net = make_net()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    optimizer = make_optimizer(net.parameters(), hook)
     model, optimizer = accelerator.prepare(net, optimizer)
-    spec = HOOKS[hook]
-    state = spec.make_state(SETTINGS[hook])
-    register_comm_hook(accelerator, model, state, spec.hook)
+    state, hook_function = make_hook_state(hook)
+    register_comm_hook(accelerator, model, state, hook_function)
     first = 0
     if load_from is not None:
         accelerator.load_state(load_from)
