@@ -74,3 +74,26 @@ def test_hook_bytes_are_the_bytes_on_the_wire():
               f"reported {report['hook_bytes_sent']:,} ({ratio:.3f}x)")
         assert report["hook_bytes_sent"] > 500_000  # the check compares something real
         assert report["tx_bytes"] == pytest.approx(report["hook_bytes_sent"], rel=0.10)
+
+
+@needs_root
+def test_dropped_units_are_not_on_the_wire():
+    """Two ranks, 100 Mbit/s, unit dropout p = 0.5 with the dense hook skipping dropped
+    units: the hook's stats() count exactly the dropped elements as saved, and each rank's
+    interface sends within 10% of what stats() says went out (half or so of the dense bytes)."""
+    worker = str(Path(__file__).with_name("wire_worker.py"))
+    with RateLimitedNetwork(2, "100mbit") as net:
+        ranks = [net.popen(rank, [sys.executable, worker], stdout=subprocess.PIPE, text=True,
+                           env=dict(RANK=rank, WORLD_SIZE=2, MASTER_ADDR=net.address(0),
+                                    UNIT_DROPOUT=0.5, STEPS=8))
+                 for rank in range(2)]
+        reports = [json.loads(r.communicate(timeout=180)[0].strip().splitlines()[-1])
+                   for r in ranks]
+        assert all(r.returncode == 0 for r in ranks)
+    for report in reports:
+        saved = report["hook_bytes_dense"] - report["hook_bytes_sent"]
+        print(f"rank {report['rank']}: interface sent {report['tx_bytes']:,} bytes, the hook "
+              f"reported {report['hook_bytes_sent']:,} of {report['hook_bytes_dense']:,} dense")
+        assert saved == 4 * report["dropped_elements"] > 0
+        assert 0.3 < report["hook_bytes_sent"] / report["hook_bytes_dense"] < 0.7
+        assert report["tx_bytes"] == pytest.approx(report["hook_bytes_sent"], rel=0.10)

@@ -1,6 +1,8 @@
 """One rank of the on-the-wire check (run by tests/test_netlab.py inside a network namespace):
 a few steps of the sparse hook across a rate-limited link, then the hook's own byte count and
-the interface's kernel counters over exactly those steps, as one JSON line."""
+the interface's kernel counters over exactly those steps, as one JSON line. With
+``UNIT_DROPOUT=p``: the dense hook on a model with unit dropout, skipping dropped units'
+bytes; the line then also holds the dense-equivalent bytes and the elements dropped."""
 
 import json
 import os
@@ -10,7 +12,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hetero_comm.hooks import SegmentSparseState, segment_sparse_hook
+from hetero_comm.hooks import AllreduceState, SegmentSparseState, allreduce_hook, segment_sparse_hook
+from hetero_comm.nn import convert_dropout
 
 
 def interface_counters() -> dict:
@@ -24,25 +27,40 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:29500",
                             rank=rank, world_size=world_size)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    p = float(os.environ.get("UNIT_DROPOUT", 0))
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), *([nn.Dropout(p)] if p else []),
+                          nn.Linear(1024, 256))
+    units = convert_dropout(model, seed=0) if p else None
     ddp = DistributedDataParallel(model)
-    state = SegmentSparseState(density=float(os.environ["DENSITY"]), segment_size=256)
-    ddp.register_comm_hook(state, segment_sparse_hook)
+    if p:
+        state = AllreduceState()
+        state.skip_dropped_units(units)
+        ddp.register_comm_hook(state, allreduce_hook)
+    else:
+        state = SegmentSparseState(density=float(os.environ["DENSITY"]), segment_size=256)
+        ddp.register_comm_hook(state, segment_sparse_hook)
     generator = torch.Generator().manual_seed(rank)
+    dropped = {"elements": 0}
 
     def step() -> None:
         ddp(torch.randn(32, 256, generator=generator)).square().mean().backward()
         model.zero_grad()
+        if units is not None:  # rows of the first layer (weight, bias), columns of the second
+            dropped["elements"] += (1024 - units.kept_units(units.layers[0], "cpu").numel()) * (256 + 1 + 256)
+            units.next_step()
 
     for _ in range(3):  # the dense warm-up step and DDP's bucket rebuild
         step()
     dist.barrier()
-    counters, sent = interface_counters(), state.stats()["bytes_sent"]
+    counters, before = interface_counters(), state.stats()
+    dropped["elements"] = 0
     for _ in range(int(os.environ["STEPS"])):
         step()
     dist.barrier()
-    after = interface_counters()
-    print(json.dumps({"rank": rank, "hook_bytes_sent": state.stats()["bytes_sent"] - sent,
+    after, stats = interface_counters(), state.stats()
+    print(json.dumps({"rank": rank, "hook_bytes_sent": stats["bytes_sent"] - before["bytes_sent"],
+                      "hook_bytes_dense": stats["bytes_dense"] - before["bytes_dense"],
+                      "dropped_elements": dropped["elements"],
                       **{name: after[name] - counters[name] for name in after}}), flush=True)
     dist.destroy_process_group()
 

@@ -114,7 +114,7 @@ class Plan:
         self.buckets: List[PlanBucket] = []
         self._bucket_of_key: Dict[str, PlanBucket] = {}
         self._key_of_param: Dict[int, str] = {}  # id(parameter) -> key
-        self._params_seen: List[torch.Tensor] = []  # keeps those ids valid
+        self._param_of_key: Dict[str, torch.Tensor] = {}  # also keeps those ids valid
         self._numel_of_key: Dict[str, int] = {}
         self._fallback_layouts: set = set()
 
@@ -138,8 +138,12 @@ class Plan:
             raise ValueError(f"parameter {key} has {param.numel()} elements but the loaded "
                              f"state_dict has {expected}: it is for another model")
         self._key_of_param[id(param)] = key
-        self._params_seen.append(param)
+        self._param_of_key[key] = param
         self._numel_of_key[key] = param.numel()
+
+    def parameters_of(self, part: PlanBucket) -> List[torch.Tensor]:
+        """The parameters whose state ``part`` holds, in its layout."""
+        return [self._param_of_key[key] for key in part.keys]
 
     # ------------------------------------------------------------------- routing
     def route(self, bucket: dist.GradBucket) -> Optional[Route]:
@@ -222,7 +226,7 @@ class Plan:
         """Pickle without the parameter objects: they belong to this process's model, and
         the keys are learnt again at the next first iteration."""
         state = dict(self.__dict__)
-        state["_key_of_param"], state["_params_seen"] = {}, []
+        state["_key_of_param"], state["_param_of_key"] = {}, {}
         return state
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from .._checks import check_float, check_int, check_optional
 from .._layout import GRADIENT_DTYPES
 from ..buffer_pool import BufferPool
+from ._dropped import KeptLayout, kept_layout
 from ._plan import Plan, PlanBucket, Route, redistribute
 from ._streams import CallbackOrder
 
@@ -70,6 +71,7 @@ class HookState:
         self.step = 0
         self._model_parameters: dict = {}  # id -> parameter (keeps the id valid)
         self._learning_model = True
+        self._dropped_units = None  # a UnitDropoutSet whose dropped rows are not sent
         # Statistics.
         self._stats = dict(bytes_sent=0, bytes_dense=0, compressed_bytes_sent=0,
                            compressed_bytes_dense=0, encode_seconds=0.0, decode_seconds=0.0,
@@ -108,6 +110,7 @@ class HookState:
         state = dict(self.__dict__)
         state["process_group"] = None
         state["_model_parameters"], state["_learning_model"] = {}, True
+        state["_dropped_units"] = None
         return state
 
     def claim(self, bucket: dist.GradBucket) -> None:
@@ -120,6 +123,37 @@ class HookState:
         elif any(id(p) not in self._model_parameters for p in params):
             raise ValueError(f"this {type(self).__name__} already serves another model: "
                              f"register each DDP model's hook with a state of its own")
+
+    def skip_dropped_units(self, units) -> None:
+        """Send only the gradient of units that ``units`` (a
+        :class:`~hetero_comm.nn.UnitDropoutSet`) keeps at each step: every rank dropped the
+        same ones, so their producer's rows and consumer's columns are zero everywhere.
+        Those stay zero in the result, their error-feedback residual is kept for a step that
+        keeps them, and their bytes are saved (``stats()`` counts them in ``bytes_dense``,
+        not in ``bytes_sent``). ``None`` stops skipping. Not with ``selection="lagged"``
+        (its selection was made among the previous step's units).
+
+        Example::
+
+            >>> units = hetero_comm.nn.convert_dropout(model, p=0.5, seed=0)
+            >>> units.attach(optimizer)  # new masks after each step
+            >>> state.skip_dropped_units(units)
+            >>> ddp_model.register_comm_hook(state, hook)
+        """
+        if units is not None and not callable(getattr(units, "kept_piece", None)):
+            raise TypeError(f"skip_dropped_units takes a hetero_comm.nn.UnitDropoutSet or None; "
+                            f"got {type(units).__name__}")
+        if units is not None and getattr(self, "selection", None) == "lagged":
+            raise ValueError("selection='lagged' sends segments chosen at the previous step, whose "
+                             "rows this step's dropout may have dropped: use selection='current'")
+        self._dropped_units = units
+
+    def kept_layout(self, parameters) -> Optional[KeptLayout]:
+        """What units kept at this step touch of ``parameters`` (a flat layout); ``None``:
+        send all."""
+        if self._dropped_units is None:
+            return None
+        return kept_layout(self._dropped_units, parameters)
 
     # ------------------------------------------------------------------------ statistics
     def stats(self) -> dict:
@@ -175,15 +209,21 @@ class HookState:
         self._stats.update(state_dict["stats"])
 
     # ----------------------------------------------------------------------- running
-    def send_dense(self, grad: torch.Tensor, after_warmup: bool) -> torch.futures.Future:
+    def send_dense(self, grad: torch.Tensor, after_warmup: bool,
+                   parameters=()) -> torch.futures.Future:
         """Weighted dense allreduce of ``grad`` in place (``after_warmup``: its bytes count
-        in the compression ratio)."""
+        in the compression ratio); ``parameters``, laid out in ``grad``, tell the rows of
+        dropped units, which are not sent (see :meth:`skip_dropped_units`)."""
+        layout = self.kept_layout(parameters)
         with self.timer("encode_seconds"):
             grad.mul_(self.weight())
-        nbytes = grad.numel() * grad.element_size()
-        self.count_bytes(nbytes, nbytes, after_warmup)
-        work = dist.all_reduce(grad, group=self.process_group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
+            sent = grad if layout is None else layout.gather(grad, grad.new_empty(layout.numel))
+        self.count_bytes(grad.numel() * grad.element_size(), sent.numel() * sent.element_size(),
+                         after_warmup)
+        work = dist.all_reduce(sent, group=self.process_group, async_op=True)
+        if layout is None:
+            return work.get_future().then(lambda fut: fut.value()[0])
+        return work.get_future().then(lambda fut: layout.expand(fut.value()[0], grad))
 
     def end_bucket(self, bucket: dist.GradBucket) -> None:
         """Count the step once DDP hands over its last bucket."""
@@ -310,8 +350,10 @@ class ErrorFeedbackState(HookState):
                 self._stats["dense_fallbacks"] += 1
         else:
             self.plan.keys_of(bucket)  # learn the provisional layout's keys
+        if self._dropped_units is not None:
+            send = self._send_kept(send)
         if route is None:
-            future = self.send_dense(grad, compressing)
+            future = self.send_dense(grad, compressing, bucket.parameters())
         elif route.in_place:
             future = send(self, route.parts[0], grad, bucket.index())
         else:
@@ -339,6 +381,40 @@ class ErrorFeedbackState(HookState):
             return grad
 
         return torch.futures.collect_all([future for _, _, future in sent]).then(scatter)
+
+    def _send_kept(self, send: SendFunction) -> SendFunction:
+        """``send``, on the kept part of a plan bucket only (:meth:`skip_dropped_units`): its
+        error-feedback state and gradient gathered into compact pooled buffers, the state
+        scattered back once ``send`` has updated it, the result expanded with zeros."""
+
+        def send_kept(state, part: PlanBucket, grad: torch.Tensor, index: int) -> torch.futures.Future:
+            layout = self.kept_layout(self.plan.parameters_of(part))
+            if layout is None:
+                return send(state, part, grad, index)
+            compact = PlanBucket(("kept",), (layout.numel,))
+            for name, tensor in part.tensors.items():
+                compact.tensors[name] = layout.gather(tensor, self.pool.acquire(layout.numel, tensor.dtype, grad.device))
+            compact_grad = layout.gather(grad, self.pool.acquire(layout.numel, grad.dtype, grad.device))
+            buffers = [compact_grad, *compact.tensors.values()]
+            self.count_bytes(layout.dropped * grad.element_size(), 0, True)
+            try:
+                future = send(state, compact, compact_grad, index)
+            except FloatingPointError:  # send reset the compact state: reset the part's too
+                part.reset()
+                for buffer in buffers:
+                    self.pool.release(buffer)
+                raise
+            for name, tensor in part.tensors.items():  # send has updated them on this thread
+                layout.scatter(compact.tensors[name], tensor)
+
+            def expand(fut) -> torch.Tensor:
+                layout.expand(fut.value(), grad)
+                self.callbacks.release(buffers, grad.device)
+                return grad
+
+            return future.then(expand)
+
+        return send_kept
 
     def non_finite(self, index: int, step: int, plan_bucket: PlanBucket) -> FloatingPointError:
         """Reset the bucket's error-feedback state and return the error to raise: a NaN or

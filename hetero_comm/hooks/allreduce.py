@@ -43,6 +43,6 @@ def allreduce_hook(state: AllreduceState, bucket: dist.GradBucket) -> torch.futu
     """
     check_state(state, AllreduceState, "allreduce_hook")
     state.claim(bucket)
-    future = state.send_dense(bucket.buffer(), after_warmup=True)
+    future = state.send_dense(bucket.buffer(), after_warmup=True, parameters=bucket.parameters())
     state.end_bucket(bucket)
     return future

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._checks import check_choice, check_float, check_int, check_optional
 from ..hetero import DynamicBatchController, HeteroSampler
+from ..nn import convert_dropout
 from .byte_count import count_collective_bytes
 from .data import MODELS, make_workload
 from .launch import report_progress, run_ranks
@@ -35,6 +36,7 @@ __all__ = ["TrainConfig", "BATCHING", "run_training", "train_rank"]
 BATCHING = ("equal", "dynamic")
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "cosine")
+DROPOUT_KINDS = ("standard", "unit", "sliced")
 
 
 @dataclasses.dataclass
@@ -49,6 +51,12 @@ class TrainConfig:
     (``lr_schedule="constant"``) or follows a cosine down towards 0 (``"cosine"``, which would
     reach 0 one step after the last);
     ``clip_norm`` clips the global gradient norm (after the hook) before each step.
+
+    ``dropout`` > 0 puts dropout after each hidden layer of the MLP: ``dropout_kind``
+    ``"standard"`` (``nn.Dropout``, a mask per sample), ``"unit"`` (whole units, the same on
+    every rank, :func:`hetero_comm.nn.convert_dropout`) or ``"sliced"`` (the same, computed
+    on the kept units only); ``skip_dropped`` makes the hook state send only what the kept
+    units touch (``skip_dropped_units``; a unit dropout and a hetero_comm hook).
 
     ``batching="dynamic"`` re-plans the per-rank batch sizes from measured speed every epoch
     (and every ``replan_every`` steps if set, with ``smoothing`` and ``max_change`` as in
@@ -72,6 +80,9 @@ class TrainConfig:
     clip_norm: Optional[float] = None
     seed: int = 0
     hidden: int = 256
+    dropout: float = 0.0
+    dropout_kind: str = "standard"
+    skip_dropped: bool = False
     model: str = "mlp"
     max_steps: Optional[int] = None
     bucket_cap_mb: Optional[float] = None
@@ -96,6 +107,7 @@ class TrainConfig:
         check_int("lr_warmup_steps", self.lr_warmup_steps, 0)
         check_optional(check_float, "clip_norm", self.clip_norm, 0.0, float("inf"), low_open=True)
         check_choice("batching", self.batching, BATCHING)
+        self._validate_dropout()
         check_optional(check_int, "max_steps", self.max_steps, 1)
         check_optional(check_float, "slow_worker_cores", self.slow_worker_cores, 0.0,
                        float(os.cpu_count() or 1), low_open=True)
@@ -113,6 +125,20 @@ class TrainConfig:
             raise ValueError(f"batching='dynamic' needs a hook that weights ranks "
                              f"({', '.join(WEIGHTED_HOOKS)}); {self.hook!r} averages them "
                              f"equally: drop it")
+
+    def _validate_dropout(self) -> None:
+        check_float("dropout", self.dropout, 0.0, 1.0)
+        check_choice("dropout_kind", self.dropout_kind, DROPOUT_KINDS)
+        if self.dropout and self.model != "mlp":
+            raise ValueError(f"dropout is for model='mlp'; got model={self.model!r}")
+        if self.dropout >= 1.0:
+            raise ValueError(f"dropout must be in [0, 1); got {self.dropout!r}")
+        if self.skip_dropped and not (self.dropout and self.dropout_kind != "standard"):
+            raise ValueError("skip_dropped needs a unit dropout (dropout > 0 and dropout_kind "
+                             "'unit' or 'sliced'): standard dropout drops per sample, and "
+                             "nothing is zero on every rank")
+        if self.skip_dropped and HOOKS[self.hook].state_class is None:
+            raise ValueError(f"skip_dropped needs a hetero_comm hook; {self.hook!r} is torch's")
 
     def optimizer_momentum(self) -> float:
         """The SGD momentum: 0 when the sparse hook's momentum correction replaces it."""
@@ -216,9 +242,15 @@ class _Run:
         self.config = config
         torch.manual_seed(config.seed)
         self.x_train, self.y_train, self.x_test, self.y_test, self.model = make_workload(
-            config.model, config.hidden, config.seed)
+            config.model, config.hidden, config.seed, config.dropout)
+        self.units = None
+        if config.dropout and config.dropout_kind != "standard":
+            self.units = convert_dropout(self.model, seed=config.seed,
+                                         skip_compute=config.dropout_kind == "sliced")
         self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=config.bucket_cap_mb)
         self.state, hook = make_hook(config.hook, config.hook_settings)
+        if config.skip_dropped:
+            self.state.skip_dropped_units(self.units)
         # Full global batches only, each shuffled once per epoch with a seed every rank shares.
         self.sampler = HeteroSampler(len(self.x_train), config.global_batch, rank, config.workers,
                                      seed=config.seed * 1000, drop_last=True)
@@ -235,6 +267,8 @@ class _Run:
         if config.max_steps is not None:
             total_steps = min(total_steps, config.max_steps)
         self.optimizer, self.schedule = config.make_optimizer(self.ddp.parameters(), total_steps)
+        if self.units is not None:
+            self.units.attach(self.optimizer)
         self.step = 0
         self.bytes_sent = {"bytes": 0}
         self.history: Dict[str, List[float]] = {"step": [], "loss": [], "bytes": [], "seconds": []}
@@ -280,11 +314,15 @@ class _Run:
             self.epochs[name].append(value)
 
     def evaluate(self) -> Tuple[float, float]:
-        """Test loss and accuracy (of the next byte, for text)."""
-        with torch.no_grad():
-            logits = self.model(self.x_test)
-            return (float(_cross_entropy(logits, self.y_test)),
-                    float((logits.argmax(-1) == self.y_test).float().mean()))
+        """Test loss and accuracy (of the next byte, for text), in eval mode (no dropout)."""
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                logits = self.model(self.x_test)
+                return (float(_cross_entropy(logits, self.y_test)),
+                        float((logits.argmax(-1) == self.y_test).float().mean()))
+        finally:
+            self.model.train()
 
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

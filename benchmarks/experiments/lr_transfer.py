@@ -1,0 +1,141 @@
+"""Does a compressed recipe keep the user's AdamW learning rate? The transformer of
+bench_convergence.py (gpt_adamw), 2 ranks, at several learning rates: dense AdamW, the
+DCT-sign recipe (AdamW betas (0, 0)), and candidates that keep AdamW's betas. Prints one line
+per run. Results: benchmarks/results/lr_transfer.txt.
+
+Usage: python benchmarks/experiments/lr_transfer.py [--cases dense,recipe] [--lrs 1e-3,3e-3]
+       [--ranks 2]
+"""
+
+import argparse
+import dataclasses
+import math
+import sys
+
+import torch
+
+from hetero_comm.lab.training import TrainConfig, run_training
+
+GPT = dict(model="gpt", hidden=128, optimizer="adamw", weight_decay=0.01, lr_warmup_steps=30,
+           lr_schedule="cosine", clip_norm=1.0, epochs=4, global_batch=32)
+SPARSE = dict(density=0.055, segment_size=512, wire_dtype="bfloat16", basis="dct")
+
+
+class FrozenVarianceAdamW(torch.optim.Optimizer):
+    """AdamW whose second moment stops updating after ``freeze_step`` steps (1-bit Adam's
+    observation: the update is then linear in the gradient, which error feedback needs)."""
+
+    def __init__(self, params, lr: float, betas, weight_decay: float, freeze_step: int,
+                 eps: float = 1e-8) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps))
+        self.freeze_step = freeze_step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["step"] += 1
+                t = state["step"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                state["m"].lerp_(p.grad, 1 - beta1)
+                if t <= self.freeze_step:
+                    state["v"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                v_hat = state["v"] / (1 - beta2 ** min(t, self.freeze_step))
+                m_hat = state["m"] / (1 - beta1 ** t)
+                p.addcdiv_(m_hat, v_hat.sqrt_().add_(group["eps"]), value=-group["lr"])
+
+
+@dataclasses.dataclass
+class FrozenConfig(TrainConfig):
+    """TrainConfig with :class:`FrozenVarianceAdamW` (the hook's dense warm-up sets the freeze)."""
+
+    freeze_step: int = 10
+
+    def make_optimizer(self, parameters, total_steps: int):
+        optimizer = FrozenVarianceAdamW(parameters, lr=self.lr, betas=(0.9, 0.999),
+                                        weight_decay=self.weight_decay, freeze_step=self.freeze_step)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor(total_steps))
+
+
+@dataclasses.dataclass
+class SignConfig(TrainConfig):
+    """AdamW with betas (0, 0) after any hook: a sign step of the (dense) sum."""
+
+    def adam_betas(self):
+        return (0.0, 0.0)
+
+
+def _momentum_before_sign(beta: float) -> None:
+    """Experiment: the hook's sign output takes the sign of a momentum of the agreed sums
+    (``v = beta * v + sum``, the same on every rank), not of the sum itself."""
+    from hetero_comm.hooks import segment_sparse
+
+    original = segment_sparse._Segmented.deliver
+    velocities = {}
+
+    def deliver(self, packed, indices, grad):
+        output, self.state.output = self.state.output, "sum"
+        try:
+            original(self, packed, indices, grad)
+        finally:
+            self.state.output = output
+        velocity = velocities.setdefault(self.residual.data_ptr(), torch.zeros_like(grad))
+        velocity.mul_(beta).add_(grad)
+        grad.copy_(velocity).sign_()
+
+    segment_sparse._Segmented.deliver = deliver
+
+
+@dataclasses.dataclass
+class SignumConfig(TrainConfig):
+    beta: float = 0.9
+
+    def make_optimizer(self, parameters, total_steps: int):
+        _momentum_before_sign(self.beta)  # runs in each rank's process
+        return super().make_optimizer(parameters, total_steps)
+
+
+def case(name: str, lr: float, ranks: int) -> TrainConfig:
+    options = dict(GPT, lr=lr, workers=ranks)
+    if name == "dense":
+        return TrainConfig(hook="dense", **options)
+    if name == "densesign":  # the sign step without compression
+        return SignConfig(hook="dense", **options)
+    if name == "recipe":
+        return TrainConfig(hook="sparse", hook_settings=dict(SPARSE, output="sign"), **options)
+    if name.startswith("signum"):  # signum<beta>: the recipe with momentum before the sign
+        return SignumConfig(hook="sparse", hook_settings=dict(SPARSE, output="sign"),
+                            beta=float(name[len("signum"):]), **options)
+    if name.startswith("frozen"):  # frozen<N>: N dense steps, then the sparse sum
+        warmup = int(name[len("frozen"):])
+        return FrozenConfig(hook="sparse", hook_settings=dict(SPARSE, warmup_steps=warmup),
+                            freeze_step=warmup, **options)
+    raise ValueError(name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default="dense,recipe")
+    parser.add_argument("--lrs", default="1e-3,3e-3,1e-2")
+    parser.add_argument("--ranks", type=int, default=2)
+    args = parser.parse_args()
+    print("python " + " ".join(sys.argv), flush=True)
+    for lr in (float(x) for x in args.lrs.split(",")):
+        for name in args.cases.split(","):
+            record = run_training(case(name, lr, args.ranks), timeout=3600)
+            loss = record["epochs"]["test_loss"][-1]
+            ratio = record["dense_bytes_per_step"] / record["bytes_per_step"]
+            print(f"{name:>10} lr {lr:g} ranks {args.ranks}: val loss {loss:.3f} "
+                  f"({ratio:.1f}x, {record['steps']} steps)"
+                  + ("" if math.isfinite(loss) else " diverged"), flush=True)
+
+
+if __name__ == "__main__":
+    main()

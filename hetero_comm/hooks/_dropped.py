@@ -1,0 +1,89 @@
+"""Sending only the part of the gradient that units kept at this step touch
+(:mod:`hetero_comm.nn.unit_dropout`).
+
+Every rank drops the same units, so the gradient of a dropped unit is zero on every rank in
+the rows of the layer that produces it (weight rows, bias entries) and in the columns of the
+layer that consumes it: the sum there is zero, and sending it is waste. :class:`KeptLayout`
+maps a flat layout of parameters (a DDP bucket, or a plan bucket of error-feedback state)
+onto the compact vector of what is kept. A hook then works on that vector as if it were the
+bucket: the dense path allreduces it, a compressing hook compresses it with error feedback on
+the kept part of the residual. The residual of dropped rows and columns is left as it is
+(held back, sent at a step that keeps them), and the result is expanded with zeros there.
+
+The parts are gathered with ``index_select`` / ``index_copy_`` on 2-D views of each
+parameter (one index per row or column, any gradient dtype); the segment kernels would zero
+what they pack and need float32.
+"""
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from .._layout import Piece
+
+__all__ = ["KeptLayout", "kept_layout"]
+
+
+class KeptLayout:
+    """The kept part of a flat layout of ``pieces``: ``numel`` kept elements of ``full_numel``."""
+
+    def __init__(self, pieces: List[Piece]) -> None:
+        self.pieces = pieces
+        self.full_numel = sum(piece.numel for piece in pieces)
+        self.numel = sum(piece.kept_numel for piece in pieces)
+
+    @property
+    def dropped(self) -> int:
+        return self.full_numel - self.numel
+
+    def _views(self, flat: torch.Tensor, compact: torch.Tensor):
+        """Per piece: its matrix in ``flat`` and its kept part's matrix in ``compact``."""
+        at = 0
+        for piece in self.pieces:
+            matrix = flat[piece.start: piece.start + piece.numel].view(piece.rows, piece.cols)
+            kept_rows = piece.rows if piece.kept_rows is None else piece.kept_rows.numel()
+            yield piece, matrix, compact[at: at + piece.kept_numel].view(kept_rows, -1)
+            at += piece.kept_numel
+
+    def gather(self, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The kept part of ``flat`` into ``out`` (``numel`` elements)."""
+        for piece, matrix, target in self._views(flat, out):
+            if piece.kept_rows is not None:
+                matrix = matrix.index_select(0, piece.kept_rows)
+            if piece.kept_cols is not None:
+                matrix = matrix.index_select(1, piece.kept_cols)
+            target.copy_(matrix)
+        return out
+
+    def scatter(self, compact: torch.Tensor, flat: torch.Tensor) -> None:
+        """Inverse of :meth:`gather`: ``compact`` into the kept part; the rest untouched."""
+        for piece, matrix, source in self._views(flat, compact):
+            if piece.kept_rows is None and piece.kept_cols is None:
+                matrix.copy_(source)
+            elif piece.kept_cols is None:
+                matrix.index_copy_(0, piece.kept_rows, source)
+            elif piece.kept_rows is None:
+                matrix.index_copy_(1, piece.kept_cols, source)
+            else:
+                matrix.index_put_((piece.kept_rows.unsqueeze(1), piece.kept_cols), source)
+
+    def expand(self, compact: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """``compact`` into the kept part of ``flat``, zeros everywhere else."""
+        if self.dropped:
+            flat.zero_()
+        self.scatter(compact, flat)
+        return flat
+
+
+def kept_layout(units, parameters: Sequence[torch.Tensor]) -> Optional[KeptLayout]:
+    """The kept part of ``parameters`` laid out one after another (a bucket's layout) at
+    this step, or ``None`` when ``units`` (a :class:`~hetero_comm.nn.UnitDropoutSet`) dropped
+    nothing in them."""
+    pieces, start = [], 0
+    for parameter in parameters:
+        piece = units.kept_piece(parameter)
+        pieces.append(piece._replace(start=start) if piece is not None else
+                      Piece(start, 1 if parameter.numel() else 0, parameter.numel()))
+        start += parameter.numel()
+    layout = KeptLayout(pieces)
+    return layout if layout.dropped else None
