@@ -46,7 +46,8 @@ def train_unit_dropout(rank, world_size, hook, settings, steps, options=None):
             state.skip_dropped_units(unit_set)
         ddp.register_comm_hook(state, spec.hook)
         optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
-        unit_set.attach(optimizer)
+        if options.get("attach", True):
+            unit_set.attach(optimizer)
         return ddp, state, optimizer
 
     ddp, state, optimizer = build(model, units)
@@ -71,7 +72,7 @@ def train_unit_dropout(rank, world_size, hook, settings, steps, options=None):
     return {"produced": np.stack(produced), "applied": np.stack(applied), "kept": kept,
             "held_back": flat(held), "params": flat(model.parameters()),
             "stats": {k: v for k, v in state.stats().items() if k != "pool"},
-            "units_step": units.step}
+            "units_step": units.step, "warned_masks": getattr(state, "_warned_masks", None)}
 
 
 def agree_on_seed(rank, world_size, seeds):

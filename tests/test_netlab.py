@@ -54,20 +54,27 @@ def test_links_are_rate_limited_and_removed(num_ranks):
     assert net.leftovers() == []
 
 
+def run_wire_worker(**settings) -> list:
+    """Run tests/wire_worker.py on two ranks joined by a 100 Mbit/s link for 8 steps with
+    ``settings`` in its environment; each rank's JSON report."""
+    worker = str(Path(__file__).with_name("wire_worker.py"))
+    with RateLimitedNetwork(2, "100mbit") as net:
+        ranks = [net.popen(rank, [sys.executable, worker], stdout=subprocess.PIPE, text=True,
+                           env=dict(RANK=rank, WORLD_SIZE=2, MASTER_ADDR=net.address(0),
+                                    STEPS=8, **settings))
+                 for rank in range(2)]
+        reports = [json.loads(r.communicate(timeout=180)[0].strip().splitlines()[-1])
+                   for r in ranks]
+        assert all(r.returncode == 0 for r in ranks)
+    return reports
+
+
 @needs_root
 def test_hook_bytes_are_the_bytes_on_the_wire():
     """Two ranks, 100 Mbit/s: over 8 steps of the sparse hook, each rank's interface sends
     within 10% of what the hook's stats() says it handed to collectives (with two ranks an
     allreduce sends each rank's buffer once: half in reduce-scatter, half in all-gather)."""
-    worker = str(Path(__file__).with_name("wire_worker.py"))
-    with RateLimitedNetwork(2, "100mbit") as net:
-        ranks = [net.popen(rank, [sys.executable, worker], stdout=subprocess.PIPE, text=True,
-                           env=dict(RANK=rank, WORLD_SIZE=2, MASTER_ADDR=net.address(0),
-                                    DENSITY=0.05, STEPS=8))
-                 for rank in range(2)]
-        reports = [json.loads(r.communicate(timeout=180)[0].strip().splitlines()[-1])
-                   for r in ranks]
-        assert all(r.returncode == 0 for r in ranks)
+    reports = run_wire_worker(DENSITY=0.05)
     for report in reports:
         ratio = report["tx_bytes"] / report["hook_bytes_sent"]
         print(f"rank {report['rank']}: interface sent {report['tx_bytes']:,} bytes, the hook "
@@ -81,15 +88,7 @@ def test_dropped_units_are_not_on_the_wire():
     """Two ranks, 100 Mbit/s, unit dropout p = 0.5 with the dense hook skipping dropped
     units: the hook's stats() count exactly the dropped elements as saved, and each rank's
     interface sends within 10% of what stats() says went out (half or so of the dense bytes)."""
-    worker = str(Path(__file__).with_name("wire_worker.py"))
-    with RateLimitedNetwork(2, "100mbit") as net:
-        ranks = [net.popen(rank, [sys.executable, worker], stdout=subprocess.PIPE, text=True,
-                           env=dict(RANK=rank, WORLD_SIZE=2, MASTER_ADDR=net.address(0),
-                                    UNIT_DROPOUT=0.5, STEPS=8))
-                 for rank in range(2)]
-        reports = [json.loads(r.communicate(timeout=180)[0].strip().splitlines()[-1])
-                   for r in ranks]
-        assert all(r.returncode == 0 for r in ranks)
+    reports = run_wire_worker(UNIT_DROPOUT=0.5)
     for report in reports:
         saved = report["hook_bytes_dense"] - report["hook_bytes_sent"]
         print(f"rank {report['rank']}: interface sent {report['tx_bytes']:,} bytes, the hook "

@@ -171,6 +171,7 @@ def test_dense_sync_of_kept_rows_equals_the_allreduce_of_masked_gradients(world_
         dropped_elements += dropped.sum()
     stats = results[0]["stats"]
     assert stats["bytes_dense"] - stats["bytes_sent"] == 4 * dropped_elements
+    assert results[0]["warned_masks"] is False
     plain = run_ranks(world_size, train_unit_dropout, "dense", {}, 6, dict(skip=False))
     np.testing.assert_allclose(plain[0]["params"], results[0]["params"], rtol=1e-6, atol=1e-7)
     assert plain[0]["stats"]["bytes_sent"] == stats["bytes_dense"]
@@ -225,3 +226,9 @@ def test_ranks_agree_on_the_seed_or_say_they_do_not():
     assert run_ranks(2, agree_on_seed, [4, 4]) == [4, 4]
     errors = run_ranks(2, agree_on_seed, [4, 5])
     assert all("every rank must pass the same seed" in e for e in errors)
+
+
+def test_masks_that_never_change_are_reported():
+    """Without attach(optimizer) the same units stay dropped: the hook state warns."""
+    results = run_ranks(2, train_unit_dropout, "dense", {}, 3, dict(attach=False))
+    assert results[0]["warned_masks"] is True and results[0]["units_step"] == 0

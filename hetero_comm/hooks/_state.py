@@ -147,6 +147,7 @@ class HookState:
             raise ValueError("selection='lagged' sends segments chosen at the previous step, whose "
                              "rows this step's dropout may have dropped: use selection='current'")
         self._dropped_units = units
+        self._masks_step, self._warned_masks = None, False
 
     def kept_layout(self, parameters) -> Optional[KeptLayout]:
         """What units kept at this step touch of ``parameters`` (a flat layout); ``None``:
@@ -229,6 +230,20 @@ class HookState:
         """Count the step once DDP hands over its last bucket."""
         if bucket.is_last():
             self.step += 1
+            self._check_masks_advance()
+
+    def _check_masks_advance(self) -> None:
+        """Warn (once) when the unit-dropout masks did not change between two synchronised
+        steps: the set was not attached to the optimizer, so the same units stay dropped."""
+        units = self._dropped_units
+        if units is None:
+            return
+        if units.step == self._masks_step and not self._warned_masks:
+            logger.warning("%s: the unit-dropout masks did not change since the last step; call "
+                           "units.attach(optimizer) (or units.next_step() after each step)",
+                           type(self).__name__)
+            self._warned_masks = True
+        self._masks_step = units.step
 
 
 class ErrorFeedbackState(HookState):
