@@ -120,3 +120,14 @@ def test_setup_link_flags_keep_libstdcxx_shared_under_a_static_toolchain(tmp_pat
         built[name] = needed_libraries(target)
     assert "libstdc++.so.6" not in built["static"], built   # the failure the flags prevent
     assert "libstdc++.so.6" in built["fixed"], built
+
+
+def test_every_subpackage_is_installed():
+    """pyproject.toml names its packages one by one: a new subpackage left out of that list
+    imports in an editable checkout but is missing from `pip install .` (as hetero_comm.nn was)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(REPO).parts)
+             for init in (REPO / "hetero_comm").rglob("__init__.py")}
+    assert found == listed
