@@ -71,7 +71,7 @@ class HookState:
         self.step = 0
         self._model_parameters: dict = {}  # id -> parameter (keeps the id valid)
         self._learning_model = True
-        self._dropped_units = None  # a UnitDropoutSet whose dropped rows are not sent
+        self._dropped_units = None  # a UnitDropoutSet: its dropped units' gradient is not sent
         # Statistics.
         self._stats = dict(bytes_sent=0, bytes_dense=0, compressed_bytes_sent=0,
                            compressed_bytes_dense=0, encode_seconds=0.0, decode_seconds=0.0,
