@@ -1,0 +1,208 @@
+"""Per-layer costs for the planner (seed 002, step 3): time each layer's forward and backward on
+the device that will run it, and count the bytes it keeps, sends and holds as parameters."""
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, fields
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .._checks import check_float, check_int
+
+__all__ = ["LayerProfile", "profile_layers", "gather_profiles"]
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """What one micro-batch costs in each layer of a model, on one kind of device.
+
+    Attributes (one entry per layer, in model order):
+        forward_s / backward_s: seconds per micro-batch.
+        output_bytes: the layer's output per micro-batch (sent to the next stage when a stage
+            ends here; its gradient comes back the same size).
+        saved_bytes: what autograd keeps from the layer's forward until its backward, per
+            micro-batch (the activation memory a stage holds for each micro-batch in flight).
+        param_bytes: the layer's parameters (the data-parallel sync of a stage sends these).
+        input_bytes: the model's input per micro-batch (a scalar; what stage 0 receives).
+        update_s: seconds of the optimizer's step on the layer's parameters, once per step
+            (empty: not measured, taken as 0).
+    """
+
+    forward_s: Tuple[float, ...]
+    backward_s: Tuple[float, ...]
+    output_bytes: Tuple[int, ...]
+    saved_bytes: Tuple[int, ...]
+    param_bytes: Tuple[int, ...]
+    input_bytes: int = 0
+    update_s: Tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.update_s:
+            object.__setattr__(self, "update_s", (0.0,) * len(self.forward_s))
+        lengths = {f.name: len(getattr(self, f.name)) for f in fields(self) if f.name != "input_bytes"}
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"a LayerProfile needs one entry per layer in every field; got lengths "
+                             f"{lengths}")
+        if not lengths["forward_s"]:
+            raise ValueError("a LayerProfile needs at least one layer")
+        for name in lengths:
+            for index, value in enumerate(getattr(self, name)):
+                if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                    raise ValueError(f"{name}[{index}] must be a finite number >= 0; got {value!r}")
+        check_int("input_bytes", self.input_bytes, 0)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.forward_s)
+
+    def scaled(self, time_factor: float) -> "LayerProfile":
+        """The same layers on a device ``time_factor`` times slower (bytes unchanged)."""
+        return LayerProfile(tuple(t * time_factor for t in self.forward_s),
+                            tuple(t * time_factor for t in self.backward_s), self.output_bytes,
+                            self.saved_bytes, self.param_bytes, self.input_bytes,
+                            tuple(t * time_factor for t in self.update_s))
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _saved_bytes_of_forward(layer: nn.Module, inputs: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """Run ``layer`` once and count the distinct storages autograd saves for its backward.
+    Parameters are excluded: they are counted as parameter memory."""
+    parameter_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    storages: Dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor):
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer not in parameter_storages:
+            storages[pointer] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = layer(inputs)
+    return output, sum(storages.values())
+
+
+def _median_seconds(action, repeats: int, warmup: int, min_sample_s: float,
+                    device: torch.device) -> float:
+    """Median seconds per call of ``action``. Each sample runs it back to back for at least
+    ``min_sample_s``: a CPU quota (or a clock that throttles) only shows over many periods,
+    and a single short call can fit inside one period's budget at full speed."""
+
+    def timed(calls: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            action()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    for _ in range(warmup):
+        timed(1)
+    calls = max(1, math.ceil(min_sample_s / max(timed(1), 1e-9)))
+    return statistics.median(timed(calls) / calls for _ in range(repeats))
+
+
+def profile_layers(layers: Sequence[nn.Module], sample: torch.Tensor, *, repeats: int = 5,
+                   warmup: int = 2, min_sample_s: float = 0.02,
+                   optimizer: Optional[Callable[[List[nn.Parameter]], torch.optim.Optimizer]] = None
+                   ) -> LayerProfile:
+    """Time each layer's forward and backward on ``sample`` (one micro-batch) where it lives.
+
+    Each layer runs on the output of the layers before it; its backward is timed alone, from
+    a gradient of its output's shape. Times are medians of ``repeats`` samples after ``warmup``
+    calls, each sample at least ``min_sample_s`` of back-to-back calls.
+    Run it on the device (or under the CPU quota) that the stage will use: the planner's
+    plan is only as good as these figures.
+
+    Args:
+        layers: the model's layers in order (an ``nn.Sequential`` works).
+        sample: one micro-batch of model input.
+        optimizer: makes the training's optimizer from a list of parameters (e.g.
+            ``lambda params: torch.optim.AdamW(params)``); its step is timed per layer, on
+            copies, so the layers' weights are left as they were. ``None``: not timed.
+
+    Returns:
+        a :class:`LayerProfile`.
+    """
+    layers = list(layers)
+    if not layers:
+        raise ValueError("profile_layers needs at least one layer")
+    check_int("repeats", repeats, 1)
+    check_int("warmup", warmup, 0)
+    check_float("min_sample_s", min_sample_s, 0, 60)
+    device = sample.device
+    columns: Dict[str, List] = {name: [] for name in
+                                ("forward_s", "backward_s", "output_bytes", "saved_bytes", "param_bytes",
+                                 "update_s")}
+    current = sample.detach()
+    for layer in layers:
+        inputs = current.detach().requires_grad_(current.is_floating_point())
+        output, saved = _saved_bytes_of_forward(layer, inputs)
+        gradient = torch.randn_like(output) if output.is_floating_point() else None
+        with torch.no_grad():
+            columns["forward_s"].append(_median_seconds(lambda: layer(inputs), repeats, warmup, min_sample_s, device))
+
+        def forward_backward():
+            out = layer(inputs)
+            if gradient is not None and out.requires_grad:
+                out.backward(gradient)
+
+        both = _median_seconds(forward_backward, repeats, warmup, min_sample_s, device)
+        layer.zero_grad(set_to_none=True)
+        columns["backward_s"].append(max(both - columns["forward_s"][-1], 0.0))
+        columns["output_bytes"].append(_tensor_bytes(output))
+        columns["saved_bytes"].append(saved)
+        columns["param_bytes"].append(sum(_tensor_bytes(p) for p in layer.parameters()))
+        columns["update_s"].append(_update_seconds(layer, optimizer, repeats, warmup, min_sample_s,
+                                                   device))
+        current = output
+    return LayerProfile(**{name: tuple(values) for name, values in columns.items()},
+                        input_bytes=_tensor_bytes(sample))
+
+
+def _update_seconds(layer: nn.Module, optimizer, repeats: int, warmup: int, min_sample_s: float,
+                    device: torch.device) -> float:
+    """The optimizer's step on copies of ``layer``'s parameters (with gradients)."""
+    parameters = [p for p in layer.parameters() if p.requires_grad]
+    if optimizer is None or not parameters:
+        return 0.0
+    copies = [nn.Parameter(p.detach().clone()) for p in parameters]
+    for copy in copies:
+        copy.grad = torch.randn_like(copy)
+    stepper = optimizer(copies)
+    return _median_seconds(stepper.step, repeats, warmup, min_sample_s, device)
+
+
+def gather_profiles(profile: LayerProfile, device_kind: str,
+                    group: Optional[dist.ProcessGroup] = None) -> Dict[str, LayerProfile]:
+    """Share every rank's profile (collective) and return one per device kind: the median over
+    the ranks of that kind, layer by layer, so one noisy rank does not set the plan."""
+    if not isinstance(device_kind, str) or not device_kind:
+        raise ValueError(f"device_kind must be a non-empty string; got {device_kind!r}")
+    gathered: List = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (device_kind, profile), group=group)
+    by_kind: Dict[str, List[LayerProfile]] = {}
+    for kind, their_profile in gathered:
+        by_kind.setdefault(kind, []).append(their_profile)
+    layer_counts = {kind: {p.num_layers for p in profiles} for kind, profiles in by_kind.items()}
+    if len(set().union(*layer_counts.values())) != 1:
+        raise ValueError(f"ranks profiled different numbers of layers: {layer_counts}")
+    return {kind: _median_profile(profiles) for kind, profiles in by_kind.items()}
+
+
+def _median_profile(profiles: Sequence[LayerProfile]) -> LayerProfile:
+    def median_column(name):
+        return tuple(statistics.median(column) for column in zip(*(getattr(p, name) for p in profiles)))
+
+    first = profiles[0]
+    return LayerProfile(median_column("forward_s"), median_column("backward_s"), first.output_bytes,
+                        first.saved_bytes, first.param_bytes, first.input_bytes,
+                        median_column("update_s"))
