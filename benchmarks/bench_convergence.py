@@ -45,6 +45,8 @@ ROWS = {
     # optimizer's momentum is off (TrainConfig does that when the hook has a momentum).
     "sparse_3_mc": ("segment_sparse 3% + momentum corr.", "sparse", dict(density=0.03, momentum=0.9)),
     "sparse_10_mc": ("segment_sparse 10% + momentum corr.", "sparse", dict(density=0.1, momentum=0.9)),
+    "sparse_4_bf16_mc_s512": ("segment_sparse 4%, bfloat16, segments of 512 + momentum corr.", "sparse",
+                              dict(density=0.04, momentum=0.9, wire_dtype="bfloat16", segment_size=512)),
     "sparse_6_bf16": ("segment_sparse 6%, bfloat16 wire", "sparse",
                       dict(density=0.06, wire_dtype="bfloat16")),
     "dct_8": ("dct_quant keep 1/8, 8 bit", "dct", dict(keep_ratio=0.125, bits=8)),
