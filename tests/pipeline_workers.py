@@ -21,7 +21,7 @@ def make_pipeline_model(seed: int = 0) -> nn.Sequential:
 
 
 def make_plan(schedule: str, micro_batches: int, recompute_stage=None) -> PipelinePlan:
-    """Layers [0, 3) and [3, 5): two parameter tensors pairs on stage 0, one on stage 1."""
+    """Layers [0, 3) and [3, 5): two Linear layers on stage 0, one on stage 1 (uneven)."""
     ranges = ((0, 3), (3, 5))
     return PipelinePlan(tuple(StagePlan("cpu", first, last, recompute=index == recompute_stage)
                               for index, (first, last) in enumerate(ranges)),

@@ -81,10 +81,11 @@ def _const(value: float) -> Expression:
 
 
 def solve_partition(cluster: Cluster, order: Sequence[DeviceKind], micro_batches: int,
-                    schedule: str, allow_recompute: bool,
-                    time_limit_s: float) -> Tuple[List[int], List[bool], str]:
+                    schedule: str, allow_recompute: bool, time_limit_s: float,
+                    memory_limits: bool = True) -> Tuple[List[int], List[bool], str]:
     """The optimal stage boundaries and recompute flags, and HiGHS's status message.
 
+    ``memory_limits=False`` drops the memory rows (a relaxation, and a much easier program).
     Returns empty lists when the program is infeasible (nothing fits in memory).
     """
     program = _Program()
@@ -116,7 +117,7 @@ def solve_partition(cluster: Cluster, order: Sequence[DeviceKind], micro_batches
     time_unit = max(sum(d.profile.forward_s) + sum(d.profile.backward_s) for d in order) / num_stages
     time_unit = time_unit if time_unit > 0 else 1.0
     stages = [_stage_terms(program, cluster, order, s, k, schedule, allow_recompute, member, ends_at,
-                           time_unit) for s in range(num_stages)]
+                           time_unit, memory_limits) for s in range(num_stages)]
     step = _step_terms(program, stages, k, schedule)
     recompute_flags = [stage["recompute"] for stage in stages if stage["recompute"] is not None]
     # A tiny price on recomputing: among equally fast plans, prefer the one that recomputes less.
@@ -132,7 +133,8 @@ def solve_partition(cluster: Cluster, order: Sequence[DeviceKind], micro_batches
 
 
 def _stage_terms(program: _Program, cluster: Cluster, order, s: int, k: int, schedule: str,
-                 allow_recompute: bool, member, ends_at, time_unit: float) -> dict:
+                 allow_recompute: bool, member, ends_at, time_unit: float,
+                 memory_limits: bool) -> dict:
     """Stage ``s``'s forward, backward, transfer and sync seconds as expressions, with its
     memory limit and recompute linearisation added to ``program``."""
     device, profile = order[s], cluster.devices[0].profile
@@ -169,7 +171,7 @@ def _stage_terms(program: _Program, cluster: Cluster, order, s: int, k: int, sch
                           upper=0)
         backward = _combine((1, backward), (1, _var(recomputed_forward)))
         memory = _combine((1, memory), (1 - in_flight, _var(freed)), (in_flight, _var(kept_input)))
-    if np.isfinite(device.memory_bytes):
+    if memory_limits and np.isfinite(device.memory_bytes):
         program.constrain(_combine((1 / device.memory_bytes, memory)), upper=1)
     update = _combine(*((device.profile.update_s[l] / time_unit, member(l, s)) for l in range(num_layers)))
     sync = _combine((cluster.sync_seconds_per_byte(device) / time_unit, params), (1, update))

@@ -16,10 +16,17 @@ How ``torch.distributed.pipelining`` (2.13) treats the DDP-wrapped stage module,
 * after the last backward the schedule divides the (already averaged) gradients by the
   number of micro-batches (``scale_grads=True``), matching a loss that averages over its
   micro-batch;
-* on its first step the stage infers the shapes of what it receives by running the stage
-  module once on the first micro-batch; that forward would arm DDP's reducer outside the
-  schedule's control (an extra reduction in the first step), so :meth:`PipelineRunner.step`
-  runs the schedule under ``no_sync()`` and leaves the one reduction to the schedule.
+* on its first step the stage infers the shapes of what it receives by running the DDP
+  module once on the first micro-batch, outside ``no_sync()``: that arms DDP's reducer, so
+  the first micro-batch's backward reduces too. Where every forward precedes the first
+  backward (GPipe; 1F1B on a stage whose warm-up covers all micro-batches) DDP then records
+  each parameter twice for its bucket rebuild and the second step fails with "rebuilt
+  parameter indices size is not same as original model parameters size"; elsewhere the
+  first step reduces twice (a comm hook runs twice). :meth:`PipelineRunner.step` therefore
+  runs the schedule under ``no_sync()``, leaving the one reduction per step to the schedule.
+
+Buffers (e.g. batch-norm statistics) are not synchronised across machines: the schedule runs
+every forward under ``no_sync()``.
 """
 
 import contextlib
@@ -28,7 +35,6 @@ from typing import List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
@@ -36,9 +42,6 @@ from .._checks import check_int
 from .plan import PipelinePlan, StagePlan
 
 __all__ = ["PipelineGroups", "PipelineRunner", "build_pipeline"]
-
-_SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
 
 class PipelineGroups:
     """This rank's place in a ``machines x num_stages`` world and its two subgroups.
@@ -157,16 +160,15 @@ class PipelineRunner:
         Example::
 
             >>> optimizer.zero_grad()
-            >>> losses = runner.step(x if groups.is_first else None,
-            ...                      y if groups.is_last else None)
+            >>> losses = runner.step(x, y)  # a list on the last stage, None elsewhere
             >>> optimizer.step()
         """
         args = (self._checked("inputs", inputs),) if self.groups.is_first else ()
         target = self._checked("target", target) if self.groups.is_last else None
         losses: Optional[list] = [] if self.groups.is_last else None
         # The schedule decides when DDP reduces (the last micro-batch's backward); no_sync
-        # keeps the stage's shape-inference forward on the first step from arming the reducer
-        # as well (that would reduce the first micro-batch's gradient a second time).
+        # keeps the shape-inference forward of the first step from arming the reducer as well
+        # (see the module docstring: a second reduction, or a failed bucket rebuild).
         with self._no_sync():
             self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
         return None if losses is None else [loss.detach() for loss in losses]
@@ -244,13 +246,24 @@ def build_pipeline(layers: Union[nn.Sequential, Sequence[nn.Module]], plan: Pipe
     if groups.machines > 1:
         module = DistributedDataParallel(stage_module, process_group=groups.data_parallel_group,
                                          **(ddp_kwargs or {}))
+    schedule = _schedule_for(module, groups, plan, device, loss_fn)
+    return PipelineRunner(module, stage_module, groups, plan, schedule)
+
+
+def _schedule_for(module: nn.Module, groups: PipelineGroups, plan: PipelinePlan,
+                  device: torch.device, loss_fn):
+    """torch's stage of ``module`` and the plan's schedule around it."""
+    # Imported here: torch.distributed.pipelining loads torch._dynamo (about a second), which
+    # users of the planner alone should not wait for.
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
     # PipelineStage maps stage index i to group rank i (i % group size) and resolves peers
     # through the group, so the machine's pipeline group must list its stages in order.
     stage = PipelineStage(module, groups.stage, plan.num_stages, device,
                           group=groups.pipeline_group)
-    schedule = _SCHEDULE_CLASSES[plan.schedule](stage, plan.micro_batches, loss_fn=loss_fn,
-                                                scale_grads=True)
-    return PipelineRunner(module, stage_module, groups, plan, schedule)
+    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[plan.schedule]
+    # scale_grads: divide by the number of micro-batches, for a loss_fn that averages.
+    return schedule_class(stage, plan.micro_batches, loss_fn=loss_fn, scale_grads=True)
 
 
 def _stage_module(layers: List[nn.Module], stage_plan: StagePlan) -> nn.Sequential:

@@ -177,7 +177,8 @@ def plan_pipeline(cluster: Cluster, micro_batches: int, schedule: str = "gpipe",
 
     1. Order the devices (:func:`seed_order`, or ``order``: a sequence of device kind names).
     2. Solve the integer program of :mod:`._milp` (HiGHS): where each stage starts and whether
-       it recomputes its activations, under each device's memory limit. Recomputation is
+       it recomputes its activations, under each device's memory limit (first without the
+       limits: if that optimum fits, it is the answer). Recomputation is
        chosen only where it is needed to fit, and lands on stages whose extra forward hides
        in the pipeline's idle time whenever such a plan is as fast.
     3. Fill in the cost model's predictions (:func:`~hetero_comm.pipeline.simulate` gives the
@@ -208,8 +209,13 @@ def plan_pipeline(cluster: Cluster, micro_batches: int, schedule: str = "gpipe",
     order = _resolve_order(cluster, order)
     from ._milp import solve_partition  # scipy is imported only when a plan is asked for
 
-    boundaries, recompute, message = solve_partition(cluster, order, micro_batches, schedule,
-                                                     allow_recompute, time_limit_s)
+    # The best plan with no memory limit and no recomputation is a lower bound on the step;
+    # when it fits anyway it is the answer, and that program is several times easier.
+    boundaries, recompute, message = solve_partition(cluster, order, micro_batches, schedule, False,
+                                                     time_limit_s, memory_limits=False)
+    if not boundaries or not _fits(cluster, order, boundaries, recompute, micro_batches, schedule):
+        boundaries, recompute, message = solve_partition(cluster, order, micro_batches, schedule,
+                                                         allow_recompute, time_limit_s)
     if not boundaries:
         if "infeasible" in message.lower():
             raise ValueError(_no_fit_message(cluster, order, micro_batches, schedule))
