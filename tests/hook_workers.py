@@ -41,7 +41,9 @@ def train(rank, world_size, hook, settings, steps, options=None):
     ``options``: ``dtype`` (parameters and gradients), ``bucket_cap_mb``, ``weights`` (one
     rank_weight per rank), ``no_sync_every`` (accumulate locally on every n-th step),
     ``nan_at`` ((rank, step): that rank's gradient becomes NaN; the run then ends with the
-    exception ``backward()`` raised, as ``{"error": (type name, message)}``), ``resume_at`` (save all
+    exception ``backward()`` raised, as ``{"error": (type name, message), "applied": ...,
+    "params_finite": ...}``), ``device_side_checks`` (the hooks' CUDA way of finding non-finite
+    gradients, without a host read, forced on the CPU), ``resume_at`` (save all
     state there, rebuild model, DDP and hook state from the checkpoint and continue; every
     rank loads rank 0's ``state_dict()``, as frameworks do, or with ``checkpoint_from="own"``
     its own).
@@ -62,6 +64,8 @@ def train(rank, world_size, hook, settings, steps, options=None):
         if checkpoint is not None:
             state.load_state_dict(checkpoint)
         ddp.register_comm_hook(state, spec.hook)
+        if options.get("device_side_checks"):
+            state.finite_checks.force = True
         return ddp, state
 
     ddp, state = build(model)
@@ -91,7 +95,8 @@ def train(rank, world_size, hook, settings, steps, options=None):
         except Exception as error:
             if options.get("nan_at") is None:
                 raise
-            return {"error": (type(error).__name__, str(error))}
+            return {"error": (type(error).__name__, str(error)), "applied": np.stack(applied),
+                    "params_finite": bool(np.isfinite(flat(model.parameters())).all())}
         produced.append(flat(pending))
         applied.append(flat(p.grad for p in model.parameters()))
         with torch.no_grad():
@@ -256,3 +261,37 @@ def train_on_cuda(rank, world_size, hook, settings, steps):
         optimizer.step()
     torch.cuda.synchronize()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy()
+
+
+def steady_step_host_syncs(rank, world_size, hook, settings, warmup_steps=4):
+    """NCCL on one GPU (world size 1): run ``warmup_steps`` steps, then one more under
+    ``torch.cuda.set_sync_debug_mode("error")``. Returns "ok", or the error that step raised
+    (a host synchronisation inside forward, backward with the hook, or the optimizer)."""
+    from hetero_comm import ops
+
+    nccl = dist.new_group([0], backend="nccl")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)]).cuda()
+    ddp = DistributedDataParallel(model, process_group=nccl, bucket_cap_mb=1.5)
+    state, hook_function = make_hook(hook, dict(settings, process_group=nccl))
+    ddp.register_comm_hook(state, hook_function)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = torch.randn(64, 512, device="cuda")
+    previous = ops.set_strict_checks(False)
+    try:
+        for step in range(warmup_steps + 1):
+            if step == warmup_steps:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                optimizer.zero_grad()
+                ddp(batch).square().mean().backward()
+                optimizer.step()
+            except RuntimeError as error:
+                return f"step {step}: {error}"
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        return "ok"
+    finally:
+        ops.set_strict_checks(previous)

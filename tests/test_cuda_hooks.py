@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hetero_comm.lab.launch import run_ranks
-from hook_workers import train_on_cuda
+from hook_workers import steady_step_host_syncs, train_on_cuda
 from kernel_cases import cuda_skip_reason
 
 pytestmark = pytest.mark.skipif(bool(cuda_skip_reason()), reason=cuda_skip_reason() or "runs")
@@ -31,3 +31,11 @@ def test_identical_runs_end_bitwise_equal_on_every_rank(hook, settings):
     second = run_ranks(2, train_on_cuda, hook, settings, 12)
     np.testing.assert_array_equal(first[0], first[1])  # the ranks agree
     np.testing.assert_array_equal(first[0], second[0])  # and the runs
+
+
+@pytest.mark.parametrize("hook,settings", CASES + [
+    ("sparse", dict(density=0.05, segment_size=64, selection="lagged", warmup_steps=2))])
+def test_a_steady_state_step_never_waits_for_the_gpu(hook, settings):
+    """Issue 12: no host synchronisation in a hook's steady-state step (non-finite checks are
+    device flags read later; kernel checks copy nothing without strict checks)."""
+    assert run_ranks(1, steady_step_host_syncs, hook, settings)[0] == "ok"

@@ -272,6 +272,28 @@ def test_non_finite_gradient_raises_a_clear_error_on_every_rank(hook, settings_)
                 "step 4") in message
 
 
+@pytest.mark.parametrize("hook,settings_", [
+    ("sparse", SPARSE),
+    ("sparse", dict(SPARSE, selection="lagged")),
+    ("sparse", dict(SPARSE, selection="lagged", density=1.0, wire_dtype="float16")),
+    ("sparse", dict(SPARSE, basis="dct", dct_block_size=8)),
+    ("dct", DCT),
+])
+def test_non_finite_gradient_found_on_the_device_drops_the_step_and_raises_later(hook, settings_):
+    """CUDA's way (forced here): no host read of the flag. The NaN step's bucket is dropped on
+    the device (zero gradient applied, parameters stay finite) and the error, naming that
+    step, comes from the next step's backward on every rank."""
+    for result in run_ranks(2, train, hook, settings_, 7, dict(nan_at=(1, 4), device_side_checks=True)):
+        kind, message = result["error"]
+        assert kind == "FloatingPointError", message
+        assert ("non-finite gradient (NaN or infinity) in DDP bucket 0 on at least one rank at "
+                "step 4") in message and "reported at step 5" in message
+        assert len(result["applied"]) == 5  # steps 0-4 applied, step 5 raised
+        assert not result["applied"][4].any()  # the whole (single) bucket dropped
+        assert result["applied"][3].any()
+        assert result["params_finite"]
+
+
 def test_stats_count_bytes_on_the_wire():
     results = run_ranks(2, train, "sparse", SPARSE, 6)
     stats = results[0]["stats"]

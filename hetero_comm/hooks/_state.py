@@ -246,6 +246,43 @@ class HookState:
         self._masks_step = units.step
 
 
+class DeviceFiniteChecks:
+    """Non-finite gradients found on a GPU without a host sync (on the CPU the hooks check at
+    once). Each flag is copied to pinned host memory behind an event; :meth:`report`, at the
+    next hook call, raises for the first flag that arrived false and keeps those still in flight.
+    ``force`` (tests) takes this path on any device."""
+
+    def __init__(self, owner: str, force: bool = False) -> None:
+        self.owner, self.force = owner, force
+        self._pending: List[tuple] = []  # (host flag, event or None, bucket index, step)
+
+    def on_device(self, device: torch.device) -> bool:
+        return self.force or device.type == "cuda"
+
+    def watch(self, finite: torch.Tensor, index: int, step: int) -> None:
+        if finite.is_cuda:
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(finite, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = finite.clone(), None
+        self._pending.append((host, event, index, step))
+
+    def report(self, now: int) -> None:
+        pending, self._pending = self._pending, []
+        for position, (host, event, index, step) in enumerate(pending):
+            if event is not None and not event.query():
+                self._pending.append((host, event, index, step))
+            elif not bool(host):
+                self._pending.extend(p for p in pending[position + 1:])
+                raise FloatingPointError(
+                    f"{self.owner}: non-finite gradient (NaN or infinity) in DDP bucket {index} "
+                    f"on at least one rank at step {step}; that step's gradient for the bucket "
+                    f"was dropped and its error-feedback state reset on the device (reported at "
+                    f"step {now}: read without a host sync)")
+
+
 class ErrorFeedbackState(HookState):
     """:class:`HookState` plus what the compressing hooks share.
 
@@ -267,6 +304,7 @@ class ErrorFeedbackState(HookState):
         self.pool = BufferPool()
         self.callbacks = CallbackOrder(self.pool)
         self.plan = Plan(plan_tensors, type(self).__name__)
+        self.finite_checks = DeviceFiniteChecks(type(self).__name__)
 
     def settings(self) -> dict:
         return dict(super().settings(), warmup_steps=self.warmup_steps,
@@ -275,13 +313,44 @@ class ErrorFeedbackState(HookState):
     def __getstate__(self) -> dict:
         """Pickle without the pool (its storage belongs to this process)."""
         state = super().__getstate__()
-        del state["pool"], state["callbacks"]
+        del state["pool"], state["callbacks"], state["finite_checks"]
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.pool = BufferPool()
         self.callbacks = CallbackOrder(self.pool)
+        self.finite_checks = DeviceFiniteChecks(type(self).__name__)
+
+    def check_finite(self, values: torch.Tensor, index: int, step: int, plan_bucket: PlanBucket,
+                     release: Tuple[torch.Tensor, ...] = ()) -> Optional[torch.Tensor]:
+        """Whether ``values`` (the same on every rank: agreed by a collective) are all finite.
+
+        CPU: checked now; if not, ``release`` goes back to the pool and the bucket's
+        :meth:`non_finite` error is raised; returns ``None``. CUDA: no host sync. Returns the
+        flag as a device tensor; the caller sends on (non-finite values replaced by zeros) and
+        calls :meth:`drop_unless` with it, and :meth:`run` raises the error at a later step,
+        once the flag has reached the host.
+        """
+        if not self.finite_checks.on_device(values.device):
+            if not bool(torch.isfinite(values).all()):
+                for buffer in release:
+                    self.pool.release(buffer)
+                raise self.non_finite(index, step, plan_bucket)
+            return None
+        finite = torch.isfinite(values).all()
+        self.finite_checks.watch(finite, index, step)
+        values.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        return finite
+
+    @staticmethod
+    def drop_unless(finite: Optional[torch.Tensor], *tensors: torch.Tensor) -> None:
+        """Zero ``tensors`` (the delivered gradient, or the bucket's error-feedback state) on
+        the device where ``finite`` is false: the non-finite step's bucket is dropped and its
+        state reset, as the CPU path does, without reading the flag."""
+        if finite is not None:
+            for tensor in tensors:
+                tensor.masked_fill_(~finite, 0.0)
 
     def stats(self) -> dict:
         """:meth:`HookState.stats` plus ``pool`` (the buffer pool's counters)."""
@@ -352,6 +421,7 @@ class ErrorFeedbackState(HookState):
         does not hold yet; else ``send`` each plan bucket's worth of it. Advances
         :attr:`step` after the last bucket."""
         self.claim(bucket)
+        self.finite_checks.report(self.step)  # CUDA: a bucket dropped at an earlier step
         self.callbacks.settle()
         grad = bucket.buffer()
         if grad.dtype not in GRADIENT_DTYPES:

@@ -201,9 +201,9 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
     # so all ranks issue them in the same order (gloo and NCCL match them by order).
     dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=state.process_group)
     with state.timer("encode_seconds"):
-        if not bool(torch.isfinite(scale).all()):
-            buffers.release()
-            raise state.non_finite(index, step, plan_bucket)
+        # CUDA: a device flag (no host sync); a non-finite scale is zeroed and the step dropped.
+        finite = state.check_finite(scale, index, step, plan_bucket, tuple(buffers.all))
+        state.drop_unless(finite, coeffs)  # a dropped step sends zeros, whatever it held
         # 4. Quantize.
         ops.quantize(coeffs, scale, levels, QUANT_DTYPES[state.bits], out=q)
         if state.bits == 16:
@@ -217,6 +217,7 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
         ops.dequantize(q, scale, levels, out=coeffs)
         _decode(state, coeffs, band, buffers.decoded, buffers.full)
         residual.sub_(buffers.decoded)
+        state.drop_unless(finite, residual)
     # CUDA: the callback reuses coeffs and decoded on a stream of its own, after this.
     error_feedback_done = state.callbacks.mark(device)
 
@@ -232,6 +233,7 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
             ops.dequantize(buffers.summed, scale, levels, out=coeffs)
             _decode(state, coeffs, band, buffers.decoded, buffers.full)
             grad.copy_(buffers.decoded)
+            state.drop_unless(finite, grad)
             state.callbacks.release(buffers.all, device)
         return grad
 
@@ -263,10 +265,6 @@ class _Buffers:
             self.wire = pool.acquire(blocks * keep, QUANT_DTYPES[bits], device)
             self.summed = self.wire.view(blocks, keep)
             self.all.append(self.wire)
-
-    def release(self) -> None:
-        for buffer in self.all:
-            self.pool.release(buffer)
 
 
 def _encode(state: DCTQuantState, residual: torch.Tensor, band: Optional[torch.Tensor],

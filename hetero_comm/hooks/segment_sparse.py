@@ -181,13 +181,15 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
     # 2. Select.
     indices = plan_bucket.extra.get("indicator") if lagged else None
     agree_now = indices is None or indices.numel() != k
+    finite = None  # CUDA: the agreed importance's finiteness, as a device flag
     if agree_now:
-        indices = _agree_and_select(state, plan_bucket, importance, k, index, step, space)
+        indices, finite = _agree_and_select(state, plan_bucket, importance, k, index, step, space)
     # 3. Pack (lagged, from the previous selection: with the importance riding along).
     packed_numel = k * segment
     wire = pool.acquire(packed_numel + (0 if agree_now else count), WIRE_DTYPES[state.wire_dtype], grad.device)
     with state.timer("encode_seconds"):
-        finite = agree_now or bool(torch.isfinite(importance).all())
+        # Lagged: zeroing the sent segments below could hide a NaN; flag it first (on the device).
+        local_finite = None if agree_now else torch.isfinite(importance).all()
         ops.pack_segments_(space.vector, indices, segment, out=wire[:packed_numel])
         space.keep_unsent()
         if state.momentum:  # sent segments' velocity restarts from zero
@@ -195,7 +197,8 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
         if lagged:  # sent segments are no longer held back
             importance[indices] = 0.0
         if not agree_now:
-            _load_importance(wire[packed_numel:], importance, finite, state.world_size())
+            _load_importance(wire[packed_numel:], importance, local_finite, state.world_size())
+        state.drop_unless(finite, *plan_bucket.tensors.values())
     state.count_bytes(grad.numel() * grad.element_size(),
                       wire.numel() * wire.element_size() + (4 * count if agree_now else 0), True)
     # 4. Allreduce. Lagged: waited for here, so a NaN raises FloatingPointError from the hook
@@ -206,12 +209,13 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
     def unpack() -> torch.Tensor:
         with state.timer("decode_seconds"):
             to_release = (importance, wire) + ((indices,) if agree_now else ()) + space.buffers
-            if not agree_now:
+            arrived = finite
+            if not agree_now:  # runs in the hook (lagged waits there): state resets in order
                 importance.copy_(wire[packed_numel:])
-                if not bool(torch.isfinite(importance).all()):
-                    _release(pool, to_release)
-                    raise state.non_finite(index, step, plan_bucket)
+                arrived = state.check_finite(importance, index, step, plan_bucket, to_release)
+                state.drop_unless(arrived, *plan_bucket.tensors.values())
             space.deliver(wire[:packed_numel], indices, grad)
+            state.drop_unless(arrived, grad)
             if lagged:
                 _select_next(state, plan_bucket, importance, step)
             state.callbacks.release(to_release, grad.device)  # CUDA: after this stream's work
@@ -292,22 +296,20 @@ def _agree_and_select(state: SegmentSparseState, plan_bucket: PlanBucket, import
     # so all ranks issue them in the same order (gloo and NCCL match them by order).
     dist.all_reduce(importance, group=state.process_group)
     with state.timer("encode_seconds"):
-        if not bool(torch.isfinite(importance).all()):  # norms are >= 0: the sum keeps a NaN
-            _release(state.pool, (importance,) + space.buffers)
-            raise state.non_finite(index, step, plan_bucket)
+        # Norms are >= 0: the sum keeps a NaN. CUDA: flagged on the device, selection goes on.
+        finite = state.check_finite(importance, index, step, plan_bucket, (importance,) + space.buffers)
         indices = state.pool.acquire(k, torch.int64, importance.device)
-        return ops.select_segments(importance, k, out=indices)
+        return ops.select_segments(importance, k, out=indices), finite
 
 
-def _load_importance(out: torch.Tensor, importance: torch.Tensor, finite: bool,
+def _load_importance(out: torch.Tensor, importance: torch.Tensor, finite: torch.Tensor,
                      world_size: int) -> None:
     """Lagged mode: put the importance on the wire. Zeroing the sent segments and
     saturating to a 16-bit wire could hide a NaN or infinity, so a non-finite vector is
-    poisoned whole: every rank sees it after the sum. A finite one is saturated so that the
-    sum over ranks stays finite too."""
-    if not finite:
-        importance.fill_(math.nan)
-    elif out.dtype != torch.float32:
+    poisoned whole (on the device, no host read): every rank sees it after the sum. A finite
+    one is saturated so that the sum over ranks stays finite too."""
+    importance.masked_fill_(~finite, math.nan)
+    if out.dtype != torch.float32:
         importance.clamp_(max=torch.finfo(out.dtype).max / world_size)
     out.copy_(importance)
 
@@ -328,8 +330,3 @@ def _select_next(state: SegmentSparseState, plan_bucket: PlanBucket, importance:
         indicator = plan_bucket.extra["indicator"] = torch.empty(
             k_next, dtype=torch.int64, device=importance.device)
     ops.select_segments(importance, k_next, out=indicator)
-
-
-def _release(pool, buffers) -> None:
-    for buffer in buffers:
-        pool.release(buffer)
