@@ -24,6 +24,7 @@ Usage: python benchmarks/bench_pipeline.py [--fast-cores 0.7] [--slow-cores 0.25
 
 import argparse
 import contextlib
+import itertools
 import math
 import os
 import statistics
@@ -64,7 +65,7 @@ def batch(step: int, size: int, machine: int):
 
 
 # ------------------------------------------------------------------ part 1: planner time
-def synthetic_cluster(num_layers: int, num_devices: int) -> Cluster:
+def synthetic_cluster(num_layers: int, num_devices: int, tight_memory: bool) -> Cluster:
     base = [1e-3 * (1 + (7 * l) % 11) for l in range(num_layers)]
     params = [4 * 2**20 * (1 + (3 * l) % 5) for l in range(num_layers)]
     output = [2**20 * (1 + l % 3) for l in range(num_layers)]
@@ -74,34 +75,34 @@ def synthetic_cluster(num_layers: int, num_devices: int) -> Cluster:
                                                      tuple(2 * b * (1 + i % 3) for b in base),
                                                      tuple(output), tuple(saved), tuple(params),
                                                      2**20),
-                               memory_bytes=total * (0.6 if i % 2 else 2.0))
+                               memory_bytes=total * (0.6 if i % 2 else 2.0) if tight_memory
+                               else math.inf)
                     for i in range(num_devices))
     return Cluster(devices, 2, stage_bytes_per_s=10e9, sync_bytes_per_s=1.25e9)
 
 
 def planner_time_table() -> str:
-    cluster = synthetic_cluster(100, 8)
     lines = ["planner: 100 layers x 8 device kinds, 8 micro-batches, median of 3 solves",
-             f"{'schedule':<9} {'recompute':<10} {'solve s':>8} {'step (model) ms':>16} "
+             f"{'memory':<7} {'schedule':<9} {'recompute':<10} {'solve s':>8} {'step (model) ms':>16} "
              f"{'even split ms':>16} {'stages recomputing':>19}"]
-    for schedule in ("gpipe", "1f1b"):
-        for allow in (False, True):
-            seconds = []
-            for _ in range(3):
-                start = time.perf_counter()
-                try:
-                    plan = plan_pipeline(cluster, 8, schedule, allow_recompute=allow)
-                except ValueError:
-                    plan = None
-                seconds.append(time.perf_counter() - start)
-            split = even_plan(cluster, 8, schedule)
-            fits = all(stage.predicted_memory_bytes <= cluster.device(stage.device).memory_bytes
-                       for stage in split.stages)
-            even = f"{split.predicted_step_s * 1e3:.1f}" + ("" if fits else " (no fit)")
-            step = f"{plan.predicted_step_s * 1e3:.1f}" if plan else "no fit"
-            recomputing = sum(s.recompute for s in plan.stages) if plan else 0
-            lines.append(f"{schedule:<9} {'allowed' if allow else 'off':<10} "
-                         f"{statistics.median(seconds):>8.2f} {step:>16} {even:>16} {recomputing:>19}")
+    for tight, schedule, allow in itertools.product((False, True), ("gpipe", "1f1b"), (False, True)):
+        cluster = synthetic_cluster(100, 8, tight)
+        seconds = []
+        for _ in range(3):
+            start = time.perf_counter()
+            try:
+                plan = plan_pipeline(cluster, 8, schedule, allow_recompute=allow)
+            except ValueError:
+                plan = None
+            seconds.append(time.perf_counter() - start)
+        split = even_plan(cluster, 8, schedule)
+        fits = all(stage.predicted_memory_bytes <= cluster.device(stage.device).memory_bytes
+                   for stage in split.stages)
+        even = f"{split.predicted_step_s * 1e3:.1f}" + ("" if fits else " (no fit)")
+        step = f"{plan.predicted_step_s * 1e3:.1f}" if plan else "no fit"
+        recomputing = sum(s.recompute for s in plan.stages) if plan else 0
+        lines.append(f"{'tight' if tight else 'ample':<7} {schedule:<9} {'allowed' if allow else 'off':<10} "
+                     f"{statistics.median(seconds):>8.2f} {step:>16} {even:>16} {recomputing:>19}")
     return "\n".join(lines)
 
 
