@@ -255,14 +255,17 @@ def test_steady_state_steps_allocate_no_pool_storage(hook, settings_):
     assert allocations[-1] == allocations[3]
 
 
-@pytest.mark.parametrize("hook,settings_", [
+NON_FINITE_CASES = [
     ("sparse", SPARSE),
     ("sparse", dict(SPARSE, selection="lagged")),
     # Every segment is sent, so zeroing the sent importance would hide the NaN.
     ("sparse", dict(SPARSE, selection="lagged", density=1.0, wire_dtype="float16")),
     ("sparse", dict(SPARSE, basis="dct", dct_block_size=8)),
     ("dct", DCT),
-])
+]
+
+
+@pytest.mark.parametrize("hook,settings_", NON_FINITE_CASES)
 def test_non_finite_gradient_raises_a_clear_error_on_every_rank(hook, settings_):
     """Every mode raises FloatingPointError from backward() on every rank, naming the step."""
     for result in run_ranks(2, train, hook, settings_, 6, dict(nan_at=(1, 4))):
@@ -272,13 +275,7 @@ def test_non_finite_gradient_raises_a_clear_error_on_every_rank(hook, settings_)
                 "step 4") in message
 
 
-@pytest.mark.parametrize("hook,settings_", [
-    ("sparse", SPARSE),
-    ("sparse", dict(SPARSE, selection="lagged")),
-    ("sparse", dict(SPARSE, selection="lagged", density=1.0, wire_dtype="float16")),
-    ("sparse", dict(SPARSE, basis="dct", dct_block_size=8)),
-    ("dct", DCT),
-])
+@pytest.mark.parametrize("hook,settings_", NON_FINITE_CASES)
 def test_non_finite_gradient_found_on_the_device_drops_the_step_and_raises_later(hook, settings_):
     """CUDA's way (forced here): no host read of the flag. The NaN step's bucket is dropped on
     the device (zero gradient applied, parameters stay finite) and the error, naming that
