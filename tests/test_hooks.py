@@ -354,7 +354,10 @@ def test_density_schedule_and_cycling_band():
         band = dct.frequencies(step).tolist()
         assert band[:2] == [0, 1] and len(band) == 4 and band == sorted(set(band))
         seen.update(band)
+        assert dct.frequencies_on(step, torch.device("cpu")).tolist() == band
     assert seen == set(range(16))  # every frequency is sent eventually
+    assert len(dct._bands_on_device) == 7  # the band repeats: 14 frequencies, 2 per step
+    assert DCTQuantState(band="low").frequencies_on(5, torch.device("cpu")) is None
 
 
 @settings(max_examples=200, deadline=None)

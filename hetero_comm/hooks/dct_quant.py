@@ -107,6 +107,7 @@ class DCTQuantState(ErrorFeedbackState):
         self.keep = max(1, round(keep_ratio * block_size))
         self.bits = check_choice("bits", bits, QUANT_DTYPES)
         self.band = check_choice("band", band, BANDS)
+        self._bands_on_device: dict = {}  # (band start, device) -> its frequencies there
         self._log_settings()
 
     def settings(self) -> dict:
@@ -126,16 +127,39 @@ class DCTQuantState(ErrorFeedbackState):
         values = num_segments(numel, self.block_size) * self.keep
         return 4 * ((values + 1) // 2) if self.bits == 16 else values * self.bits // 8
 
+    def _band_start(self, step: int) -> Optional[int]:
+        """Where the moving part of the band starts at ``step`` (``None``: no moving part)."""
+        low = (self.keep + 1) // 2
+        if self.band == "low" or self.keep == self.block_size or self.keep - low == 0:
+            return None
+        return (step * (self.keep - low)) % (self.block_size - low)
+
     def frequencies(self, step: int) -> Optional[torch.Tensor]:
         """Indices of the coefficients sent at ``step``, ascending (``None``: the lowest
         ``keep``). The same on every rank: a function of the step alone."""
-        low = (self.keep + 1) // 2
-        rest = self.block_size - low
-        if self.band == "low" or self.keep == self.block_size or self.keep - low == 0:
+        start = self._band_start(step)
+        if start is None:
             return None
-        start = (step * (self.keep - low)) % rest
-        cycling = low + (start + torch.arange(self.keep - low)) % rest
+        low = (self.keep + 1) // 2
+        cycling = low + (start + torch.arange(self.keep - low)) % (self.block_size - low)
         return torch.cat([torch.arange(low), cycling.sort().values])
+
+    def frequencies_on(self, step: int, device: torch.device) -> Optional[torch.Tensor]:
+        """:meth:`frequencies` on ``device``, kept: the band repeats after at most
+        ``block_size`` steps, so no step copies it to the GPU again (and no freed band can
+        be reused while a callback's kernels still read it)."""
+        start = self._band_start(step)
+        if start is None:
+            return None
+        key = (start, str(device))
+        if key not in self._bands_on_device:
+            self._bands_on_device[key] = self.frequencies(step).to(device)
+        return self._bands_on_device[key]
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_bands_on_device"] = {}  # device tensors stay with this process
+        return state
 
 
 def dct_quant_hook(state: DCTQuantState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -183,8 +207,7 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
     n, device, pool, step = grad.numel(), grad.device, state.pool, state.step
     blocks, keep, levels, world_size = num_segments(n, state.block_size), state.keep, state.levels(), state.world_size()
     residual = plan_bucket.tensors["residual"]
-    band = state.frequencies(step - state.warmup_steps)
-    band = None if band is None else band.to(device)
+    band = state.frequencies_on(step - state.warmup_steps, device)
     buffers = _Buffers(pool, device, blocks, keep, n, state.bits,
                        None if band is None else state.block_size)
     coeffs, scale, q = buffers.coeffs, buffers.scale, buffers.q
@@ -226,8 +249,6 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
         fut.value()
         with state.timer("decode_seconds"):
             state.callbacks.wait(error_feedback_done, device)
-            if band is not None and device.type == "cuda":  # freed after this stream's use
-                band.record_stream(torch.cuda.current_stream(device))
             if state.bits == 16:
                 unpack_int16_pair_sums(buffers.wire, levels, world_size, blocks * keep, buffers.summed.view(-1))
             ops.dequantize(buffers.summed, scale, levels, out=coeffs)
