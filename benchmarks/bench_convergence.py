@@ -77,12 +77,14 @@ DEFAULT_ROWS = ("dense", "fp16", "powersgd_1", "powersgd_4", "sparse_10", "spars
                 "sparse_dct_3", "dct_8", "sparse_dct_sign_5.5_bf16_s512")
 
 
-def run(workload: str, ranks: int, row: str, quick: bool) -> Optional[dict]:
+def run(workload: str, ranks: int, row: str, quick: bool, epochs: Optional[int] = None) -> Optional[dict]:
     title, hook, settings = ROWS[row]
     options = dict(WORKLOADS[workload])
     if row in ADAMW_ONLY and options["optimizer"] != "adamw":
         return None
     options["global_batch"] = options["global_batch"] // 2 * ranks  # the same per-rank batch
+    if epochs is not None:
+        options["epochs"] = epochs
     if quick:
         options["epochs"] = 1
     if hook == "powersgd":
@@ -151,6 +153,7 @@ def main() -> int:
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"of: {', '.join(ROWS)}")
     parser.add_argument("--quick", action="store_true", help="one epoch per run")
+    parser.add_argument("--epochs", type=int, default=None, help="override every workload's epochs")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -158,7 +161,7 @@ def main() -> int:
     for workload in args.workloads.split(","):
         for ranks in (int(r) for r in args.ranks.split(",")):
             for row in args.rows.split(","):
-                result = run(workload, ranks, row, args.quick)
+                result = run(workload, ranks, row, args.quick, args.epochs)
                 if result is not None:
                     results.append(result)
                 print(f"  done: {workload}, {ranks} ranks, {row}", file=sys.stderr, flush=True)

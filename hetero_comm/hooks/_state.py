@@ -249,17 +249,19 @@ class HookState:
 class DeviceFiniteChecks:
     """Non-finite gradients found on a GPU without a host sync (on the CPU the hooks check at
     once). Each flag is copied to pinned host memory behind an event; :meth:`report`, at the
-    next hook call, raises for the first flag that arrived false and keeps those still in flight.
-    ``force`` (tests) takes this path on any device."""
+    next hook call, resets the error feedback of every bucket whose flag arrived false (until
+    then the hook sends zeros for it: see :meth:`ErrorFeedbackState.check_finite`), raises for
+    the first and keeps the flags still in flight. ``force`` (tests) takes this path on any
+    device."""
 
     def __init__(self, owner: str, force: bool = False) -> None:
         self.owner, self.force = owner, force
-        self._pending: List[tuple] = []  # (host flag, event or None, bucket index, step)
+        self._pending: List[tuple] = []  # (host flag, event or None, plan bucket, index, step)
 
     def on_device(self, device: torch.device) -> bool:
         return self.force or device.type == "cuda"
 
-    def watch(self, finite: torch.Tensor, index: int, step: int) -> None:
+    def watch(self, finite: torch.Tensor, plan_bucket: PlanBucket, index: int, step: int) -> None:
         if finite.is_cuda:
             host = torch.empty((), dtype=torch.bool, pin_memory=True)
             host.copy_(finite, non_blocking=True)
@@ -267,20 +269,25 @@ class DeviceFiniteChecks:
             event.record()
         else:
             host, event = finite.clone(), None
-        self._pending.append((host, event, index, step))
+        self._pending.append((host, event, plan_bucket, index, step))
 
     def report(self, now: int) -> None:
-        pending, self._pending = self._pending, []
-        for position, (host, event, index, step) in enumerate(pending):
-            if event is not None and not event.query():
-                self._pending.append((host, event, index, step))
+        failed, still_in_flight = [], []
+        for host, event, plan_bucket, index, step in self._pending:
+            if event is not None and not event.query():  # one query per flag
+                still_in_flight.append((host, event, plan_bucket, index, step))
             elif not bool(host):
-                self._pending.extend(p for p in pending[position + 1:])
-                raise FloatingPointError(
-                    f"{self.owner}: non-finite gradient (NaN or infinity) in DDP bucket {index} "
-                    f"on at least one rank at step {step}; that step's gradient for the bucket "
-                    f"was dropped and its error-feedback state reset on the device (reported at "
-                    f"step {now}: read without a host sync)")
+                failed.append((plan_bucket, index, step))
+        self._pending = still_in_flight
+        for plan_bucket, _, _ in failed:
+            plan_bucket.reset()
+        if failed:
+            _, index, step = failed[0]
+            raise FloatingPointError(
+                f"{self.owner}: non-finite gradient (NaN or infinity) in DDP bucket {index} on "
+                f"at least one rank at step {step}; that step's gradient for the bucket was "
+                f"dropped and its error-feedback state reset (reported at step {now}: the flag "
+                f"is read without a host sync)")
 
 
 class ErrorFeedbackState(HookState):
@@ -329,8 +336,9 @@ class ErrorFeedbackState(HookState):
         CPU: checked now; if not, ``release`` goes back to the pool and the bucket's
         :meth:`non_finite` error is raised; returns ``None``. CUDA: no host sync. Returns the
         flag as a device tensor; the caller sends on (non-finite values replaced by zeros) and
-        calls :meth:`drop_unless` with it, and :meth:`run` raises the error at a later step,
-        once the flag has reached the host.
+        zeroes what it puts on the wire with :meth:`drop_unless` (compressed-sized, so the
+        delivered gradient is zero); :meth:`run` resets the bucket's error feedback and raises
+        the error at a later step, once the flag has reached the host.
         """
         if not self.finite_checks.on_device(values.device):
             if not bool(torch.isfinite(values).all()):
@@ -339,15 +347,15 @@ class ErrorFeedbackState(HookState):
                 raise self.non_finite(index, step, plan_bucket)
             return None
         finite = torch.isfinite(values).all()
-        self.finite_checks.watch(finite, index, step)
+        self.finite_checks.watch(finite, plan_bucket, index, step)
         values.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         return finite
 
     @staticmethod
     def drop_unless(finite: Optional[torch.Tensor], *tensors: torch.Tensor) -> None:
-        """Zero ``tensors`` (the delivered gradient, or the bucket's error-feedback state) on
-        the device where ``finite`` is false: the non-finite step's bucket is dropped and its
-        state reset, as the CPU path does, without reading the flag."""
+        """Zero ``tensors`` (what goes on the wire) on the device where ``finite`` is false:
+        the non-finite step's bucket is dropped, as the CPU path does, without reading the
+        flag."""
         if finite is not None:
             for tensor in tensors:
                 tensor.masked_fill_(~finite, 0.0)

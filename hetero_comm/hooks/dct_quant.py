@@ -226,7 +226,7 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
     with state.timer("encode_seconds"):
         # CUDA: a device flag (no host sync); a non-finite scale is zeroed and the step dropped.
         finite = state.check_finite(scale, index, step, plan_bucket, tuple(buffers.all))
-        state.drop_unless(finite, coeffs)  # a dropped step sends zeros, whatever it held
+        state.drop_unless(finite, coeffs)  # CUDA, non-finite: zeros on the wire, a zero gradient
         # 4. Quantize.
         ops.quantize(coeffs, scale, levels, QUANT_DTYPES[state.bits], out=q)
         if state.bits == 16:
@@ -240,7 +240,6 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
         ops.dequantize(q, scale, levels, out=coeffs)
         _decode(state, coeffs, band, buffers.decoded, buffers.full)
         residual.sub_(buffers.decoded)
-        state.drop_unless(finite, residual)
     # CUDA: the callback reuses coeffs and decoded on a stream of its own, after this.
     error_feedback_done = state.callbacks.mark(device)
 
@@ -254,7 +253,6 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
             ops.dequantize(buffers.summed, scale, levels, out=coeffs)
             _decode(state, coeffs, band, buffers.decoded, buffers.full)
             grad.copy_(buffers.decoded)
-            state.drop_unless(finite, grad)
             state.callbacks.release(buffers.all, device)
         return grad
 

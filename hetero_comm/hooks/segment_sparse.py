@@ -198,7 +198,7 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
             importance[indices] = 0.0
         if not agree_now:
             _load_importance(wire[packed_numel:], importance, local_finite, state.world_size())
-        state.drop_unless(finite, *plan_bucket.tensors.values())
+        state.drop_unless(finite, wire)  # CUDA, non-finite: the sum, and the gradient, are zero
     state.count_bytes(grad.numel() * grad.element_size(),
                       wire.numel() * wire.element_size() + (4 * count if agree_now else 0), True)
     # 4. Allreduce. Lagged: waited for here, so a NaN raises FloatingPointError from the hook
@@ -209,13 +209,11 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
     def unpack() -> torch.Tensor:
         with state.timer("decode_seconds"):
             to_release = (importance, wire) + ((indices,) if agree_now else ()) + space.buffers
-            arrived = finite
             if not agree_now:  # runs in the hook (lagged waits there): state resets in order
                 importance.copy_(wire[packed_numel:])
-                arrived = state.check_finite(importance, index, step, plan_bucket, to_release)
-                state.drop_unless(arrived, *plan_bucket.tensors.values())
+                state.drop_unless(state.check_finite(importance, index, step, plan_bucket, to_release),
+                                  wire)
             space.deliver(wire[:packed_numel], indices, grad)
-            state.drop_unless(arrived, grad)
             if lagged:
                 _select_next(state, plan_bucket, importance, step)
             state.callbacks.release(to_release, grad.device)  # CUDA: after this stream's work
