@@ -1,0 +1,367 @@
+"""Group synchronisation (CN107018184): synchronous DDP inside each group of similar ranks,
+asynchronous exchange of model progress between the groups, each contribution scaled by its
+staleness (CN111027671)."""
+
+import datetime
+import queue
+import threading
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector
+
+from .._checks import check_choice, check_float, check_int
+from .grouping import Grouping
+from .versions import Contribution, VersionBook, inverse_staleness
+
+__all__ = ["GroupSync", "GroupFailedError"]
+
+_CONTRIBUTION, _FLUSH, _CLOSE = 0, 1, 2
+_WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class GroupFailedError(RuntimeError):
+    """Another group stalled beyond the time limit or its leader failed."""
+
+
+class GroupSync:
+    r"""Synchronous inside a group, asynchronous between groups.
+
+    Every rank builds it (collectively, in the same order) and trains its group's DDP module
+    on :attr:`process_group`. Each group's optimizer runs at ``lr * lr_scale``; after each
+    optimizer step every rank calls :meth:`step`. Every ``period`` steps:
+
+    1. the group's leader sends the group's progress since its last contribution,
+       ``params - base``, to the other groups' leaders (point-to-point, in the background; in
+       ``wire_dtype``: what rounding leaves out stays in ``params - base`` and goes with the
+       next contribution), with its version and the versions it has applied;
+    2. if the group is more than ``max_staleness`` contributions ahead of what it has applied
+       from some other group, it waits for that group (``max_staleness=0``: every round waits
+       for the other groups' same round, which is synchronous training);
+    3. it applies the other groups' contributions that have arrived, in order, each scaled by
+       ``staleness_scale(tau)`` (default ``1 / (1 + tau)``; ``tau``: the versions of this group
+       the contribution did not see), and hands the sum to the group's other ranks (a
+       broadcast inside the group).
+
+    The contributions add up (an asynchronous parameter server without the server): with a
+    learning rate scaled by each group's share of the samples (the default ``lr_scale``), one
+    round with ``tau = 0`` is exactly a synchronous step on all groups' samples for SGD with or
+    without momentum. Nothing is lost: every contribution is applied exactly once, at its
+    scale, by every other group; :meth:`stats` counts them (and any scaled to zero).
+
+    :meth:`flush` (every rank, at the same step) drains all contributions in flight and
+    replaces every group's parameters by their average weighted by the groups' sample shares;
+    :meth:`state_dict` is valid only right after it, so a checkpoint holds no contribution in
+    flight and the same model on every rank. :meth:`close` flushes and stops the exchange.
+
+    Args:
+        module: the model (its parameters are exchanged; buffers are not).
+        grouping: the :class:`Grouping`; its world size must be the job's.
+        period: local steps between contributions.
+        max_staleness: the bound of step 2.
+        staleness_scale: ``tau -> scale`` in [0, 1].
+        lr_scale: this group's learning-rate factor; default its sample share.
+        wire_dtype: ``"float32"`` or ``"bfloat16"`` for the exchange between groups; ``None``:
+            the parameters' dtype.
+        stall_timeout_s: the longest wait for another group (step 2, :meth:`flush`) before
+            :class:`GroupFailedError`.
+
+    Example::
+
+        grouping = groups_from_sites(["a", "a", "b", "b"])
+        sync = GroupSync(model, grouping, period=8)
+        ddp_model = DDP(model, process_group=sync.process_group)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr * sync.lr_scale, momentum=0.9)
+        for inputs, targets in loader:
+            loss_fn(ddp_model(inputs), targets).backward()
+            optimizer.step(); optimizer.zero_grad()
+            sync.step()
+        sync.close()
+    """
+
+    def __init__(self, module: torch.nn.Module, grouping: Grouping, *, period: int = 1,
+                 max_staleness: int = 4, staleness_scale: Callable[[int], float] = inverse_staleness,
+                 lr_scale: Optional[float] = None, wire_dtype: Optional[str] = None,
+                 stall_timeout_s: float = 1800.0):
+        if not dist.is_initialized():
+            raise RuntimeError("GroupSync needs torch.distributed initialised (init_process_group)")
+        if not isinstance(grouping, Grouping):
+            raise ValueError(f"grouping must be a Grouping; got {type(grouping).__name__}")
+        if grouping.world_size != dist.get_world_size():
+            raise ValueError(f"grouping covers {grouping.world_size} ranks; the job has "
+                             f"{dist.get_world_size()}")
+        self.period = check_int("period", period, 1)
+        self.stall_timeout_s = check_float("stall_timeout_s", stall_timeout_s, 0.0, 1e9, low_open=True)
+        self.grouping, self.rank = grouping, dist.get_rank()
+        self.group_index = grouping.group_of(self.rank)
+        self.lr_scale = (grouping.sample_share(self.group_index) if lr_scale is None
+                         else check_float("lr_scale", lr_scale, 0.0, 1e9, low_open=True))
+        self.book = VersionBook(len(grouping.groups), self.group_index, max_staleness=max_staleness,
+                                staleness_scale=staleness_scale)
+        self.params = [p for p in module.parameters()]
+        if not self.params:
+            raise ValueError("module has no parameters to synchronise")
+        self.wire_dtype = (self.params[0].dtype if wire_dtype is None else
+                           _WIRE_DTYPES[check_choice("wire_dtype", wire_dtype, _WIRE_DTYPES)])
+        self._make_process_groups()
+        self.is_leader = self.rank == grouping.groups[self.group_index][0]
+        self.local_step, self._flushed_at = 0, 0
+        self._waited_s, self._waits, self._bytes_sent = 0.0, 0, 0
+        self._base = self._flat().clone() if self.is_leader else None
+        self._arrived: Dict[int, List[Contribution]] = {h: [] for h in range(len(grouping.groups))}
+        self._markers: Dict[int, int] = {}
+        self._inbox: "queue.Queue" = queue.Queue()
+        self._sends: list = []
+        self._threads = [self._start_receiver(h) for h in self._peers()] if self.is_leader else []
+        self._closed = False
+
+    # ----- set-up -----------------------------------------------------------------------
+    def _make_process_groups(self) -> None:
+        # Every rank creates every group, in the same order (torch.distributed's rule).
+        self.process_group = None
+        for index, ranks in enumerate(self.grouping.groups):
+            group = dist.new_group(list(ranks))
+            if index == self.group_index:
+                self.process_group = group
+        # The leaders talk point-to-point over gloo whatever the backend (a slow link between
+        # sites is TCP anyway); its timeout is the longest a receiver waits between messages.
+        self._leaders_group = dist.new_group(
+            list(self.grouping.leaders), backend="gloo",
+            timeout=datetime.timedelta(seconds=self.stall_timeout_s))
+
+    def _peers(self) -> List[int]:
+        return [h for h in range(len(self.grouping.groups)) if h != self.group_index]
+
+    def _flat(self) -> torch.Tensor:
+        return parameters_to_vector([p.detach() for p in self.params])
+
+    @torch.no_grad()
+    def _write(self, flat: torch.Tensor) -> None:
+        """Copy ``flat`` into the parameters in place (their storage, which DDP and the
+        optimizer hold, stays theirs)."""
+        offset = 0
+        for p in self.params:
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def _header(self, kind: int, version: int, seen) -> torch.Tensor:
+        return torch.tensor([kind, version, *seen], dtype=torch.int64)
+
+    def _start_receiver(self, source: int) -> threading.Thread:
+        thread = threading.Thread(target=self._receive_from, args=(source,), daemon=True,
+                                  name=f"hetero_comm-group-sync-from-{source}")
+        thread.start()
+        return thread
+
+    def _receive_from(self, source: int) -> None:
+        """Background: every message from group ``source``'s leader, in order, into the inbox."""
+        leader = self.grouping.leaders[source]
+        numel = sum(p.numel() for p in self.params)
+        try:
+            while True:
+                header = torch.empty(2 + len(self.grouping.groups), dtype=torch.int64)
+                dist.recv(header, leader, group=self._leaders_group, tag=0)
+                kind, version, seen = int(header[0]), int(header[1]), tuple(header[2:].tolist())
+                if kind == _CONTRIBUTION:
+                    payload = torch.empty(numel, dtype=self.wire_dtype)
+                    dist.recv(payload, leader, group=self._leaders_group, tag=1)
+                    self._inbox.put(("contribution", Contribution(source, version, seen, payload)))
+                else:
+                    self._inbox.put(("flush" if kind == _FLUSH else "close", (source, version)))
+                    if kind == _CLOSE:
+                        return
+        except Exception as error:  # noqa: BLE001 (handed to the training thread)
+            self._inbox.put(("error", (source, error)))
+
+    # ----- the training loop's calls -------------------------------------------------------
+    def step(self) -> None:
+        """Call after every optimizer step, on every rank; every ``period`` steps a round."""
+        self._check_open()
+        self.local_step += 1
+        if self.local_step % self.period == 0:
+            self._round(flush=False)
+
+    def flush(self) -> None:
+        """Every rank at the same step: send what is left, apply every contribution in flight,
+        then give every group the sample-weighted average of the groups' parameters."""
+        self._check_open()
+        self._round(flush=True)
+        flat = self._flat()
+        flat.mul_(self.grouping.sample_share(self.group_index) / len(self.grouping.groups[self.group_index]))
+        dist.all_reduce(flat)
+        self._write(flat)
+        if self.is_leader:
+            self._base.copy_(flat)
+        self._flushed_at = self.local_step
+
+    def close(self) -> None:
+        """Flush, then stop the background exchange (every rank, at the end of training)."""
+        if self._closed:
+            return
+        self.flush()
+        if self.is_leader:
+            self._send_all(self._header(_CLOSE, self.book.made, self.book.seen()), None)
+            self._wait_sends()
+            for thread in self._threads:
+                thread.join(timeout=self.stall_timeout_s)
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("GroupSync was closed")
+
+    # ----- one round -----------------------------------------------------------------------
+    def _round(self, flush: bool) -> None:
+        update = None
+        if self.is_leader:
+            update = self._leader_round(flush)
+        members = len(self.grouping.groups[self.group_index])
+        if members > 1:
+            count = torch.tensor([0 if update is None else 1], device=self.params[0].device)
+            leader = self.grouping.groups[self.group_index][0]
+            dist.broadcast(count, leader, group=self.process_group)
+            if int(count) == 0:
+                return
+            if update is None:
+                update = torch.empty_like(self._flat())
+            dist.broadcast(update, leader, group=self.process_group)
+        if update is not None:
+            self._apply(update)
+
+    def _leader_round(self, flush: bool) -> Optional[torch.Tensor]:
+        self._wait_sends()
+        self._contribute()
+        if flush:
+            self._send_all(self._header(_FLUSH, self.book.made, self.book.seen()), None)
+            self._wait_sends()
+            self._drain(lambda: len(self._markers) < len(self._peers()), "flush")
+            for h, count in self._markers.items():
+                if self.book.applied[h] + len(self._arrived[h]) != count:
+                    raise RuntimeError(f"group {h} made {count} contributions; {self.book.applied[h]} "
+                                       f"applied and {len(self._arrived[h])} arrived here")
+            ready = [c for h in self._peers() for c in self._arrived[h]]
+            self._markers.clear()
+        else:
+            self._drain(lambda: self.book.lagging_group(self._arrived_counts()) is not None,
+                        "the staleness bound")
+            ready = self._ready()
+        return self._combine(ready)
+
+    def _contribute(self) -> None:
+        progress = self._flat() - self._base
+        payload = progress.to(self.wire_dtype).cpu()
+        self._base.add_(payload.to(self._base))  # what rounding left out goes next time
+        version = self.book.record_made()
+        seen = list(self.book.seen())
+        seen[self.group_index] = version
+        self._send_all(self._header(_CONTRIBUTION, version, seen), payload)
+
+    def _send_all(self, header: torch.Tensor, payload: Optional[torch.Tensor]) -> None:
+        for h in self._peers():
+            leader = self.grouping.leaders[h]
+            self._sends.append((dist.isend(header, leader, group=self._leaders_group, tag=0), header))
+            if payload is not None:
+                self._sends.append((dist.isend(payload, leader, group=self._leaders_group, tag=1),
+                                    payload))
+                self._bytes_sent += payload.numel() * payload.element_size()
+
+    def _wait_sends(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+
+    def _arrived_counts(self) -> Dict[int, int]:
+        return {h: len(contributions) for h, contributions in self._arrived.items()}
+
+    def _ready(self) -> List[Contribution]:
+        """Arrived contributions to apply now: all of them, or with ``max_staleness=0`` exactly
+        the other groups' contributions of the rounds this group has made (deterministic)."""
+        if self.book.max_staleness > 0:
+            ready = [c for h in self._peers() for c in self._arrived[h]]
+        else:
+            ready = [c for h in self._peers() for c in self._arrived[h] if c.version < self.book.made]
+        return ready
+
+    def _combine(self, ready: List[Contribution]) -> Optional[torch.Tensor]:
+        if not ready:
+            return None
+        update = torch.zeros_like(self._base)
+        for contribution in ready:
+            _, scale = self.book.accept(contribution)
+            self._arrived[contribution.source].remove(contribution)
+            if scale:
+                update.add_(contribution.payload.to(update), alpha=scale)
+        return update
+
+    def _apply(self, update: torch.Tensor) -> None:
+        flat = self._flat().add_(update)
+        self._write(flat)
+        if self.is_leader:
+            self._base.add_(update)
+
+    def _drain(self, must_wait: Callable[[], bool], reason: str) -> None:
+        """Take every message that has arrived; block while ``must_wait()``, at most
+        ``stall_timeout_s`` in all."""
+        start = time.monotonic()
+        waited = False
+        while True:
+            blocking = must_wait()
+            waited = waited or blocking
+            left = self.stall_timeout_s - (time.monotonic() - start)
+            try:
+                message = self._inbox.get(timeout=max(left, 1e-3)) if blocking else self._inbox.get_nowait()
+            except queue.Empty:
+                if blocking:
+                    raise GroupFailedError(self._stall_message(reason)) from None
+                break
+            self._take(*message)
+        if waited:
+            self._waits += 1
+            self._waited_s += time.monotonic() - start
+
+    def _take(self, kind: str, value) -> None:
+        if kind == "contribution":
+            self._arrived[value.source].append(value)
+        elif kind == "flush":
+            self._markers[value[0]] = value[1]
+        elif kind == "error":
+            source, error = value
+            raise GroupFailedError(f"group {source} (ranks {list(self.grouping.groups[source])}): its "
+                                   f"leader failed or left: {error}") from error
+        else:
+            raise GroupFailedError(f"group {value[0]} closed while group {self.group_index} "
+                                   "still trains: every rank must call close() at the end")
+
+    def _stall_message(self, reason: str) -> str:
+        behind = {h: self.book.made - self.book.applied[h] for h in self._peers()}
+        return (f"group {self.group_index} waited {self.stall_timeout_s:g} s for {reason}; "
+                f"contributions it is ahead of each other group: {behind} (max_staleness "
+                f"{self.book.max_staleness}). A group stalled or died.")
+
+    # ----- statistics and checkpoints -------------------------------------------------------
+    def stats(self) -> Dict[str, object]:
+        """This group's counts: contributions made and applied (per group), staleness, the mean
+        scale applied, contributions scaled to zero (``dropped``), waits, bytes this rank sent."""
+        return dict(self.book.stats(), group=self.group_index, local_step=self.local_step,
+                    waits=self._waits, waited_s=self._waited_s, bytes_sent=self._bytes_sent)
+
+    def state_dict(self) -> Dict[str, object]:
+        """The versions and counters; only right after :meth:`flush` (nothing in flight, the same
+        parameters on every rank, so the model's own checkpoint is the rest)."""
+        if self._flushed_at != self.local_step:
+            raise RuntimeError("GroupSync.state_dict() needs flush() at this step first (on "
+                               "every rank): a checkpoint must hold no contribution in flight")
+        return dict(book=self.book.state_dict(), local_step=self.local_step,
+                    groups=[list(g) for g in self.grouping.groups], period=self.period)
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        """Load after the model's parameters (they become the base of the next contribution)."""
+        if [list(g) for g in self.grouping.groups] != [list(g) for g in state["groups"]]:
+            raise ValueError(f"the checkpoint's groups {state['groups']} differ from this run's "
+                             f"{[list(g) for g in self.grouping.groups]}")
+        self.book.load_state_dict(state["book"])
+        self.local_step = self._flushed_at = int(state["local_step"])
+        if self.is_leader:
+            self._base = self._flat().clone()

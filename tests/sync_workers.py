@@ -1,0 +1,193 @@
+"""Rank functions for the group synchronisation tests (:mod:`hetero_comm.sync`), run on real
+gloo ranks by :func:`hetero_comm.lab.launch.run_ranks`."""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import parameters_to_vector
+
+from hetero_comm.sync import GroupFailedError, Grouping, GroupSync
+
+ROWS = 4  # rows per rank and step (times ``row_factor`` for a group that is given more work)
+LR = 0.05
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2)).double()
+
+
+def batch(step: int, rank: int, rows: int = ROWS):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(rows, 5, generator=g, dtype=torch.float64), \
+        torch.randn(rows, 2, generator=g, dtype=torch.float64)
+
+
+def reference_training(world_size: int, steps: int, momentum: float) -> torch.Tensor:
+    """Synchronous training on every rank's rows at once (the mean loss over the global batch)."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
+    for step in range(steps):
+        parts = [batch(step, rank) for rank in range(world_size)]
+        inputs, targets = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return parameters_to_vector(model.parameters()).detach()
+
+
+def _train(rank, sync, model, optimizer, steps, first_step=0, rows=ROWS):
+    ddp = DDP(model, process_group=sync.process_group)
+    for step in range(first_step, first_step + steps):
+        inputs, targets = batch(step, rank, rows)
+        nn.functional.mse_loss(ddp(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        sync.step()
+    return ddp
+
+
+def train_against_reference(rank, world_size, groups, steps, momentum, max_staleness):
+    """Train with GroupSync (period 1) and return this rank's final parameters and the
+    synchronous reference's, and the stats."""
+    sync_model = make_model()
+    sync = GroupSync(sync_model, Grouping(groups), max_staleness=max_staleness)
+    optimizer = torch.optim.SGD(sync_model.parameters(), lr=LR * sync.lr_scale, momentum=momentum)
+    _train(rank, sync, sync_model, optimizer, steps)
+    before_close = parameters_to_vector(sync_model.parameters()).detach().clone()
+    sync.close()
+    return dict(params=before_close, reference=reference_training(world_size, steps, momentum),
+                stats=sync.stats())
+
+
+def train_plain_ddp(rank, world_size, steps):
+    model = make_model()
+    ddp = DDP(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for step in range(steps):
+        inputs, targets = batch(step, rank)
+        nn.functional.mse_loss(ddp(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return parameters_to_vector(model.parameters()).detach()
+
+
+def one_group_against_ddp(rank, world_size, steps):
+    """One group: GroupSync must not change anything; returns both runs' parameters."""
+    model = make_model()
+    sync = GroupSync(model, Grouping((tuple(range(world_size)),)), period=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR * sync.lr_scale, momentum=0.9)
+    _train(rank, sync, model, optimizer, steps)
+    sync.close()
+    return parameters_to_vector(model.parameters()).detach(), train_plain_ddp(rank, world_size, steps)
+
+
+def conservation_run(rank, world_size, groups, steps, row_factors, max_staleness, wire_dtype):
+    """Asynchronous training; every applied contribution is recorded (source, version, scale,
+    payload) with this group's own optimizer-step deltas. Returns the records, the parameters
+    before close() and after, and the stats."""
+    model = make_model()
+    grouping = Grouping(groups)
+    sync = GroupSync(model, grouping, max_staleness=max_staleness, wire_dtype=wire_dtype)
+    applied, accept = [], sync.book.accept
+
+    def recording_accept(contribution):
+        tau, scale = accept(contribution)
+        applied.append((contribution.source, contribution.version, tau, scale,
+                        contribution.payload.double().numpy().copy()))
+        return tau, scale
+
+    sync.book.accept = recording_accept
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR * sync.lr_scale, momentum=0.9)
+    own = torch.zeros_like(parameters_to_vector(model.parameters()))
+    ddp = DDP(model, process_group=sync.process_group)
+    rows = ROWS * row_factors[grouping.group_of(rank)]
+    for step in range(steps):
+        inputs, targets = batch(step, rank, rows)
+        nn.functional.mse_loss(ddp(inputs), targets).backward()
+        before = parameters_to_vector(model.parameters()).detach().clone()
+        optimizer.step()
+        optimizer.zero_grad()
+        own += parameters_to_vector(model.parameters()).detach() - before
+        sync.step()
+    sync.close()
+    # numpy arrays travel by value (many tensors would go through shared file descriptors)
+    return dict(applied=applied, own=own.numpy(), made=sync.book.made, stats=sync.stats(),
+                final=parameters_to_vector(model.parameters()).detach().numpy(),
+                initial=parameters_to_vector(make_model().parameters()).detach().numpy())
+
+
+def checkpoint_run(rank, world_size, groups, directory, first_steps, second_steps, mode):
+    """``mode="through"``: first_steps, flush, second_steps without stopping. ``"save"``: first
+    steps, flush, save a checkpoint per rank. ``"resume"``: load it, second_steps. Lockstep
+    (max_staleness 0, period 2) makes the runs deterministic. Returns the final parameters."""
+    model = make_model()
+    sync = GroupSync(model, Grouping(groups), period=2, max_staleness=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR * sync.lr_scale, momentum=0.9)
+    path = os.path.join(directory, f"rank{rank}.pt")
+    if mode == "resume":
+        saved = torch.load(path, weights_only=False)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        sync.load_state_dict(saved["sync"])
+        _train(rank, sync, model, optimizer, second_steps, first_step=first_steps)
+    else:
+        _train(rank, sync, model, optimizer, first_steps)
+        sync.flush()
+        if mode == "save":
+            torch.save(dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
+                            sync=sync.state_dict()), path)
+        else:
+            _train(rank, sync, model, optimizer, second_steps, first_step=first_steps)
+    result = parameters_to_vector(model.parameters()).detach().clone()
+    sync.close()
+    return result
+
+
+def stalled_group(rank, world_size):
+    """Group 1 stops after its first step (it waits on a barrier that group 0 joins only after
+    its error); group 0 must raise GroupFailedError within the stall timeout."""
+    model = make_model()
+    sync = GroupSync(model, Grouping(((0,), (1,))), max_staleness=1, stall_timeout_s=3.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    message = None
+    if rank == 1:
+        _train(rank, sync, model, optimizer, 1)
+    else:
+        try:
+            _train(rank, sync, model, optimizer, 10)
+        except GroupFailedError as error:
+            message = str(error)
+    dist.barrier()
+    return message
+
+
+def bad_settings(rank, world_size):
+    """Every setting GroupSync refuses, with its message."""
+    model = make_model()
+    messages = {}
+    cases = dict(
+        world_size=lambda: GroupSync(model, Grouping(((0,), (1,), (2,)))),
+        period=lambda: GroupSync(model, Grouping(((0,), (1,))), period=0),
+        max_staleness=lambda: GroupSync(model, Grouping(((0,), (1,))), max_staleness=-1),
+        wire_dtype=lambda: GroupSync(model, Grouping(((0,), (1,))), wire_dtype="int8"),
+        lr_scale=lambda: GroupSync(model, Grouping(((0,), (1,))), lr_scale=0.0),
+        grouping_type=lambda: GroupSync(model, [[0], [1]]),
+        no_parameters=lambda: GroupSync(nn.Tanh(), Grouping(((0,), (1,)))),
+    )
+    for name, make in cases.items():
+        try:
+            make()
+        except ValueError as error:
+            messages[name] = str(error)
+    sync = GroupSync(model, Grouping(((0,), (1,))))
+    sync.step()
+    try:
+        sync.state_dict()
+    except RuntimeError as error:
+        messages["state_dict_before_flush"] = str(error)
+    sync.close()
+    return messages

@@ -1,0 +1,214 @@
+"""Group synchronisation (:mod:`hetero_comm.sync`): grouping, the staleness bookkeeping on a
+simulated clock, and real gloo runs (equality with synchronous training, conservation of every
+contribution, checkpoint and resume, a stalled group, bad settings)."""
+
+import heapq
+
+import numpy as np
+import pytest
+import torch
+
+from hetero_comm.lab.launch import run_ranks
+from hetero_comm.sync import (Contribution, Grouping, VersionBook, groups_from_sites,
+                              groups_from_speeds, inverse_staleness)
+
+import sync_workers
+
+
+# ----- grouping ------------------------------------------------------------------------------
+def test_groups_from_sites_keeps_each_site_together_in_order_of_first_rank():
+    grouping = groups_from_sites(["b", "a", "b", "a", "c"])
+    assert grouping.groups == ((0, 2), (1, 3), (4,))
+    assert grouping.leaders == (0, 1, 4)
+    assert grouping.group_of(3) == 1
+
+
+def test_groups_from_speeds_cuts_at_the_large_gaps():
+    speeds = [10.0, 3.0, 9.0, 2.9, 1.0]
+    assert groups_from_speeds(speeds, max_spread=1.5).groups == ((0, 2), (1, 3), (4,))
+    assert groups_from_speeds(speeds, num_groups=2).groups == ((0, 2), (1, 3, 4))
+    assert groups_from_speeds(speeds, num_groups=1).groups == ((0, 1, 2, 3, 4),)
+    assert groups_from_speeds([5.0, 5.0, 5.0]).groups == ((0, 1, 2),)
+
+
+def test_sample_share_weights_groups_by_their_ranks_batches():
+    grouping = Grouping(((0, 1), (2,)), batch_sizes=(30, 30, 20))
+    assert grouping.sample_share(0) == pytest.approx(0.75)
+    assert grouping.sample_share(1) == pytest.approx(0.25)
+    assert Grouping(((0,), (1, 2))).sample_share(1) == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: Grouping(((0,), (2,))), "every rank"),
+    (lambda: Grouping(((0, 1), (1,))), "every rank"),
+    (lambda: Grouping(((0,), ())), "non-empty"),
+    (lambda: Grouping(((0,), (1,)), batch_sizes=(4,)), "one entry per rank"),
+    (lambda: Grouping(((0,), (1,)), batch_sizes=(4, 0)), "batch_sizes"),
+    (lambda: groups_from_speeds([1.0, 0.0]), "speeds"),
+    (lambda: groups_from_speeds([1.0, 2.0], num_groups=3), "num_groups"),
+    (lambda: groups_from_speeds([1.0, 2.0], max_spread=1.0), "max_spread"),
+    (lambda: groups_from_sites([]), "one label per rank"),
+])
+def test_bad_groupings_raise_clear_errors(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+# ----- versions and staleness, without transport ----------------------------------------------
+def test_staleness_counts_the_receivers_versions_the_contribution_did_not_see():
+    fast = VersionBook(2, 0, max_staleness=4)
+    for _ in range(3):
+        fast.record_made()
+    # The slow group's first contribution saw none of the fast group's 3: the one made in the
+    # same round does not count, so it is 2 versions stale, scaled by 1 / 3.
+    assert fast.accept(Contribution(1, 0, (0, 0), None)) == (2, pytest.approx(1 / 3))
+    # Its second saw all three: not stale.
+    assert fast.accept(Contribution(1, 1, (3, 1), None)) == (0, 1.0)
+    with pytest.raises(RuntimeError, match="lost or repeated"):
+        fast.accept(Contribution(1, 1, (3, 1), None))
+    with pytest.raises(RuntimeError, match="lost or repeated"):
+        fast.accept(Contribution(1, 3, (3, 3), None))
+    with pytest.raises(ValueError, match="cannot be applied"):
+        fast.accept(Contribution(0, 3, (3, 0), None))
+    stats = fast.stats()
+    assert stats["contributions_applied"] == 2 and stats["max_staleness_seen"] == 2
+    assert stats["mean_scale"] == pytest.approx((1 / 3 + 1) / 2)
+
+
+def test_the_bound_counts_arrived_contributions_and_a_custom_rule_is_used():
+    book = VersionBook(2, 0, max_staleness=1, staleness_scale=lambda tau: 0.0 if tau > 1 else 1.0)
+    for _ in range(3):
+        book.record_made()
+    assert book.lagging_group() == 1
+    assert book.lagging_group({1: 1}) == 1 and book.lagging_group({1: 2}) is None
+    assert book.accept(Contribution(1, 0, (0, 0), None)) == (2, 0.0)
+    assert book.stats()["dropped"] == 1
+    bad = VersionBook(2, 0, staleness_scale=lambda tau: 2.0)
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        bad.accept(Contribution(1, 0, (0, 0), None))
+    with pytest.raises(ValueError, match="max_staleness"):
+        VersionBook(2, 0, max_staleness=-1)
+    with pytest.raises(ValueError, match="staleness_scale"):
+        VersionBook(2, 0, staleness_scale=0.5)
+
+
+def simulate(round_seconds, delay, max_staleness, rounds):
+    """Groups that make a contribution every ``round_seconds[g]`` of a simulated clock; a
+    message arrives ``delay`` later; a group over the bound polls every ``delay`` until the
+    contribution it needs has arrived. Returns the books and every application (receiver, its
+    made, the contribution, tau, scale)."""
+    num = len(round_seconds)
+    books = [VersionBook(num, g, max_staleness=max_staleness) for g in range(num)]
+    inbox = {g: [] for g in range(num)}  # (arrival time, contribution)
+    events = [(round_seconds[g], g, "make") for g in range(num)]
+    applications = []
+    while events:
+        now, g, phase = heapq.heappop(events)
+        book = books[g]
+        if phase == "make":
+            if book.made >= rounds:
+                continue
+            seen = book.seen()
+            version = book.record_made()
+            for h in range(num):
+                if h != g:
+                    inbox[h].append((now + delay, Contribution(g, version, seen, None)))
+        arrived = {h: sum(1 for t, c in inbox[g] if c.source == h and t <= now) for h in range(num)}
+        if book.lagging_group(arrived) is not None:
+            heapq.heappush(events, (now + delay, g, "wait"))
+            continue
+        for t, c in sorted((m for m in inbox[g] if m[0] <= now), key=lambda m: (m[1].source, m[1].version)):
+            made = book.made
+            tau, scale = book.accept(c)
+            applications.append((g, made, c, tau, scale))
+            inbox[g].remove((t, c))
+        heapq.heappush(events, (now + round_seconds[g], g, "make"))
+    return books, applications
+
+
+def test_simulated_clock_staleness_rule_and_bound():
+    books, applications = simulate([1.0, 3.0], delay=0.25, max_staleness=2, rounds=12)
+    for receiver, made, contribution, tau, scale in applications:
+        assert tau == max(0, made - contribution.seen[receiver] - 1)
+        assert scale == pytest.approx(inverse_staleness(tau))
+    fast_taus = [tau for receiver, _, _, tau, _ in applications if receiver == 0]
+    slow_taus = [tau for receiver, _, _, tau, _ in applications if receiver == 1]
+    # The slow group's contributions are stale for the fast one (it runs ahead, up to the bound);
+    # the fast group's are at most one version stale for the slow one (a message in flight).
+    assert max(fast_taus) == 2 and max(slow_taus) <= 1
+    assert max(fast_taus) <= 2 + 1
+    # Every contribution of the slow group (made before the fast one stopped) was applied once.
+    assert books[0].applied[1] == len(fast_taus)
+    assert books[1].applied[0] == len(slow_taus)
+
+
+def test_zero_staleness_bound_is_lockstep_with_no_staleness():
+    _, applications = simulate([1.0, 2.7, 1.3], delay=0.5, max_staleness=0, rounds=6)
+    assert applications and all(tau == 0 for *_, tau, _ in applications)
+
+
+# ----- real gloo ranks -------------------------------------------------------------------------
+def test_one_group_is_exactly_ddp():
+    for with_sync, plain in run_ranks(2, sync_workers.one_group_against_ddp, 5, timeout=120):
+        assert torch.equal(with_sync, plain)
+
+
+@pytest.mark.parametrize("groups", [((0,), (1,)), ((0, 1), (2, 3))], ids=["2x1", "2x2"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_lockstep_groups_equal_synchronous_training(groups, momentum):
+    world_size = sum(len(g) for g in groups)
+    results = run_ranks(world_size, sync_workers.train_against_reference, groups, 6, momentum, 0,
+                        timeout=120)
+    for result in results:
+        torch.testing.assert_close(result["params"], result["reference"], rtol=1e-12, atol=1e-12)
+        assert result["stats"]["mean_staleness"] == 0.0
+
+
+@pytest.mark.parametrize("wire_dtype", ["float32", "bfloat16"])
+def test_no_contribution_is_lost_or_counted_twice(wire_dtype):
+    groups, row_factors = ((0,), (1, 2)), (1, 8)
+    results = run_ranks(3, sync_workers.conservation_run, groups, 12, row_factors, 2, wire_dtype,
+                        timeout=120)
+    grouping = Grouping(groups)
+    leaders = {g: results[grouping.leaders[g]] for g in range(2)}
+    expected_final = np.zeros_like(leaders[0]["final"])
+    for g, leader in leaders.items():
+        other = 1 - g
+        versions = [version for source, version, *_ in leader["applied"]]
+        assert all(source == other for source, *_ in leader["applied"])
+        assert versions == list(range(leaders[other]["made"]))  # each exactly once, in order
+        reached = leader["initial"] + leader["own"]
+        for _, _, tau, scale, payload in leader["applied"]:
+            reached = reached + scale * payload
+        expected_final += grouping.sample_share(g) * reached
+    for result in results:  # close() averaged the groups: the same model everywhere
+        np.testing.assert_allclose(result["final"], expected_final, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(results[1]["final"], results[2]["final"])
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path):
+    groups = ((0,), (1, 2))
+    through = run_ranks(3, sync_workers.checkpoint_run, groups, str(tmp_path), 6, 6, "through",
+                        timeout=120)
+    run_ranks(3, sync_workers.checkpoint_run, groups, str(tmp_path), 6, 6, "save", timeout=120)
+    resumed = run_ranks(3, sync_workers.checkpoint_run, groups, str(tmp_path), 6, 6, "resume",
+                        timeout=120)
+    for a, b in zip(through, resumed):
+        assert torch.equal(a, b)
+
+
+def test_a_stalled_group_raises_a_clear_error():
+    message, _ = run_ranks(2, sync_workers.stalled_group, timeout=120)
+    assert "waited 3 s for the staleness bound" in message and "stalled or died" in message
+
+
+def test_bad_settings_raise_clear_errors():
+    messages = run_ranks(2, sync_workers.bad_settings, timeout=120)[0]
+    assert "covers 3 ranks; the job has 2" in messages["world_size"]
+    assert "period" in messages["period"]
+    assert "max_staleness" in messages["max_staleness"]
+    assert "wire_dtype" in messages["wire_dtype"]
+    assert "lr_scale" in messages["lr_scale"]
+    assert "must be a Grouping" in messages["grouping_type"]
+    assert "no parameters" in messages["no_parameters"]
+    assert "flush()" in messages["state_dict_before_flush"]
