@@ -54,6 +54,37 @@ def test_links_are_rate_limited_and_removed(num_ranks):
     assert net.leftovers() == []
 
 
+def transfer_seconds(net, source: int, sink: int) -> float:
+    """Seconds to send 2.5 MB from rank ``source`` to rank ``sink`` (which must receive all)."""
+    receiver = net.popen(sink, [sys.executable, "-c", SINK], stdout=subprocess.PIPE, text=True)
+    sender = net.popen(source, [sys.executable, "-c", SOURCE, net.address(sink)],
+                       stdout=subprocess.PIPE, text=True)
+    seconds = float(sender.communicate(timeout=60)[0])
+    assert int(receiver.communicate(timeout=60)[0]) == 2_500_000
+    return seconds
+
+
+@needs_root
+def test_sites_are_fast_inside_and_slow_between():
+    """Two sites of two ranks, 20 Mbit/s between sites, unshaped inside: 2.5 MB takes about 1 s
+    from one site to the other in either direction, milliseconds inside a site."""
+    with RateLimitedNetwork(4, None, sites=["a", "a", "b", "b"], inter_site_rate="20mbit") as net:
+        assert 0.8 < transfer_seconds(net, 3, 0) < 10
+        assert 0.8 < transfer_seconds(net, 0, 2) < 10
+        assert transfer_seconds(net, 1, 0) < 0.4
+        assert transfer_seconds(net, 2, 3) < 0.4
+    assert net.leftovers() == []
+
+
+def test_bad_sites_raise_clear_errors():
+    with pytest.raises(ValueError, match="one label per rank"):
+        RateLimitedNetwork(3, None, sites=["a", "b"])
+    with pytest.raises(ValueError, match="at least two sites"):
+        RateLimitedNetwork(2, None, sites=["a", "a"])
+    with pytest.raises(ValueError, match="needs sites"):
+        RateLimitedNetwork(2, None, inter_site_rate="100mbit")
+
+
 def run_wire_worker(**settings) -> list:
     """Run tests/wire_worker.py on two ranks joined by a 100 Mbit/s link for 8 steps with
     ``settings`` in its environment; each rank's JSON report."""

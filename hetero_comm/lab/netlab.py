@@ -65,10 +65,18 @@ class RateLimitedNetwork:
     process with :meth:`command` or :meth:`popen`; :meth:`tx_bytes` / :meth:`rx_bytes` read
     the kernel's interface counters.
 
+    With ``sites`` the network has a topology: each site's ranks hang on a bridge of their own
+    (each rank's link at ``rate``), and every site's bridge joins a core bridge through an uplink
+    shaped to ``inter_site_rate`` in both directions, so traffic between two sites crosses two
+    slow links (out of one site, into the other) and traffic inside a site none.
+
     Args:
         num_ranks: >= 2.
         rate: e.g. ``"100mbit"``, ``"1gbit"``, ``"10gbit"``; ``None`` leaves the links
-            unshaped.
+            unshaped (with ``sites``: each rank's link to its site).
+        sites: ``sites[rank]``, the site of each rank (any labels; at least two sites).
+        inter_site_rate: the rate of each site's uplink (``None``: unshaped); only with
+            ``sites``.
 
     Example::
 
@@ -79,11 +87,22 @@ class RateLimitedNetwork:
         ...     for w in workers: w.wait()
     """
 
-    def __init__(self, num_ranks: int, rate: Optional[str] = "100mbit") -> None:
+    def __init__(self, num_ranks: int, rate: Optional[str] = "100mbit", *,
+                 sites: Optional[Sequence] = None, inter_site_rate: Optional[str] = None) -> None:
         if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 2:
             raise ValueError(f"num_ranks must be an integer >= 2; got {num_ranks!r}")
         self.num_ranks = num_ranks
         self.rate_bits = parse_rate(rate) if rate is not None else None
+        self.sites: Optional[List[int]] = None
+        if sites is not None:
+            labels = list(dict.fromkeys(sites))
+            if len(sites) != num_ranks or len(labels) < 2:
+                raise ValueError(f"sites needs one label per rank ({num_ranks}) and at least two "
+                                 f"sites; got {list(sites)!r}")
+            self.sites = [labels.index(site) for site in sites]
+        elif inter_site_rate is not None:
+            raise ValueError("inter_site_rate needs sites")
+        self.inter_site_bits = parse_rate(inter_site_rate) if inter_site_rate is not None else None
         self.prefix = f"hc{os.getpid()}x{next(_labs)}"
         self._created: List[str] = []
         self._processes: List[subprocess.Popen] = []
@@ -122,35 +141,66 @@ class RateLimitedNetwork:
         self._created.append(name)
         self._netns(name, "ip", "link", "set", "lo", "up")
 
-    def _shape(self, namespace: str, device: str) -> None:
-        if self.rate_bits is None:
+    def _shape(self, namespace: str, device: str, rate_bits: Optional[int] = None) -> None:
+        rate_bits = self.rate_bits if rate_bits is None else rate_bits
+        if rate_bits is None:
             return
-        rate_bytes = self.rate_bits / 8
-        burst = max(2 * int(rate_bytes / KERNEL_HZ), 32 * 1024)
+        burst = max(2 * int(rate_bits / 8 / KERNEL_HZ), 32 * 1024)
         self._netns(namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
-                    "rate", f"{self.rate_bits}bit", "burst", str(burst), "latency", "50ms")
+                    "rate", f"{rate_bits}bit", "burst", str(burst), "latency", "50ms")
+
+    def _add_bridge(self, namespace: str) -> None:
+        self._add_namespace(namespace)
+        self._netns(namespace, "ip", "link", "add", "hcbr", "type", "bridge")
+        self._netns(namespace, "ip", "link", "set", "hcbr", "up")
+
+    def _attach(self, bridge: str, port: str, peer_namespace: str, peer: str) -> None:
+        """A veth pair: ``port`` on ``bridge``'s bridge, ``peer`` in ``peer_namespace``."""
+        self._netns(bridge, "ip", "link", "add", port, "type", "veth", "peer", "name", peer,
+                    "netns", peer_namespace)
+        self._netns(bridge, "ip", "link", "set", port, "master", "hcbr")
+        self._netns(bridge, "ip", "link", "set", port, "up")
+
+    def site_namespace(self, site: int) -> str:
+        return f"{self.prefix}s{site}"
+
+    def _build_sites(self) -> list:
+        """Ranks on their site's bridge; every site's bridge on the core bridge by an uplink."""
+        core = self.bridge_namespace
+        self._add_bridge(core)
+        for site in range(max(self.sites) + 1):
+            namespace = self.site_namespace(site)
+            self._add_bridge(namespace)
+            self._attach(core, f"hcd{site}", namespace, "hcup")
+            self._netns(namespace, "ip", "link", "set", "hcup", "master", "hcbr")
+            self._netns(namespace, "ip", "link", "set", "hcup", "up")
+            self._shape(core, f"hcd{site}", self.inter_site_bits)  # into the site
+            self._shape(namespace, "hcup", self.inter_site_bits)  # out of the site
+        ends = []
+        for rank, site in enumerate(self.sites):
+            self._attach(self.site_namespace(site), f"hcp{rank}", self.namespace(rank),
+                         self.interface(rank))
+            self._shape(self.site_namespace(site), f"hcp{rank}")  # towards the rank
+            ends.append((self.namespace(rank), self.interface(rank)))
+        return ends
 
     def _build(self) -> None:
         for rank in range(self.num_ranks):
             self._add_namespace(self.namespace(rank))
-        if self.num_ranks == 2:
+        if self.sites is not None:
+            ends = self._build_sites()
+        elif self.num_ranks == 2:
             a, b = self.namespace(0), self.namespace(1)
             self._netns(a, "ip", "link", "add", self.interface(0), "type", "veth", "peer",
                         "name", self.interface(1), "netns", b)
             ends = [(a, self.interface(0)), (b, self.interface(1))]
         else:
             bridge = self.bridge_namespace
-            self._add_namespace(bridge)
-            self._netns(bridge, "ip", "link", "add", "hcbr", "type", "bridge")
-            self._netns(bridge, "ip", "link", "set", "hcbr", "up")
+            self._add_bridge(bridge)
             ends = []
             for rank in range(self.num_ranks):
-                port = f"hcp{rank}"
-                self._netns(bridge, "ip", "link", "add", port, "type", "veth", "peer", "name",
-                            self.interface(rank), "netns", self.namespace(rank))
-                self._netns(bridge, "ip", "link", "set", port, "master", "hcbr")
-                self._netns(bridge, "ip", "link", "set", port, "up")
-                self._shape(bridge, port)  # towards the rank
+                self._attach(bridge, f"hcp{rank}", self.namespace(rank), self.interface(rank))
+                self._shape(bridge, f"hcp{rank}")  # towards the rank
                 ends.append((self.namespace(rank), self.interface(rank)))
         for rank, (namespace, device) in enumerate(ends):
             self._netns(namespace, "ip", "addr", "add", f"{self.address(rank)}/24", "dev", device)
@@ -175,6 +225,13 @@ class RateLimitedNetwork:
     def _counter(self, rank: int, name: str) -> int:
         path = f"/sys/class/net/{self.interface(rank)}/statistics/{name}"
         return int(self._netns(self.namespace(rank), "cat", path))
+
+    def site_tx_bytes(self, site: int) -> int:
+        """Bytes that left site ``site`` (its uplink's counter; only with ``sites``)."""
+        if self.sites is None:
+            raise ValueError("site_tx_bytes needs a network built with sites")
+        return int(self._netns(self.site_namespace(site), "cat",
+                               "/sys/class/net/hcup/statistics/tx_bytes"))
 
     def tx_bytes(self, rank: int) -> int:
         """Bytes rank ``rank``'s interface has sent (Ethernet frames, headers included)."""

@@ -2,15 +2,16 @@
 inside groups of similar ranks, asynchronous between the groups, stale contributions scaled down.
 
 * :class:`Grouping`, :func:`groups_from_sites`, :func:`groups_from_speeds`: which ranks
-  synchronise together, and each group's share of the samples;
+  synchronise together, and each group's share of the samples; :func:`periods_for_speeds`:
+  a period per group that keeps the groups' rounds at one pace;
 * :class:`GroupSync`: the exchange between groups (point-to-point between the groups' leaders
   on torch.distributed, in the background), the staleness bound and rule, flush, checkpoints;
 * :class:`VersionBook`, :func:`inverse_staleness`: versions and staleness, without transport.
 """
 
 from .group_sync import GroupFailedError, GroupSync
-from .grouping import Grouping, groups_from_sites, groups_from_speeds
+from .grouping import Grouping, groups_from_sites, groups_from_speeds, periods_for_speeds
 from .versions import Contribution, VersionBook, inverse_staleness
 
-__all__ = ["Grouping", "groups_from_sites", "groups_from_speeds", "GroupSync", "GroupFailedError",
+__all__ = ["Grouping", "groups_from_sites", "groups_from_speeds", "periods_for_speeds", "GroupSync", "GroupFailedError",
            "VersionBook", "Contribution", "inverse_staleness"]

@@ -6,7 +6,7 @@ import datetime
 import queue
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -51,15 +51,19 @@ class GroupSync:
     without momentum. Nothing is lost: every contribution is applied exactly once, at its
     scale, by every other group; :meth:`stats` counts them (and any scaled to zero).
 
-    :meth:`flush` (every rank, at the same step) drains all contributions in flight and
-    replaces every group's parameters by their average weighted by the groups' sample shares;
+    :meth:`flush` (every rank; a group that flushes first waits there for the others, which are
+    no longer held by the staleness bound) drains all contributions in flight and replaces every
+    group's parameters by their average weighted by the groups' sample shares;
     :meth:`state_dict` is valid only right after it, so a checkpoint holds no contribution in
     flight and the same model on every rank. :meth:`close` flushes and stops the exchange.
 
     Args:
         module: the model (its parameters are exchanged; buffers are not).
         grouping: the :class:`Grouping`; its world size must be the job's.
-        period: local steps between contributions.
+        period: local steps between contributions: one number for every group, or one per
+            group (a faster group with a proportionally longer period makes its rounds at the
+            slower groups' pace, so the bound below never holds it back;
+            :func:`periods_for_speeds`).
         max_staleness: the bound of step 2.
         staleness_scale: ``tau -> scale`` in [0, 1].
         lr_scale: this group's learning-rate factor; default its sample share.
@@ -81,7 +85,8 @@ class GroupSync:
         sync.close()
     """
 
-    def __init__(self, module: torch.nn.Module, grouping: Grouping, *, period: int = 1,
+    def __init__(self, module: torch.nn.Module, grouping: Grouping, *,
+                 period: Union[int, Sequence[int]] = 1,
                  max_staleness: int = 4, staleness_scale: Callable[[int], float] = inverse_staleness,
                  lr_scale: Optional[float] = None, wire_dtype: Optional[str] = None,
                  stall_timeout_s: float = 1800.0):
@@ -92,10 +97,14 @@ class GroupSync:
         if grouping.world_size != dist.get_world_size():
             raise ValueError(f"grouping covers {grouping.world_size} ranks; the job has "
                              f"{dist.get_world_size()}")
-        self.period = check_int("period", period, 1)
         self.stall_timeout_s = check_float("stall_timeout_s", stall_timeout_s, 0.0, 1e9, low_open=True)
         self.grouping, self.rank = grouping, dist.get_rank()
         self.group_index = grouping.group_of(self.rank)
+        periods = [period] * len(grouping.groups) if isinstance(period, int) else list(period)
+        if len(periods) != len(grouping.groups):
+            raise ValueError(f"period needs one value per group ({len(grouping.groups)}); got "
+                             f"{len(periods)}")
+        self.period = check_int("period", periods[self.group_index], 1)
         self.lr_scale = (grouping.sample_share(self.group_index) if lr_scale is None
                          else check_float("lr_scale", lr_scale, 0.0, 1e9, low_open=True))
         self.book = VersionBook(len(grouping.groups), self.group_index, max_staleness=max_staleness,
@@ -155,23 +164,31 @@ class GroupSync:
         thread.start()
         return thread
 
+    def _message_sizes(self):
+        """Bytes of a message: the int64 header (kind, version, the seen vector), then the
+        payload in the wire dtype. One message per contribution, so a receiver thread needs
+        the interpreter lock once per contribution (a throttled process hands it over slowly)."""
+        header = 8 * (2 + len(self.grouping.groups))
+        numel = sum(p.numel() for p in self.params)
+        return header, numel * torch.empty(0, dtype=self.wire_dtype).element_size()
+
     def _receive_from(self, source: int) -> None:
         """Background: every message from group ``source``'s leader, in order, into the inbox."""
         leader = self.grouping.leaders[source]
-        numel = sum(p.numel() for p in self.params)
+        header_bytes, payload_bytes = self._message_sizes()
         try:
             while True:
-                header = torch.empty(2 + len(self.grouping.groups), dtype=torch.int64)
-                dist.recv(header, leader, group=self._leaders_group, tag=0)
+                message = torch.empty(header_bytes + payload_bytes, dtype=torch.uint8)
+                dist.recv(message, leader, group=self._leaders_group)
+                header = message[:header_bytes].view(torch.int64)
                 kind, version, seen = int(header[0]), int(header[1]), tuple(header[2:].tolist())
-                if kind == _CONTRIBUTION:
-                    payload = torch.empty(numel, dtype=self.wire_dtype)
-                    dist.recv(payload, leader, group=self._leaders_group, tag=1)
-                    self._inbox.put(("contribution", Contribution(source, version, seen, payload)))
-                else:
-                    self._inbox.put(("flush" if kind == _FLUSH else "close", (source, version)))
-                    if kind == _CLOSE:
-                        return
+                if kind == _CLOSE:
+                    self._inbox.put(("close", (source, version)))
+                    return
+                payload = message[header_bytes:].view(self.wire_dtype)
+                self._inbox.put(("contribution", Contribution(source, version, seen, payload)))
+                if kind == _FLUSH:
+                    self._inbox.put(("flush", (source, version + 1)))
         except Exception as error:  # noqa: BLE001 (handed to the training thread)
             self._inbox.put(("error", (source, error)))
 
@@ -184,8 +201,9 @@ class GroupSync:
             self._round(flush=False)
 
     def flush(self) -> None:
-        """Every rank at the same step: send what is left, apply every contribution in flight,
-        then give every group the sample-weighted average of the groups' parameters."""
+        """Every rank (each group at a step of its own choosing; the first waits for the
+        others): send what is left, apply every contribution in flight, then give every group
+        the sample-weighted average of the groups' parameters."""
         self._check_open()
         self._round(flush=True)
         flat = self._flat()
@@ -232,9 +250,8 @@ class GroupSync:
 
     def _leader_round(self, flush: bool) -> Optional[torch.Tensor]:
         self._wait_sends()
-        self._contribute()
+        self._contribute(_FLUSH if flush else _CONTRIBUTION)
         if flush:
-            self._send_all(self._header(_FLUSH, self.book.made, self.book.seen()), None)
             self._wait_sends()
             self._drain(lambda: len(self._markers) < len(self._peers()), "flush")
             for h, count in self._markers.items():
@@ -244,28 +261,32 @@ class GroupSync:
             ready = [c for h in self._peers() for c in self._arrived[h]]
             self._markers.clear()
         else:
-            self._drain(lambda: self.book.lagging_group(self._arrived_counts()) is not None,
+            self._drain(lambda: self.book.lagging_group(self._arrived_counts(), self._markers) is not None,
                         "the staleness bound")
             ready = self._ready()
         return self._combine(ready)
 
-    def _contribute(self) -> None:
+    def _contribute(self, kind: int) -> None:
+        """Send this group's progress; a flush's last contribution (``_FLUSH``) also tells the
+        others how many this group has made."""
         progress = self._flat() - self._base
         payload = progress.to(self.wire_dtype).cpu()
         self._base.add_(payload.to(self._base))  # what rounding left out goes next time
         version = self.book.record_made()
         seen = list(self.book.seen())
         seen[self.group_index] = version
-        self._send_all(self._header(_CONTRIBUTION, version, seen), payload)
+        self._send_all(self._header(kind, version, seen), payload)
 
     def _send_all(self, header: torch.Tensor, payload: Optional[torch.Tensor]) -> None:
+        header_bytes, payload_bytes = self._message_sizes()
+        message = torch.zeros(header_bytes + payload_bytes, dtype=torch.uint8)
+        message[:header_bytes] = header.view(torch.uint8)
+        if payload is not None:
+            message[header_bytes:] = payload.view(torch.uint8)
         for h in self._peers():
-            leader = self.grouping.leaders[h]
-            self._sends.append((dist.isend(header, leader, group=self._leaders_group, tag=0), header))
-            if payload is not None:
-                self._sends.append((dist.isend(payload, leader, group=self._leaders_group, tag=1),
-                                    payload))
-                self._bytes_sent += payload.numel() * payload.element_size()
+            work = dist.isend(message, self.grouping.leaders[h], group=self._leaders_group)
+            self._sends.append((work, message))
+            self._bytes_sent += message.numel()
 
     def _wait_sends(self) -> None:
         for work, _ in self._sends:
@@ -328,17 +349,19 @@ class GroupSync:
             self._markers[value[0]] = value[1]
         elif kind == "error":
             source, error = value
-            raise GroupFailedError(f"group {source} (ranks {list(self.grouping.groups[source])}): its "
-                                   f"leader failed or left: {error}") from error
+            raise GroupFailedError(f"group {source} (ranks {list(self.grouping.groups[source])}) "
+                                   f"stalled or died: its leader sent nothing for "
+                                   f"{self.stall_timeout_s:g} s or its link failed ({error})") from error
         else:
             raise GroupFailedError(f"group {value[0]} closed while group {self.group_index} "
                                    "still trains: every rank must call close() at the end")
 
     def _stall_message(self, reason: str) -> str:
         behind = {h: self.book.made - self.book.applied[h] for h in self._peers()}
-        return (f"group {self.group_index} waited {self.stall_timeout_s:g} s for {reason}; "
+        return (f"group {self.group_index} waited {self.stall_timeout_s:g} s for {reason} and "
+                f"another group stalled or died; "
                 f"contributions it is ahead of each other group: {behind} (max_staleness "
-                f"{self.book.max_staleness}). A group stalled or died.")
+                f"{self.book.max_staleness}).")
 
     # ----- statistics and checkpoints -------------------------------------------------------
     def stats(self) -> Dict[str, object]:

@@ -7,7 +7,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from .._checks import check_float, check_int, check_optional
 
-__all__ = ["Grouping", "groups_from_sites", "groups_from_speeds"]
+__all__ = ["Grouping", "groups_from_sites", "groups_from_speeds", "periods_for_speeds"]
 
 
 @dataclass(frozen=True)
@@ -117,3 +117,20 @@ def groups_from_speeds(speeds: Sequence[float], *, num_groups: Optional[int] = N
             groups[-1].append(rank)
     return Grouping(tuple(tuple(group) for group in groups),
                     None if batch_sizes is None else tuple(batch_sizes))
+
+
+def periods_for_speeds(grouping: Grouping, speeds: Sequence[float], period: int) -> Tuple[int, ...]:
+    """One period per group, proportional to the group's speed, the slowest group's being
+    ``period``: every group then makes its rounds at about the same pace, so a staleness bound
+    counted in rounds never holds a faster group back, and the faster group does more steps
+    (takes more samples) per round.
+
+    A group's speed is its slowest rank's (``speeds[rank]``, e.g. steps or samples per second;
+    the ranks of a group step together)."""
+    speeds = [check_float("speeds[i]", speed, 0.0, math.inf, low_open=True) for speed in speeds]
+    if len(speeds) != grouping.world_size:
+        raise ValueError(f"speeds needs one value per rank ({grouping.world_size}); got {len(speeds)}")
+    period = check_int("period", period, 1)
+    group_speeds = [min(speeds[rank] for rank in group) for group in grouping.groups]
+    slowest = min(group_speeds)
+    return tuple(max(1, round(period * speed / slowest)) for speed in group_speeds)

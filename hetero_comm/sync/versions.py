@@ -4,7 +4,7 @@ tested with a simulated clock."""
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Collection, Dict, Optional, Tuple
 
 from .._checks import check_int
 
@@ -73,12 +73,16 @@ class VersionBook:
         self.applied[self.index] = self.made
         return self.made - 1
 
-    def lagging_group(self, arrived: Optional[Dict[int, int]] = None) -> Optional[int]:
+    def lagging_group(self, arrived: Optional[Dict[int, int]] = None,
+                      finished: Collection[int] = ()) -> Optional[int]:
         """A group this one must wait for, or ``None``; ``arrived[h]``: group ``h``'s
-        contributions received but not yet applied (they count as applied here)."""
+        contributions received but not yet applied (they count as applied here); groups in
+        ``finished`` make no more contributions (they wait in a flush) and are not waited for."""
         arrived = arrived or {}
         for h in range(self.num_groups):
-            if h != self.index and self.made - self.applied[h] - arrived.get(h, 0) > self.max_staleness:
+            if h == self.index or h in finished:
+                continue
+            if self.made - self.applied[h] - arrived.get(h, 0) > self.max_staleness:
                 return h
         return None
 
