@@ -172,6 +172,8 @@ def bad_settings(rank, world_size):
     cases = dict(
         world_size=lambda: GroupSync(model, Grouping(((0,), (1,), (2,)))),
         period=lambda: GroupSync(model, Grouping(((0,), (1,))), period=0),
+        periods=lambda: GroupSync(model, Grouping(((0,), (1,))), period=[4]),
+        period_of_other_group=lambda: GroupSync(model, Grouping(((0,), (1,))), period=[4, 0]),
         max_staleness=lambda: GroupSync(model, Grouping(((0,), (1,))), max_staleness=-1),
         wire_dtype=lambda: GroupSync(model, Grouping(((0,), (1,))), wire_dtype="int8"),
         lr_scale=lambda: GroupSync(model, Grouping(((0,), (1,))), lr_scale=0.0),

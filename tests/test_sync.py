@@ -217,6 +217,8 @@ def test_bad_settings_raise_clear_errors():
     messages = run_ranks(2, sync_workers.bad_settings, timeout=120)[0]
     assert "covers 3 ranks; the job has 2" in messages["world_size"]
     assert "period" in messages["period"]
+    assert "one value per group (2)" in messages["periods"]
+    assert "period" in messages["period_of_other_group"]
     assert "max_staleness" in messages["max_staleness"]
     assert "wire_dtype" in messages["wire_dtype"]
     assert "lr_scale" in messages["lr_scale"]

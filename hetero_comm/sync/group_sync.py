@@ -104,7 +104,7 @@ class GroupSync:
         if len(periods) != len(grouping.groups):
             raise ValueError(f"period needs one value per group ({len(grouping.groups)}); got "
                              f"{len(periods)}")
-        self.period = check_int("period", periods[self.group_index], 1)
+        self.period = [check_int("period", p, 1) for p in periods][self.group_index]
         self.lr_scale = (grouping.sample_share(self.group_index) if lr_scale is None
                          else check_float("lr_scale", lr_scale, 0.0, 1e9, low_open=True))
         self.book = VersionBook(len(grouping.groups), self.group_index, max_staleness=max_staleness,
