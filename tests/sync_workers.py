@@ -193,3 +193,49 @@ def bad_settings(rank, world_size):
         messages["state_dict_before_flush"] = str(error)
     sync.close()
     return messages
+
+
+def with_dynamic_batches(rank, world_size, steps):
+    """Two groups of two ranks in lockstep, each group with the batch controller (unequal sizes
+    from the start, re-planned from measured speed every 2 steps) on its own process group.
+    Returns this rank's parameters and a single-process reference: SGD on the mean loss of both
+    groups' global batches (each group's batches from its own shuffle)."""
+    from hetero_comm.hetero import DynamicBatchController, HeteroSampler
+    from hetero_comm.hooks import AllreduceState, allreduce_hook
+
+    data = torch.randn(40, 5, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    targets = torch.randn(40, 2, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    grouping = Grouping(((0, 1), (2, 3)))
+    group = grouping.group_of(rank)
+    model = make_model()
+    sync = GroupSync(model, grouping, max_staleness=0)
+    ddp = DDP(model, process_group=sync.process_group)
+    sampler = HeteroSampler(40, 8, dist.get_rank(sync.process_group), 2, batch_sizes=[2, 6],
+                            seed=group)
+    controller = DynamicBatchController(sampler, AllreduceState(process_group=sync.process_group),
+                                        replan_every=2)
+    controller.register_comm_hook(ddp, allreduce_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR * sync.lr_scale, momentum=0.9)
+    controller.set_epoch(0)
+    sizes = []
+    for _, rows in zip(range(steps), sampler):
+        sizes.append(len(rows))
+        with controller.step(len(rows)):
+            nn.functional.mse_loss(ddp(data[rows]), targets[rows]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        sync.step()
+    result = parameters_to_vector(model.parameters()).detach().clone()
+    sync.close()
+
+    reference = make_model()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
+    orders = [torch.randperm(40, generator=torch.Generator().manual_seed(g)) for g in range(2)]
+    for step in range(steps):
+        loss = sum(nn.functional.mse_loss(reference(data[order[8 * step: 8 * step + 8]]),
+                                          targets[order[8 * step: 8 * step + 8]])
+                   for order in orders) / 2
+        loss.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    return result, parameters_to_vector(reference.parameters()).detach(), sizes

@@ -225,3 +225,12 @@ def test_bad_settings_raise_clear_errors():
     assert "must be a Grouping" in messages["grouping_type"]
     assert "no parameters" in messages["no_parameters"]
     assert "flush()" in messages["state_dict_before_flush"]
+
+
+def test_dynamic_batches_inside_groups_keep_the_step_exact():
+    """The batch controller on each group's process group: unequal, re-planned splits inside a
+    group, and the lockstep groups still make exactly the synchronous step on both groups'
+    global batches."""
+    for result, reference, sizes in run_ranks(4, sync_workers.with_dynamic_batches, 5, timeout=120):
+        torch.testing.assert_close(result, reference, rtol=1e-12, atol=1e-12)
+        assert sizes[0] in (2, 6)  # the unequal split the sampler started with
