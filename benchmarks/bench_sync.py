@@ -34,12 +34,15 @@ Output: one table (method, final metric, time to target, steps of rank 0 and of 
 that left each site, wall seconds), a JSON of every number and a PNG of the metric against
 wall time, one line per method, in ``--out``.
 
+``HC_VERBOSE=1`` shows every rank's stderr (torchft's logs included).
+
 Usage: python benchmarks/bench_sync.py [--workloads cnn,gpt] [--methods ddp,group_sync_8]
        [--seconds 60] [--inter-site-rate 100mbit] [--slow-site-cores 0.5] [--out bench_sync_out]
 """
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import subprocess
@@ -187,7 +190,7 @@ class Trainer:
         controller = DynamicBatchController(sampler, AllreduceState(), replan_every=20)
         controller.register_comm_hook(ddp, allreduce_hook)
         optimizer = self.optimizer()
-        for epoch in range(10 ** 6):
+        for epoch in itertools.count():
             controller.set_epoch(epoch)
             for rows in sampler:
                 with controller.step(len(rows)):
@@ -263,17 +266,15 @@ class Trainer:
                 lighthouse.shutdown()
 
     def measure_speed(self, steps=10) -> list:
-        """Every rank's steps per second over ``steps`` local steps (no sync, the weights
-        restored), shared by an allreduce: what the batch controller would measure."""
-        import copy
+        """Every rank's forward-backward passes per second over ``steps`` local passes (no
+        sync, no optimizer step: the weights do not move), shared by an allreduce: what the
+        batch controller would measure."""
         import torch
         import torch.distributed as dist
-        saved = copy.deepcopy(self.model.state_dict())
         start = time.perf_counter()
         for _ in range(steps):
             self.loss(self.model).backward()
         self.model.zero_grad()
-        self.model.load_state_dict(saved)
         speeds = torch.zeros(self.world_size, dtype=torch.float64)
         speeds[self.rank] = steps / (time.perf_counter() - start)
         dist.all_reduce(speeds)

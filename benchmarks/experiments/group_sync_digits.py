@@ -1,9 +1,9 @@
 """Does training with GroupSync reach synchronous DDP's accuracy? The digits MLP, 4 gloo ranks in
-2 groups of 2, SGD momentum 0.9, 8 epochs of global batches of 64 (16 rows per rank), against
+2 groups of 2, SGD momentum 0.9 (or AdamW), 8 epochs of global batches of 64 (16 rows per rank), against
 plain DDP over the 4 ranks. No rate limit or CPU quota here: this checks convergence only, not
 speed (that is ``bench_sync``'s job).
 
-Usage: python benchmarks/experiments/group_sync_digits.py [--lr 0.05]
+Usage: python benchmarks/experiments/group_sync_digits.py [--lr 0.05] [--optimizer sgd|adamw]
 """
 
 import argparse
@@ -28,7 +28,7 @@ CONFIGS = {  # name: GroupSync settings (None: plain DDP over every rank)
 }
 
 
-def train(rank, world_size, settings, lr):
+def train(rank, world_size, settings, lr, optimizer_name):
     x_train, y_train, x_test, y_test = load_digits_split(0)
     torch.manual_seed(0)
     model = make_model(256, "mlp")
@@ -38,7 +38,9 @@ def train(rank, world_size, settings, lr):
     else:
         sync = GroupSync(model, groups_from_sites(["a", "a", "b", "b"]), **settings)
         ddp, scale = DDP(model, process_group=sync.process_group), sync.lr_scale
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr * scale, momentum=0.9)
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=lr * scale, weight_decay=0.01)
+                 if optimizer_name == "adamw" else
+                 torch.optim.SGD(model.parameters(), lr=lr * scale, momentum=0.9))
     steps_per_epoch = len(x_train) // (ROWS * world_size)
     for epoch in range(EPOCHS):
         order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
@@ -62,13 +64,14 @@ def train(rank, world_size, settings, lr):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     args = parser.parse_args()
-    print(f"digits MLP, 4 ranks (groups {{0, 1}}, {{2, 3}}), SGD momentum 0.9 lr {args.lr}, "
-          f"{EPOCHS} epochs")
+    name = "SGD momentum 0.9" if args.optimizer == "sgd" else "AdamW (weight decay 0.01)"
+    print(f"digits MLP, 4 ranks (groups {{0, 1}}, {{2, 3}}), {name} lr {args.lr}, {EPOCHS} epochs")
     print("| run | test accuracy | mean staleness | max staleness | waits |")
     print("|---|---|---|---|---|")
     for name, settings in CONFIGS.items():
-        accuracy, stats = run_ranks(4, train, settings, args.lr, timeout=600)[0]
+        accuracy, stats = run_ranks(4, train, settings, args.lr, args.optimizer, timeout=600)[0]
         extra = ("| | |" if stats is None else
                  f"| {stats['mean_staleness']:.2f} | {stats['max_staleness_seen']} | {stats['waits']} |")
         print(f"| {name} | {100 * accuracy:.1f}% {extra}", flush=True)

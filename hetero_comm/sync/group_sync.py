@@ -112,6 +112,7 @@ class GroupSync:
         self.params = [p for p in module.parameters()]
         if not self.params:
             raise ValueError("module has no parameters to synchronise")
+        self._numel = sum(p.numel() for p in self.params)
         self.wire_dtype = (self.params[0].dtype if wire_dtype is None else
                            _WIRE_DTYPES[check_choice("wire_dtype", wire_dtype, _WIRE_DTYPES)])
         self._make_process_groups()
@@ -147,16 +148,17 @@ class GroupSync:
         return parameters_to_vector([p.detach() for p in self.params])
 
     @torch.no_grad()
-    def _write(self, flat: torch.Tensor) -> None:
-        """Copy ``flat`` into the parameters in place (their storage, which DDP and the
-        optimizer hold, stays theirs)."""
+    def _write(self, flat: torch.Tensor, add: bool = False) -> None:
+        """Copy (or add) ``flat`` into the parameters in place (their storage, which DDP and
+        the optimizer hold, stays theirs)."""
         offset = 0
         for p in self.params:
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            chunk = flat[offset:offset + p.numel()].view_as(p)
+            if add:
+                p.add_(chunk)
+            else:
+                p.copy_(chunk)
             offset += p.numel()
-
-    def _header(self, kind: int, version: int, seen) -> torch.Tensor:
-        return torch.tensor([kind, version, *seen], dtype=torch.int64)
 
     def _start_receiver(self, source: int) -> threading.Thread:
         thread = threading.Thread(target=self._receive_from, args=(source,), daemon=True,
@@ -169,8 +171,7 @@ class GroupSync:
         payload in the wire dtype. One message per contribution, so a receiver thread needs
         the interpreter lock once per contribution (a throttled process hands it over slowly)."""
         header = 8 * (2 + len(self.grouping.groups))
-        numel = sum(p.numel() for p in self.params)
-        return header, numel * torch.empty(0, dtype=self.wire_dtype).element_size()
+        return header, self._numel * torch.empty(0, dtype=self.wire_dtype).element_size()
 
     def _receive_from(self, source: int) -> None:
         """Background: every message from group ``source``'s leader, in order, into the inbox."""
@@ -220,7 +221,7 @@ class GroupSync:
             return
         self.flush()
         if self.is_leader:
-            self._send_all(self._header(_CLOSE, self.book.made, self.book.seen()), None)
+            self._send_all(self._message(_CLOSE, self.book.made, self.book.seen())[0])
             self._wait_sends()
             for thread in self._threads:
                 thread.join(timeout=self.stall_timeout_s)
@@ -243,7 +244,8 @@ class GroupSync:
             if int(count) == 0:
                 return
             if update is None:
-                update = torch.empty_like(self._flat())
+                update = torch.empty(self._numel, dtype=self.params[0].dtype,
+                                     device=self.params[0].device)
             dist.broadcast(update, leader, group=self.process_group)
         if update is not None:
             self._apply(update)
@@ -258,31 +260,35 @@ class GroupSync:
                 if self.book.applied[h] + len(self._arrived[h]) != count:
                     raise RuntimeError(f"group {h} made {count} contributions; {self.book.applied[h]} "
                                        f"applied and {len(self._arrived[h])} arrived here")
-            ready = [c for h in self._peers() for c in self._arrived[h]]
             self._markers.clear()
+            ready = self._take_arrived(None)
         else:
             self._drain(lambda: self.book.lagging_group(self._arrived_counts(), self._markers) is not None,
                         "the staleness bound")
-            ready = self._ready()
+            # max_staleness=0: exactly the other groups' contributions of this group's rounds
+            # (deterministic); otherwise everything that has arrived.
+            ready = self._take_arrived(self.book.made if self.book.max_staleness == 0 else None)
         return self._combine(ready)
 
     def _contribute(self, kind: int) -> None:
         """Send this group's progress; a flush's last contribution (``_FLUSH``) also tells the
         others how many this group has made."""
-        progress = self._flat() - self._base
-        payload = progress.to(self.wire_dtype).cpu()
-        self._base.add_(payload.to(self._base))  # what rounding left out goes next time
         version = self.book.record_made()
         seen = list(self.book.seen())
         seen[self.group_index] = version
-        self._send_all(self._header(kind, version, seen), payload)
+        message, payload = self._message(kind, version, seen)
+        payload.copy_(self._flat() - self._base)  # in the wire dtype, on the host
+        self._base.add_(payload.to(self._base))  # what rounding left out goes next time
+        self._send_all(message)
 
-    def _send_all(self, header: torch.Tensor, payload: Optional[torch.Tensor]) -> None:
+    def _message(self, kind: int, version: int, seen) -> tuple:
+        """A message (host bytes) with its header written, and a view of its payload."""
         header_bytes, payload_bytes = self._message_sizes()
-        message = torch.zeros(header_bytes + payload_bytes, dtype=torch.uint8)
-        message[:header_bytes] = header.view(torch.uint8)
-        if payload is not None:
-            message[header_bytes:] = payload.view(torch.uint8)
+        message = torch.empty(header_bytes + payload_bytes, dtype=torch.uint8)
+        message[:header_bytes] = torch.tensor([kind, version, *seen], dtype=torch.int64).view(torch.uint8)
+        return message, message[header_bytes:].view(self.wire_dtype)
+
+    def _send_all(self, message: torch.Tensor) -> None:
         for h in self._peers():
             work = dist.isend(message, self.grouping.leaders[h], group=self._leaders_group)
             self._sends.append((work, message))
@@ -296,13 +302,15 @@ class GroupSync:
     def _arrived_counts(self) -> Dict[int, int]:
         return {h: len(contributions) for h, contributions in self._arrived.items()}
 
-    def _ready(self) -> List[Contribution]:
-        """Arrived contributions to apply now: all of them, or with ``max_staleness=0`` exactly
-        the other groups' contributions of the rounds this group has made (deterministic)."""
-        if self.book.max_staleness > 0:
-            ready = [c for h in self._peers() for c in self._arrived[h]]
-        else:
-            ready = [c for h in self._peers() for c in self._arrived[h] if c.version < self.book.made]
+    def _take_arrived(self, below: Optional[int]) -> List[Contribution]:
+        """Remove and return the arrived contributions (each group's in order), only those with
+        a version under ``below`` if given."""
+        ready = []
+        for h in self._peers():
+            arrived = self._arrived[h]
+            count = len(arrived) if below is None else sum(c.version < below for c in arrived)
+            ready += arrived[:count]
+            del arrived[:count]
         return ready
 
     def _combine(self, ready: List[Contribution]) -> Optional[torch.Tensor]:
@@ -311,14 +319,12 @@ class GroupSync:
         update = torch.zeros_like(self._base)
         for contribution in ready:
             _, scale = self.book.accept(contribution)
-            self._arrived[contribution.source].remove(contribution)
             if scale:
                 update.add_(contribution.payload.to(update), alpha=scale)
         return update
 
     def _apply(self, update: torch.Tensor) -> None:
-        flat = self._flat().add_(update)
-        self._write(flat)
+        self._write(update, add=True)
         if self.is_leader:
             self._base.add_(update)
 
@@ -377,7 +383,7 @@ class GroupSync:
             raise RuntimeError("GroupSync.state_dict() needs flush() at this step first (on "
                                "every rank): a checkpoint must hold no contribution in flight")
         return dict(book=self.book.state_dict(), local_step=self.local_step,
-                    groups=[list(g) for g in self.grouping.groups], period=self.period)
+                    groups=[list(g) for g in self.grouping.groups])
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
         """Load after the model's parameters (they become the base of the next contribution)."""

@@ -18,7 +18,7 @@ def inverse_staleness(staleness: int) -> float:
     return 1.0 / (1.0 + staleness)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two contributions are never the same one
 class Contribution:
     """One group's progress since its previous contribution.
 
