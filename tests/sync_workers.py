@@ -85,18 +85,21 @@ def one_group_against_ddp(rank, world_size, steps):
     return parameters_to_vector(model.parameters()).detach(), train_plain_ddp(rank, world_size, steps)
 
 
-def conservation_run(rank, world_size, groups, steps, row_factors, max_staleness, wire_dtype):
-    """Asynchronous training; every applied contribution is recorded (source, version, scale,
-    payload) with this group's own optimizer-step deltas. Returns the records, the parameters
-    before close() and after, and the stats."""
+def conservation_run(rank, world_size, groups, steps, row_factors, max_staleness, wire_dtype,
+                     layer_deadline=False):
+    """Asynchronous training; every applied contribution (or part) is recorded (source, version,
+    part, scale, payload) with this group's own optimizer-step deltas. Returns the records, the
+    parts' offsets, the parameters after close(), and the stats."""
     model = make_model()
     grouping = Grouping(groups)
-    sync = GroupSync(model, grouping, max_staleness=max_staleness, wire_dtype=wire_dtype)
+    # part_bytes=8: each layer its own part
+    sync = GroupSync(model, grouping, max_staleness=max_staleness, wire_dtype=wire_dtype,
+                     layer_deadline=layer_deadline, part_bytes=8)
     applied, accept = [], sync.book.accept
 
     def recording_accept(contribution):
         tau, scale = accept(contribution)
-        applied.append((contribution.source, contribution.version, tau, scale,
+        applied.append((contribution.source, contribution.version, contribution.part, tau, scale,
                         contribution.payload.double().numpy().copy()))
         return tau, scale
 
@@ -116,6 +119,7 @@ def conservation_run(rank, world_size, groups, steps, row_factors, max_staleness
     sync.close()
     # numpy arrays travel by value (many tensors would go through shared file descriptors)
     return dict(applied=applied, own=own.numpy(), made=sync.book.made, stats=sync.stats(),
+                parts=[(part.start, part.end) for part in sync.parts],
                 final=parameters_to_vector(model.parameters()).detach().numpy(),
                 initial=parameters_to_vector(make_model().parameters()).detach().numpy())
 
@@ -179,6 +183,9 @@ def bad_settings(rank, world_size):
         lr_scale=lambda: GroupSync(model, Grouping(((0,), (1,))), lr_scale=0.0),
         grouping_type=lambda: GroupSync(model, [[0], [1]]),
         no_parameters=lambda: GroupSync(nn.Tanh(), Grouping(((0,), (1,)))),
+        layer_deadline=lambda: GroupSync(model, Grouping(((0,), (1,))), layer_deadline="yes"),
+        part_bytes=lambda: GroupSync(model, Grouping(((0,), (1,))), layer_deadline=True,
+                                     part_bytes=0),
     )
     for name, make in cases.items():
         try:

@@ -11,6 +11,7 @@ import torch
 from hetero_comm.lab.launch import run_ranks
 from hetero_comm.sync import (Contribution, Grouping, VersionBook, groups_from_sites,
                               groups_from_speeds, inverse_staleness, periods_for_speeds)
+from hetero_comm.sync.parts import ForwardClock, split_into_parts
 
 import sync_workers
 
@@ -156,6 +157,86 @@ def test_zero_staleness_bound_is_lockstep_with_no_staleness():
     assert applications and all(tau == 0 for *_, tau, _ in applications)
 
 
+# ----- the layer-wise soft deadline, without transport --------------------------------------------
+def test_parts_are_consecutive_layers_of_at_least_the_minimum_size():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8),
+                                torch.nn.Linear(8, 2))  # 40, 72 and 18 parameters
+    params = list(model.parameters())
+    each = split_into_parts(model, params, 1)
+    assert [(p.start, p.end) for p in each] == [(0, 40), (40, 112), (112, 130)]
+    assert [p.modules for p in each] == [(model[0],), (model[2],), (model[3],)]
+    merged = split_into_parts(model, params, 50)
+    assert [(p.start, p.end) for p in merged] == [(0, 112), (112, 130)]
+    assert merged[0].modules == (model[0], model[2])
+    assert [(p.start, p.end) for p in split_into_parts(model, params, 10_000)] == [(0, 130)]
+
+
+def test_a_shared_parameter_belongs_to_the_first_layer_that_registers_it():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    parts = split_into_parts(model, list(model.parameters()), 1)
+    assert [(p.start, p.end, p.modules) for p in parts] == [(0, 40, (model.embed,))]
+
+
+def test_forward_clock_measures_the_time_before_each_part_in_training_passes_only():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(3)])
+    params = list(model.parameters())
+    clock = ForwardClock(model, split_into_parts(model, params, 1))
+    inputs = torch.randn(64, 256)
+    with torch.no_grad():
+        model(inputs)
+    assert clock.before == [0.0, 0.0, 0.0]  # evaluation is not measured
+    model(inputs).sum().backward()
+    first, second, third = clock.before
+    assert 0.0 <= first <= second < third  # two matrix products run before the third layer
+    clock.remove()
+    model(inputs)
+    assert clock.before == [first, second, third]
+
+
+def test_late_parts_are_applied_at_the_next_round_one_version_staler():
+    book = VersionBook(2, 0, max_staleness=0, num_parts=3)
+    book.record_made()
+    # Round 1: parts 0 and 1 of the other group's contribution 0 are in by their deadlines,
+    # part 2 is not.
+    here = {(0, 0), (0, 1)}
+    assert book.missing_parts(1, here) == [(0, 2)]
+    for part in (0, 1):
+        assert book.accept(Contribution(1, 0, (0, 0), None, part=part)) == (0, 1.0)
+    assert book.lagging_group() is None  # opened: the bound counts it
+    assert book.applied == [1, 0] and book.seen() == (1, 0)  # not seen until every part is in
+    assert book.missing_parts(1, set()) == [(0, 2)]
+    with pytest.raises(RuntimeError, match="partly applied"):
+        book.state_dict()
+    # Round 2: the late part, then all of contribution 1.
+    book.record_made()
+    assert book.missing_parts(1, {(0, 2), (1, 0)}, below=2) == [(1, 1), (1, 2)]
+    assert book.accept(Contribution(1, 0, (0, 0), None, part=2)) == (1, 0.5)
+    for part in range(3):
+        assert book.accept(Contribution(1, 1, (1, 1), None, part=part)) == (0, 1.0)
+    with pytest.raises(RuntimeError, match="lost or repeated"):
+        book.accept(Contribution(1, 1, (1, 1), None, part=2))
+    with pytest.raises(ValueError, match="part 3"):
+        book.accept(Contribution(1, 2, (2, 2), None, part=3))
+    stats = book.stats()
+    assert stats["late_parts"] == 1 and stats["parts_applied"] == 6
+    assert stats["contributions_applied"] == 2 and stats["mean_scale"] == pytest.approx(5.5 / 6)
+    assert book.missing_parts(1, set()) == []
+    state = book.state_dict()
+    restored = VersionBook(2, 0, max_staleness=0, num_parts=3)
+    restored.load_state_dict(state)
+    assert restored.stats() == stats
+    with pytest.raises(ValueError, match="3 parts; this run's have 1"):
+        VersionBook(2, 0).load_state_dict(state)
+
+
 # ----- real gloo ranks -------------------------------------------------------------------------
 def test_one_group_is_exactly_ddp():
     for with_sync, plain in run_ranks(2, sync_workers.one_group_against_ddp, 5, timeout=120):
@@ -173,22 +254,27 @@ def test_lockstep_groups_equal_synchronous_training(groups, momentum):
         assert result["stats"]["mean_staleness"] == 0.0
 
 
-@pytest.mark.parametrize("wire_dtype", ["float32", "bfloat16"])
-def test_no_contribution_is_lost_or_counted_twice(wire_dtype):
+@pytest.mark.parametrize("wire_dtype, layer_deadline", [
+    ("float32", False), ("bfloat16", False), ("float32", True), ("bfloat16", True)])
+def test_no_contribution_is_lost_or_counted_twice(wire_dtype, layer_deadline):
     groups, row_factors = ((0,), (1, 2)), (1, 8)
     results = run_ranks(3, sync_workers.conservation_run, groups, 12, row_factors, 2, wire_dtype,
-                        timeout=120)
+                        layer_deadline, timeout=120)
     grouping = Grouping(groups)
     leaders = {g: results[grouping.leaders[g]] for g in range(2)}
+    parts = leaders[0]["parts"]
+    assert len(parts) == (2 if layer_deadline else 1)  # the model's two Linear layers
     expected_final = np.zeros_like(leaders[0]["final"])
     for g, leader in leaders.items():
         other = 1 - g
-        versions = [version for source, version, *_ in leader["applied"]]
         assert all(source == other for source, *_ in leader["applied"])
-        assert versions == list(range(leaders[other]["made"]))  # each exactly once, in order
+        for k in range(len(parts)):  # each part of each contribution exactly once, in order
+            versions = [version for _, version, part, *_ in leader["applied"] if part == k]
+            assert versions == list(range(leaders[other]["made"]))
         reached = leader["initial"] + leader["own"]
-        for _, _, tau, scale, payload in leader["applied"]:
-            reached = reached + scale * payload
+        for _, _, part, tau, scale, payload in leader["applied"]:
+            start, end = parts[part]
+            reached[start:end] += scale * payload
         expected_final += grouping.sample_share(g) * reached
     for result in results:  # close() averaged the groups: the same model everywhere
         np.testing.assert_allclose(result["final"], expected_final, rtol=0, atol=1e-12)
@@ -225,6 +311,8 @@ def test_bad_settings_raise_clear_errors():
     assert "must be a Grouping" in messages["grouping_type"]
     assert "no parameters" in messages["no_parameters"]
     assert "flush()" in messages["state_dict_before_flush"]
+    assert "layer_deadline must be True or False" in messages["layer_deadline"]
+    assert "part_bytes" in messages["part_bytes"]
 
 
 def test_dynamic_batches_inside_groups_keep_the_step_exact():

@@ -1,5 +1,6 @@
 """Local worker processes, one gloo rank each, on 127.0.0.1 (a free port)."""
 
+import io
 import queue
 import socket
 import time
@@ -83,7 +84,7 @@ def _collect(processes, results, progress, on_progress, deadline: float) -> dict
             continue
         if not ok:
             raise RuntimeError(f"rank {rank} failed:\n{value}")
-        collected[rank] = value
+        collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
     return collected
 
 
@@ -99,7 +100,11 @@ def _rank_entry(rank, world_size, port, target, args, results, progress) -> None
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     try:
-        results.put((rank, True, target(rank, world_size, *args)))
+        # By value: a tensor put in the queue as such is shared through a handle that dies with
+        # this process, which may exit before the parent has read it.
+        buffer = io.BytesIO()
+        torch.save(target(rank, world_size, *args), buffer)
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:

@@ -14,6 +14,7 @@ from torch.nn.utils import parameters_to_vector
 
 from .._checks import check_choice, check_float, check_int
 from .grouping import Grouping
+from .parts import ForwardClock, Part, split_into_parts
 from .versions import Contribution, VersionBook, inverse_staleness
 
 __all__ = ["GroupSync", "GroupFailedError"]
@@ -69,6 +70,19 @@ class GroupSync:
         lr_scale: this group's learning-rate factor; default its sample share.
         wire_dtype: ``"float32"`` or ``"bfloat16"`` for the exchange between groups; ``None``:
             the parameters' dtype.
+        layer_deadline: the layer-wise soft deadline of CN111027671. Each contribution goes as
+            one message per part (consecutive layers of at least ``part_bytes`` on the wire, in
+            registration order, usually the order they run in), and a round no longer waits
+            for a contribution in full: once the staleness bound is met, it waits for each
+            missing part ``k`` of a contribution that has begun to arrive only until ``resume +
+            before[k]``, where ``resume`` is when the round could give training back and
+            ``before[k]`` this group's measured forward time up to part ``k``'s first layer
+            (when the next forward needs it). A part that misses its deadline is not lost: it
+            is applied at a later round, as stale as it then is (at least one version more),
+            and counted in ``stats()["late_parts"]``. Lockstep (``max_staleness=0``) is then no
+            longer exactly synchronous. The bound counts a contribution once a part of it is in.
+        part_bytes: the smallest part (with ``layer_deadline``); a receiver needs the interpreter
+            lock once per part, so very small parts cost a throttled process time.
         stall_timeout_s: the longest wait for another group (step 2, :meth:`flush`) before
             :class:`GroupFailedError`.
 
@@ -89,6 +103,7 @@ class GroupSync:
                  period: Union[int, Sequence[int]] = 1,
                  max_staleness: int = 4, staleness_scale: Callable[[int], float] = inverse_staleness,
                  lr_scale: Optional[float] = None, wire_dtype: Optional[str] = None,
+                 layer_deadline: bool = False, part_bytes: int = 1 << 18,
                  stall_timeout_s: float = 1800.0):
         if not dist.is_initialized():
             raise RuntimeError("GroupSync needs torch.distributed initialised (init_process_group)")
@@ -107,16 +122,24 @@ class GroupSync:
         self.period = [check_int("period", p, 1) for p in periods][self.group_index]
         self.lr_scale = (grouping.sample_share(self.group_index) if lr_scale is None
                          else check_float("lr_scale", lr_scale, 0.0, 1e9, low_open=True))
-        self.book = VersionBook(len(grouping.groups), self.group_index, max_staleness=max_staleness,
-                                staleness_scale=staleness_scale)
         self.params = [p for p in module.parameters()]
         if not self.params:
             raise ValueError("module has no parameters to synchronise")
         self._numel = sum(p.numel() for p in self.params)
         self.wire_dtype = (self.params[0].dtype if wire_dtype is None else
                            _WIRE_DTYPES[check_choice("wire_dtype", wire_dtype, _WIRE_DTYPES)])
+        if not isinstance(layer_deadline, bool):
+            raise ValueError(f"layer_deadline must be True or False; got {layer_deadline!r}")
+        check_int("part_bytes", part_bytes, 1)
+        wire_size = torch.empty(0, dtype=self.wire_dtype).element_size()
+        self.parts = (split_into_parts(module, self.params, -(-part_bytes // wire_size))
+                      if layer_deadline else [Part(0, self._numel, ())])
+        self.book = VersionBook(len(grouping.groups), self.group_index, max_staleness=max_staleness,
+                                staleness_scale=staleness_scale, num_parts=len(self.parts))
         self._make_process_groups()
         self.is_leader = self.rank == grouping.groups[self.group_index][0]
+        # The leader decides each round's deadlines from its own forward times.
+        self._clock = ForwardClock(module, self.parts) if layer_deadline and self.is_leader else None
         self.local_step, self._flushed_at = 0, 0
         self._waited_s, self._waits, self._bytes_sent = 0.0, 0, 0
         self._base = self._flat().clone() if self.is_leader else None
@@ -166,28 +189,32 @@ class GroupSync:
         thread.start()
         return thread
 
-    def _message_sizes(self):
-        """Bytes of a message: the int64 header (kind, version, the seen vector), then the
-        payload in the wire dtype. One message per contribution, so a receiver thread needs
-        the interpreter lock once per contribution (a throttled process hands it over slowly)."""
-        header = 8 * (2 + len(self.grouping.groups))
-        return header, self._numel * torch.empty(0, dtype=self.wire_dtype).element_size()
+    def _message_sizes(self, part: int):
+        """Bytes of a message: the int64 header (kind, version, part, the seen vector), then the
+        payload of ``part`` in the wire dtype. One message per part (without the layer-wise
+        deadline: per contribution), so a receiver thread needs the interpreter lock once per
+        part (a throttled process hands it over slowly: parts are not made too small)."""
+        header = 8 * (3 + len(self.grouping.groups))
+        numel = self.parts[part].end - self.parts[part].start
+        return header, numel * torch.empty(0, dtype=self.wire_dtype).element_size()
 
     def _receive_from(self, source: int) -> None:
         """Background: every message from group ``source``'s leader, in order, into the inbox."""
         leader = self.grouping.leaders[source]
-        header_bytes, payload_bytes = self._message_sizes()
         try:
-            while True:
-                message = torch.empty(header_bytes + payload_bytes, dtype=torch.uint8)
-                dist.recv(message, leader, group=self._leaders_group)
-                header = message[:header_bytes].view(torch.int64)
-                kind, version, seen = int(header[0]), int(header[1]), tuple(header[2:].tolist())
-                if kind == _CLOSE:
-                    self._inbox.put(("close", (source, version)))
-                    return
-                payload = message[header_bytes:].view(self.wire_dtype)
-                self._inbox.put(("contribution", Contribution(source, version, seen, payload)))
+            while True:  # a contribution's parts in order; a close message is sized as part 0
+                for part in range(len(self.parts)):
+                    header_bytes, payload_bytes = self._message_sizes(part)
+                    message = torch.empty(header_bytes + payload_bytes, dtype=torch.uint8)
+                    dist.recv(message, leader, group=self._leaders_group)
+                    header = message[:header_bytes].view(torch.int64)
+                    kind, version = int(header[0]), int(header[1])
+                    if kind == _CLOSE:
+                        self._inbox.put(("close", (source, version)))
+                        return
+                    payload = message[header_bytes:].view(self.wire_dtype)
+                    self._inbox.put(("contribution", Contribution(
+                        source, version, tuple(header[3:].tolist()), payload, part=int(header[2]))))
                 if kind == _FLUSH:
                     self._inbox.put(("flush", (source, version + 1)))
         except Exception as error:  # noqa: BLE001 (handed to the training thread)
@@ -221,10 +248,12 @@ class GroupSync:
             return
         self.flush()
         if self.is_leader:
-            self._send_all(self._message(_CLOSE, self.book.made, self.book.seen())[0])
+            self._send_all(self._message(_CLOSE, self.book.made, self.book.seen(), 0)[0])
             self._wait_sends()
             for thread in self._threads:
                 thread.join(timeout=self.stall_timeout_s)
+        if self._clock is not None:
+            self._clock.remove()
         self._closed = True
 
     def _check_open(self) -> None:
@@ -257,35 +286,69 @@ class GroupSync:
             self._wait_sends()
             self._drain(lambda: len(self._markers) < len(self._peers()), "flush")
             for h, count in self._markers.items():
-                if self.book.applied[h] + len(self._arrived[h]) != count:
-                    raise RuntimeError(f"group {h} made {count} contributions; {self.book.applied[h]} "
-                                       f"applied and {len(self._arrived[h])} arrived here")
+                self._check_complete(h, count)
             self._markers.clear()
             ready = self._take_arrived(None)
         else:
             self._drain(lambda: self.book.lagging_group(self._arrived_counts(), self._markers) is not None,
                         "the staleness bound")
+            if self._clock is not None:
+                self._await_parts(resume=time.monotonic())
             # max_staleness=0: exactly the other groups' contributions of this group's rounds
-            # (deterministic); otherwise everything that has arrived.
+            # (deterministic without the layer-wise deadline); otherwise everything that has arrived.
             ready = self._take_arrived(self.book.made if self.book.max_staleness == 0 else None)
         return self._combine(ready)
 
+    def _check_complete(self, source: int, count: int) -> None:
+        """After a flush drained group ``source``, which made ``count`` contributions: every part
+        of each is applied or here, once."""
+        here = [sum(c.part == k for c in self._arrived[source]) for k in range(len(self.parts))]
+        done = self.book.part_applied[source]
+        if any(a + n != count for a, n in zip(done, here)):
+            raise RuntimeError(f"group {source} made {count} contributions; per part, {done} applied "
+                               f"and {here} arrived here")
+
+    def _await_parts(self, resume: float) -> None:
+        """The layer-wise soft deadline (CN111027671). The next forward starts at ``resume`` and
+        needs part ``k`` about ``before[k]`` later (measured): wait for each missing part of a
+        contribution that has begun to arrive until ``resume + before[k]``, no longer. A part
+        that misses it is applied at a later round, one version staler (counted in ``stats()``
+        as ``late_parts``)."""
+        while True:
+            now = time.monotonic()
+            below = self.book.made if self.book.max_staleness == 0 else None
+            deadlines = [resume + self._clock.before[k] for k in self._missing_parts(below)]
+            latest = max(deadlines, default=now)
+            if latest <= now:
+                return
+            try:
+                self._take(*self._inbox.get(timeout=latest - now))
+            except queue.Empty:
+                return
+
+    def _missing_parts(self, below: Optional[int]) -> List[int]:
+        return [k for h in self._peers() for _, k in self.book.missing_parts(
+            h, {(c.version, c.part) for c in self._arrived[h]}, below)]
+
     def _contribute(self, kind: int) -> None:
-        """Send this group's progress; a flush's last contribution (``_FLUSH``) also tells the
-        others how many this group has made."""
+        """Send this group's progress, one message per part in order; a flush's last contribution
+        (``_FLUSH``) also tells the others how many this group has made."""
         version = self.book.record_made()
         seen = list(self.book.seen())
         seen[self.group_index] = version
-        message, payload = self._message(kind, version, seen)
-        payload.copy_(self._flat() - self._base)  # in the wire dtype, on the host
-        self._base.add_(payload.to(self._base))  # what rounding left out goes next time
-        self._send_all(message)
+        progress = self._flat() - self._base
+        for k, part in enumerate(self.parts):
+            message, payload = self._message(kind, version, seen, k)
+            payload.copy_(progress[part.start:part.end])  # in the wire dtype, on the host
+            self._base[part.start:part.end].add_(payload.to(self._base))  # rounding goes next time
+            self._send_all(message)
 
-    def _message(self, kind: int, version: int, seen) -> tuple:
+    def _message(self, kind: int, version: int, seen, part: int) -> tuple:
         """A message (host bytes) with its header written, and a view of its payload."""
-        header_bytes, payload_bytes = self._message_sizes()
+        header_bytes, payload_bytes = self._message_sizes(part)
         message = torch.empty(header_bytes + payload_bytes, dtype=torch.uint8)
-        message[:header_bytes] = torch.tensor([kind, version, *seen], dtype=torch.int64).view(torch.uint8)
+        message[:header_bytes] = torch.tensor([kind, version, part, *seen],
+                                              dtype=torch.int64).view(torch.uint8)
         return message, message[header_bytes:].view(self.wire_dtype)
 
     def _send_all(self, message: torch.Tensor) -> None:
@@ -300,7 +363,9 @@ class GroupSync:
         self._sends.clear()
 
     def _arrived_counts(self) -> Dict[int, int]:
-        return {h: len(contributions) for h, contributions in self._arrived.items()}
+        """Per group, its contributions with a part here and none applied yet."""
+        return {h: len({c.version for c in arrived if c.version >= self.book.opened(h)})
+                for h, arrived in self._arrived.items()}
 
     def _take_arrived(self, below: Optional[int]) -> List[Contribution]:
         """Remove and return the arrived contributions (each group's in order), only those with
@@ -320,7 +385,8 @@ class GroupSync:
         for contribution in ready:
             _, scale = self.book.accept(contribution)
             if scale:
-                update.add_(contribution.payload.to(update), alpha=scale)
+                part = self.parts[contribution.part]
+                update[part.start:part.end].add_(contribution.payload.to(update), alpha=scale)
         return update
 
     def _apply(self, update: torch.Tensor) -> None:
