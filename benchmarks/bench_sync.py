@@ -21,9 +21,13 @@ Methods (``--methods``):
   group per rank (torchft's replica groups are single data-parallel ranks), the user's optimizer
   inside, Nesterov SGD momentum 0.9 with lr LR (default 0.7, the paper's) outside, an outer step
   every H inner steps; the lighthouse runs in rank 0's process;
-* ``group_sync_H``: :class:`hetero_comm.sync.GroupSync`, a group per site, DDP inside, the
-  groups' progress exchanged asynchronously every H steps of the slowest group (every group's
-  period proportional to its speed, measured over 10 local steps at the start; bound 2).
+* ``group_sync_H`` or ``group_sync_H_S``: :class:`hetero_comm.sync.GroupSync`, a group per site,
+  DDP inside, the groups' progress exchanged asynchronously every H steps of the slowest group
+  (every group's period proportional to its speed, measured over 10 local steps at the start;
+  staleness bound S, default 2; 0 is lockstep);
+* ``group_sync_deadline_H[_S]``: the same with the layer-wise soft deadline
+  (``layer_deadline=True``); either with ``_bfloat16`` or ``_int8`` at the end: that wire format
+  between the groups.
 
 Workloads (``--workloads``): ``cnn`` (the digits CNN, SGD lr 0.05 momentum 0.9; accuracy) and
 ``gpt`` (the byte-level transformer, AdamW lr 3e-3; validation loss in nats per byte on 64
@@ -56,7 +60,7 @@ WORKLOADS = {
     "cnn": dict(model="cnn", optimizer="sgd", lr=0.05, metric="accuracy"),
     "gpt": dict(model="gpt", optimizer="adamw", lr=3e-3, metric="val_loss"),
 }
-KINDS = ("ddp_sparse", "ddp_dynamic", "ddp", "local_sgd", "diloco", "group_sync")
+KINDS = ("ddp_sparse", "ddp_dynamic", "ddp", "local_sgd", "diloco", "group_sync_deadline", "group_sync")
 DEFAULT_METHODS = ("ddp", "ddp_sparse", "ddp_dynamic", "local_sgd_4", "local_sgd_16", "diloco_4", "diloco_16",
                    "group_sync_4", "group_sync_16")
 
@@ -149,10 +153,12 @@ class Trainer:
         import torch.distributed as dist
         method = self.run["method"]
         kind = next(k for k in KINDS if method == k or method.startswith(k + "_"))
-        self.options = [float(x) for x in method[len(kind) + 1:].split("_") if x]
+        tokens = [x for x in method[len(kind) + 1:].split("_") if x]
+        self.wire = next((x for x in tokens if x in ("bfloat16", "int8")), None)
+        self.options = [float(x) for x in tokens if x != self.wire]
         body = {"ddp": self.train_ddp, "ddp_sparse": self.train_ddp, "ddp_dynamic": self.train_dynamic,
                 "local_sgd": self.train_local_sgd, "diloco": self.train_diloco,
-                "group_sync": self.train_group_sync}[kind]
+                "group_sync": self.train_group_sync, "group_sync_deadline": self.train_group_sync}[kind]
         dist.barrier()  # every rank's clock starts together (a throttled rank loads slower)
         self.start, self.last_eval = time.perf_counter(), 0.0
         self.record_progress(force=True)
@@ -284,10 +290,12 @@ class Trainer:
         from torch.nn.parallel import DistributedDataParallel as DDP
         from hetero_comm.sync import GroupSync, groups_from_sites, periods_for_speeds
         period = int(self.options[0])
+        bound = int(self.options[1]) if len(self.options) > 1 else 2
         grouping = groups_from_sites(SITES)
         speeds = self.measure_speed()
         periods = periods_for_speeds(grouping, speeds, period)
-        sync = GroupSync(self.model, grouping, period=periods, max_staleness=2)
+        sync = GroupSync(self.model, grouping, period=periods, max_staleness=bound, wire_dtype=self.wire,
+                         layer_deadline=self.run["method"].startswith("group_sync_deadline"))
         ddp = DDP(self.model, process_group=sync.process_group)
         optimizer = self.optimizer(sync.lr_scale)
         while not self.out_of_time(sync.process_group):

@@ -99,8 +99,10 @@ def conservation_run(rank, world_size, groups, steps, row_factors, max_staleness
 
     def recording_accept(contribution):
         tau, scale = accept(contribution)
+        part = sync.parts[contribution.part]
+        values = sync.wire.decode(contribution.payload, part.end - part.start)
         applied.append((contribution.source, contribution.version, contribution.part, tau, scale,
-                        contribution.payload.double().numpy().copy()))
+                        values.double().numpy().copy()))
         return tau, scale
 
     sync.book.accept = recording_accept
@@ -179,7 +181,7 @@ def bad_settings(rank, world_size):
         periods=lambda: GroupSync(model, Grouping(((0,), (1,))), period=[4]),
         period_of_other_group=lambda: GroupSync(model, Grouping(((0,), (1,))), period=[4, 0]),
         max_staleness=lambda: GroupSync(model, Grouping(((0,), (1,))), max_staleness=-1),
-        wire_dtype=lambda: GroupSync(model, Grouping(((0,), (1,))), wire_dtype="int8"),
+        wire_dtype=lambda: GroupSync(model, Grouping(((0,), (1,))), wire_dtype="int4"),
         lr_scale=lambda: GroupSync(model, Grouping(((0,), (1,))), lr_scale=0.0),
         grouping_type=lambda: GroupSync(model, [[0], [1]]),
         no_parameters=lambda: GroupSync(nn.Tanh(), Grouping(((0,), (1,)))),

@@ -12,6 +12,7 @@ from hetero_comm.lab.launch import run_ranks
 from hetero_comm.sync import (Contribution, Grouping, VersionBook, groups_from_sites,
                               groups_from_speeds, inverse_staleness, periods_for_speeds)
 from hetero_comm.sync.parts import ForwardClock, split_into_parts
+from hetero_comm.sync.wire import Wire
 
 import sync_workers
 
@@ -237,6 +238,31 @@ def test_late_parts_are_applied_at_the_next_round_one_version_staler():
         VersionBook(2, 0).load_state_dict(state)
 
 
+@pytest.mark.parametrize("name", [None, "float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_wire_formats_give_the_receiver_what_the_sender_counts_as_sent(name, dtype):
+    wire = Wire(name, dtype)
+    g = torch.Generator().manual_seed(0)
+    for numel in (1, 255, 256, 257, 1000):
+        values = torch.randn(numel, generator=g, dtype=dtype) * 10.0 ** torch.randint(
+            -3, 3, (numel,), generator=g)
+        values[:min(numel, 300) // 2] = 0.0  # a block of zeros when numel >= 256 + 128
+        payload = torch.full((wire.payload_bytes(numel),), 0xAB, dtype=torch.uint8)
+        sent = wire.encode_(values, payload)
+        assert sent.dtype == dtype and sent.shape == values.shape
+        torch.testing.assert_close(wire.decode(payload, numel).to(dtype), sent, rtol=0, atol=0)
+        if name == "int8":  # each block within half a step of 1/127 of its largest magnitude
+            assert wire.payload_bytes(numel) == -(-numel // 256) * 260
+            for start in range(0, numel, 256):
+                block = values[start:start + 256]
+                step = block.abs().max().item() / 127
+                assert (sent[start:start + 256] - block).abs().max().item() <= step / 2 * (1 + 1e-5)
+        elif name in (None, "float32") and dtype == torch.float32 or name is None:
+            assert torch.equal(sent, values)
+    with pytest.raises(ValueError, match="wire_dtype"):
+        Wire("int4", torch.float32)
+
+
 # ----- real gloo ranks -------------------------------------------------------------------------
 def test_one_group_is_exactly_ddp():
     for with_sync, plain in run_ranks(2, sync_workers.one_group_against_ddp, 5, timeout=120):
@@ -255,7 +281,7 @@ def test_lockstep_groups_equal_synchronous_training(groups, momentum):
 
 
 @pytest.mark.parametrize("wire_dtype, layer_deadline", [
-    ("float32", False), ("bfloat16", False), ("float32", True), ("bfloat16", True)])
+    ("float32", False), ("bfloat16", False), ("int8", False), ("float32", True), ("int8", True)])
 def test_no_contribution_is_lost_or_counted_twice(wire_dtype, layer_deadline):
     groups, row_factors = ((0,), (1, 2)), (1, 8)
     results = run_ranks(3, sync_workers.conservation_run, groups, 12, row_factors, 2, wire_dtype,

@@ -12,15 +12,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
-from .._checks import check_choice, check_float, check_int
+from .._checks import check_float, check_int
 from .grouping import Grouping
 from .parts import ForwardClock, Part, split_into_parts
 from .versions import Contribution, VersionBook, inverse_staleness
+from .wire import Wire
 
 __all__ = ["GroupSync", "GroupFailedError"]
 
 _CONTRIBUTION, _FLUSH, _CLOSE = 0, 1, 2
-_WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class GroupFailedError(RuntimeError):
@@ -68,8 +68,9 @@ class GroupSync:
         max_staleness: the bound of step 2.
         staleness_scale: ``tau -> scale`` in [0, 1].
         lr_scale: this group's learning-rate factor; default its sample share.
-        wire_dtype: ``"float32"`` or ``"bfloat16"`` for the exchange between groups; ``None``:
-            the parameters' dtype.
+        wire_dtype: the exchange between groups: ``"float32"``, ``"bfloat16"``, or ``"int8"``
+            (blocks of 256 values scaled to [-127, 127] by hetero_comm's ``quantize`` kernel,
+            1.016 bytes a value); ``None``: the parameters' dtype.
         layer_deadline: the layer-wise soft deadline of CN111027671. Each contribution goes as
             one message per part (consecutive layers of at least ``part_bytes`` on the wire, in
             registration order, usually the order they run in), and a round no longer waits
@@ -126,13 +127,12 @@ class GroupSync:
         if not self.params:
             raise ValueError("module has no parameters to synchronise")
         self._numel = sum(p.numel() for p in self.params)
-        self.wire_dtype = (self.params[0].dtype if wire_dtype is None else
-                           _WIRE_DTYPES[check_choice("wire_dtype", wire_dtype, _WIRE_DTYPES)])
+        self.wire = Wire(wire_dtype, self.params[0].dtype)
         if not isinstance(layer_deadline, bool):
             raise ValueError(f"layer_deadline must be True or False; got {layer_deadline!r}")
         check_int("part_bytes", part_bytes, 1)
-        wire_size = torch.empty(0, dtype=self.wire_dtype).element_size()
-        self.parts = (split_into_parts(module, self.params, -(-part_bytes // wire_size))
+        bytes_per_value = self.wire.payload_bytes(1 << 20) / (1 << 20)
+        self.parts = (split_into_parts(module, self.params, max(1, int(part_bytes / bytes_per_value)))
                       if layer_deadline else [Part(0, self._numel, ())])
         self.book = VersionBook(len(grouping.groups), self.group_index, max_staleness=max_staleness,
                                 staleness_scale=staleness_scale, num_parts=len(self.parts))
@@ -196,7 +196,7 @@ class GroupSync:
         part (a throttled process hands it over slowly: parts are not made too small)."""
         header = 8 * (3 + len(self.grouping.groups))
         numel = self.parts[part].end - self.parts[part].start
-        return header, numel * torch.empty(0, dtype=self.wire_dtype).element_size()
+        return header, self.wire.payload_bytes(numel)
 
     def _receive_from(self, source: int) -> None:
         """Background: every message from group ``source``'s leader, in order, into the inbox."""
@@ -212,7 +212,7 @@ class GroupSync:
                     if kind == _CLOSE:
                         self._inbox.put(("close", (source, version)))
                         return
-                    payload = message[header_bytes:].view(self.wire_dtype)
+                    payload = message[header_bytes:]
                     self._inbox.put(("contribution", Contribution(
                         source, version, tuple(header[3:].tolist()), payload, part=int(header[2]))))
                 if kind == _FLUSH:
@@ -339,8 +339,8 @@ class GroupSync:
         progress = self._flat() - self._base
         for k, part in enumerate(self.parts):
             message, payload = self._message(kind, version, seen, k)
-            payload.copy_(progress[part.start:part.end])  # in the wire dtype, on the host
-            self._base[part.start:part.end].add_(payload.to(self._base))  # rounding goes next time
+            sent = self.wire.encode_(progress[part.start:part.end], payload)
+            self._base[part.start:part.end].add_(sent)  # what the wire left out goes next time
             self._send_all(message)
 
     def _message(self, kind: int, version: int, seen, part: int) -> tuple:
@@ -349,7 +349,7 @@ class GroupSync:
         message = torch.empty(header_bytes + payload_bytes, dtype=torch.uint8)
         message[:header_bytes] = torch.tensor([kind, version, part, *seen],
                                               dtype=torch.int64).view(torch.uint8)
-        return message, message[header_bytes:].view(self.wire_dtype)
+        return message, message[header_bytes:]
 
     def _send_all(self, message: torch.Tensor) -> None:
         for h in self._peers():
@@ -386,7 +386,8 @@ class GroupSync:
             _, scale = self.book.accept(contribution)
             if scale:
                 part = self.parts[contribution.part]
-                update[part.start:part.end].add_(contribution.payload.to(update), alpha=scale)
+                values = self.wire.decode(contribution.payload, part.end - part.start)
+                update[part.start:part.end].add_(values.to(update), alpha=scale)
         return update
 
     def _apply(self, update: torch.Tensor) -> None:
