@@ -121,6 +121,7 @@ def conservation_run(rank, world_size, groups, steps, row_factors, max_staleness
     sync.close()
     # numpy arrays travel by value (many tensors would go through shared file descriptors)
     return dict(applied=applied, own=own.numpy(), made=sync.book.made, stats=sync.stats(),
+                checkpoint=sync.state_dict(),  # close() flushed: every part is in
                 parts=[(part.start, part.end) for part in sync.parts],
                 final=parameters_to_vector(model.parameters()).detach().numpy(),
                 initial=parameters_to_vector(make_model().parameters()).detach().numpy())

@@ -212,7 +212,7 @@ def test_late_parts_are_applied_at_the_next_round_one_version_staler():
     for part in (0, 1):
         assert book.accept(Contribution(1, 0, (0, 0), None, part=part)) == (0, 1.0)
     assert book.lagging_group() is None  # opened: the bound counts it
-    assert book.applied == [1, 0] and book.seen() == (1, 0)  # not seen until every part is in
+    assert book.applied == [1, 0] and book.seen() == (1, 1)  # opened counts as seen
     assert book.missing_parts(1, set()) == [(0, 2)]
     with pytest.raises(RuntimeError, match="partly applied"):
         book.state_dict()
@@ -297,6 +297,8 @@ def test_no_contribution_is_lost_or_counted_twice(wire_dtype, layer_deadline):
         for k in range(len(parts)):  # each part of each contribution exactly once, in order
             versions = [version for _, version, part, *_ in leader["applied"] if part == k]
             assert versions == list(range(leaders[other]["made"]))
+        made_by_other = leaders[other]["made"]
+        assert leader["checkpoint"]["book"]["part_applied"][other] == [made_by_other] * len(parts)
         reached = leader["initial"] + leader["own"]
         for _, _, part, tau, scale, payload in leader["applied"]:
             start, end = parts[part]

@@ -82,9 +82,10 @@ class VersionBook:
         return self.made if source == self.index else max(self.part_applied[source])
 
     def seen(self) -> Tuple[int, ...]:
-        """The ``seen`` vector of the contribution this group makes next (contributions applied
-        in full: a partly applied one is not seen)."""
-        return tuple(self.applied)
+        """The ``seen`` vector of the contribution this group makes next: a contribution counts
+        as seen once opened (its late parts are charged their own staleness when they are
+        applied; counting the contribution unseen as well would charge that delay twice)."""
+        return tuple(self.opened(h) for h in range(self.num_groups))
 
     def record_made(self) -> int:
         """Count a contribution made now; return its version."""
