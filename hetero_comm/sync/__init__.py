@@ -5,7 +5,8 @@ inside groups of similar ranks, asynchronous between the groups, stale contribut
   synchronise together, and each group's share of the samples; :func:`periods_for_speeds`:
   a period per group that keeps the groups' rounds at one pace;
 * :class:`GroupSync`: the exchange between groups (point-to-point between the groups' leaders
-  on torch.distributed, in the background), the staleness bound and rule, flush, checkpoints;
+  on torch.distributed, in the background; float32, bfloat16 or int8 on the wire), the staleness
+  bound and rule, the layer-wise soft deadline, flush, checkpoints;
 * :class:`VersionBook`, :func:`inverse_staleness`: versions and staleness, without transport.
 """
 
