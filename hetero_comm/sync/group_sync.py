@@ -340,7 +340,9 @@ class GroupSync:
         for k, part in enumerate(self.parts):
             message, payload = self._message(kind, version, seen, k)
             sent = self.wire.encode_(progress[part.start:part.end], payload)
-            self._base[part.start:part.end].add_(sent)  # what the wire left out goes next time
+            # what the wire left out goes next time (sent is on the host; the base where the
+            # parameters are)
+            self._base[part.start:part.end].add_(sent.to(self._base))
             self._send_all(message)
 
     def _message(self, kind: int, version: int, seen, part: int) -> tuple:

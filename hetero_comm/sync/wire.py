@@ -36,7 +36,7 @@ class Wire:
 
     def encode_(self, values: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
         """Write 1-D ``values`` into ``payload`` (host bytes of :meth:`payload_bytes`); return
-        what :meth:`decode` will give the receiver, in ``values``' dtype."""
+        what :meth:`decode` will give the receiver, in ``values``' dtype, on the host."""
         if self.name != "int8":
             sent = payload.view(self.value_dtype)
             sent.copy_(values)
