@@ -103,7 +103,8 @@ class SignumConfig(TrainConfig):
 
 
 def case(name: str, lr: float, ranks: int) -> TrainConfig:
-    options = dict(GPT, lr=lr, workers=ranks)
+    # the same per-rank batch at every world size, as bench_convergence.py
+    options = dict(GPT, lr=lr, workers=ranks, global_batch=GPT["global_batch"] // 2 * ranks)
     if name == "dense":
         return TrainConfig(hook="dense", **options)
     if name == "densesign":  # the sign step without compression
