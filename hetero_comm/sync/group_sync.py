@@ -440,8 +440,9 @@ class GroupSync:
 
     # ----- statistics and checkpoints -------------------------------------------------------
     def stats(self) -> Dict[str, object]:
-        """This group's counts: contributions made and applied (per group), staleness, the mean
-        scale applied, contributions scaled to zero (``dropped``), waits, bytes this rank sent."""
+        """This group's counts: contributions made and applied in full (per group), parts
+        applied, staleness and the mean scale (per part), parts scaled to zero (``dropped``),
+        parts that missed their round's deadline (``late_parts``), waits, bytes this rank sent."""
         return dict(self.book.stats(), group=self.group_index, local_step=self.local_step,
                     waits=self._waits, waited_s=self._waited_s, bytes_sent=self._bytes_sent)
 
