@@ -34,8 +34,8 @@ Workloads (``--workloads``): ``cnn`` (the digits CNN, SGD lr 0.05 momentum 0.9; 
 windows). The target of "time to target" is ``--target`` / ``--gpt-target``, by default what
 dense DDP reached at the end of its budget.
 
-Output: one table (method, final metric, time to target, steps of rank 0 and of rank 2, bytes
-that left each site, wall seconds), a JSON of every number and a PNG of the metric against
+Output: one table (method, final metric, time to target, steps of rank 0, bytes that left each
+site, wall seconds, and for GroupSync the seconds site a's leader waited and its late parts), a JSON of every number and a PNG of the metric against
 wall time, one line per method, in ``--out``.
 
 ``HC_VERBOSE=1`` shows every rank's stderr (torchft's logs included).
@@ -361,6 +361,11 @@ def target_for(records, workload: str, args) -> float:
     return dense[0]["history"][-1][2]
 
 
+def group_sync_waits(record) -> str:
+    stats = record.get("group_sync_stats")
+    return "" if stats is None else f"{stats['waited_s']:.1f} / {stats['late_parts']}"
+
+
 def report(records, args) -> str:
     targets = ", ".join(f"{w}: {target_for(records, w, args):.3f}"
                         for w in dict.fromkeys(r["workload"] for r in records))
@@ -368,7 +373,8 @@ def report(records, args) -> str:
              f"under {args.slow_site_cores} CPUs; {args.seconds} s of training per method; "
              f"targets ({targets})",
              "| workload | method | final | time to target | rank 0 steps | bytes out of a / b "
-             "(MB) | wall s |", "|---|---|---|---|---|---|---|"]
+             "(MB) | wall s | GroupSync: site a waited s / late parts |",
+             "|---|---|---|---|---|---|---|---|"]
     for record in records:
         metric = WORKLOADS[record["workload"]]["metric"]
         target = target_for(records, record["workload"], args)
@@ -378,7 +384,8 @@ def report(records, args) -> str:
         lines.append(f"| {record['workload']} | {record['method']} | {shown} | "
                      f"{'not reached' if reached is None else f'{reached:.1f} s'} | "
                      f"{record['steps']} | {record['site_bytes'][0] / 1e6:.1f} / "
-                     f"{record['site_bytes'][1] / 1e6:.1f} | {record['seconds']:.0f} |")
+                     f"{record['site_bytes'][1] / 1e6:.1f} | {record['seconds']:.0f} | "
+                     f"{group_sync_waits(record)} |")
     return "\n".join(lines)
 
 

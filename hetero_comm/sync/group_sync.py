@@ -314,9 +314,9 @@ class GroupSync:
         contribution that has begun to arrive until ``resume + before[k]``, no longer. A part
         that misses it is applied at a later round, one version staler (counted in ``stats()``
         as ``late_parts``)."""
+        below = self.book.made if self.book.max_staleness == 0 else None
         while True:
             now = time.monotonic()
-            below = self.book.made if self.book.max_staleness == 0 else None
             deadlines = [resume + self._clock.before[k] for k in self._missing_parts(below)]
             latest = max(deadlines, default=now)
             if latest <= now:
