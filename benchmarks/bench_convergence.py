@@ -70,11 +70,22 @@ ROWS = {
     "sparse_dct_sign_5_bf16_b128": ("segment_sparse 5% DCT blocks of 128, sign, bfloat16", "sparse",
                                     dict(density=0.05, basis="dct", output="sign", wire_dtype="bfloat16",
                                          dct_block_size=128)),
+    # The int8 wire: a byte per value, so about twice bfloat16's density at the same bytes.
+    **{f"sparse_dct_sign_{p}_int8_s512": (f"segment_sparse {p}% DCT basis, sign, int8, segments of 512",
+                                          "sparse", dict(density=p / 100, basis="dct", output="sign",
+                                                         wire_dtype="int8", segment_size=512))
+       for p in (8, 10, 11, 15)},
+    **{f"sparse_{p}_int8_mc_s512": (f"segment_sparse {p}%, int8, segments of 512 + momentum corr.", "sparse",
+                                    dict(density=p / 100, momentum=0.9, wire_dtype="int8", segment_size=512))
+       for p in (8,)},
+    **{f"sparse_dct_{p}_int8_s512": (f"segment_sparse {p}% DCT basis, int8, segments of 512", "sparse",
+                                     dict(density=p / 100, basis="dct", wire_dtype="int8", segment_size=512))
+       for p in (8,)},
 }
 ADAMW_ONLY = {row for row, (_, _, settings) in ROWS.items() if settings.get("output") == "sign"}
 # Without --rows: the peers and one row per hetero_comm mode (the rest is the density sweep).
 DEFAULT_ROWS = ("dense", "fp16", "powersgd_1", "powersgd_4", "sparse_10", "sparse_3", "sparse_1",
-                "sparse_dct_3", "dct_8", "sparse_dct_sign_5.5_bf16_s512")
+                "sparse_dct_3", "dct_8", "sparse_dct_sign_5.5_bf16_s512", "sparse_dct_sign_10_int8_s512")
 
 
 def run(workload: str, ranks: int, row: str, quick: bool, epochs: Optional[int] = None) -> Optional[dict]:

@@ -22,6 +22,8 @@ CASES = [
     ("dct", dict(block_size=64, keep_ratio=0.25, bits=16, band="low", warmup_steps=2)),
     ("sparse", dict(density=0.05, segment_size=64, warmup_steps=2)),
     ("sparse", dict(density=0.05, segment_size=64, basis="dct", output="sign", warmup_steps=2)),
+    ("sparse", dict(density=0.1, segment_size=64, basis="dct", output="sign", wire_dtype="int8",
+                    warmup_steps=2)),
 ]
 
 

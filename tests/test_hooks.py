@@ -13,6 +13,7 @@ from hetero_comm.hooks import (AllreduceState, DCTQuantState, SegmentSparseState
                                dct_quant_hook, segment_sparse_hook)
 from hetero_comm import reference
 from hetero_comm.hooks._basis import DctBasis
+from hetero_comm.hooks.segment_sparse import int8_levels
 from hetero_comm.hooks.dct_quant import pack_int16_pairs, quantization_levels, unpack_int16_pair_sums
 from hetero_comm.lab.launch import run_ranks
 from hook_workers import (load_into_another_model, loaded, loaded_residual_total,
@@ -75,6 +76,8 @@ def test_dct_keeping_every_coefficient_is_within_quantization_error(world_size, 
     ("sparse", dict(SPARSE, wire_dtype="float16", density_warmup_steps=3)),
     ("sparse", dict(SPARSE, basis="dct", dct_block_size=8)),
     ("sparse", dict(SPARSE, basis="dct", dct_block_size=4, selection="lagged")),
+    ("sparse", dict(SPARSE, wire_dtype="int8")),
+    ("sparse", dict(SPARSE, wire_dtype="int8", basis="dct", dct_block_size=8)),
     ("dct", DCT),
     ("dct", dict(DCT, bits=16, band="low")),
     ("dct", dict(DCT, bits=32)),
@@ -173,6 +176,7 @@ def test_no_sync_gradient_accumulation(hook, settings_):
     ("sparse", SPARSE),
     ("sparse", dict(SPARSE, selection="lagged", momentum=0.9)),
     ("sparse", dict(SPARSE, basis="dct", dct_block_size=8, output="sign")),
+    ("sparse", dict(SPARSE, wire_dtype="int8", momentum=0.9)),
     ("dct", DCT),
 ])
 @pytest.mark.parametrize("bucket_cap_mb", [25, 0.002])
@@ -261,6 +265,7 @@ NON_FINITE_CASES = [
     # Every segment is sent, so zeroing the sent importance would hide the NaN.
     ("sparse", dict(SPARSE, selection="lagged", density=1.0, wire_dtype="float16")),
     ("sparse", dict(SPARSE, basis="dct", dct_block_size=8)),
+    ("sparse", dict(SPARSE, wire_dtype="int8")),
     ("dct", DCT),
 ]
 
@@ -305,13 +310,44 @@ def test_stats_count_bytes_on_the_wire():
     assert stats["encode_seconds"] > 0 and stats["decode_seconds"] > 0
 
 
+def test_int8_wire_sends_a_byte_per_value_and_sums_exact_integers():
+    """Per compressed step: the importance (S float32) and k segments of one byte each. At
+    full density, in the first compressed step (nothing carried over from the dense one), the
+    applied sum is within half a step per rank of the exact sum (3 ranks, 42 steps each way of
+    a scale shared by every rank, 4x the ranks' mean RMS of the segment)."""
+    results = run_ranks(3, train, "sparse", dict(SPARSE, wire_dtype="int8"), 6)
+    stats, numel = results[0]["stats"], results[0]["params"].size
+    segments = math.ceil(numel / 16)
+    k = math.ceil(0.05 * segments)
+    assert stats["bytes_sent"] == 2 * numel * 4 + 4 * (segments * 4 + k * 16)
+    assert_ranks_identical(results)
+
+    # Segments of one element: the scale is 4x the mean |value| over ranks (no rank exceeds
+    # it, so nothing is clipped) and the check does not depend on DDP's bucket layout.
+    full = run_ranks(3, train, "sparse", dict(SPARSE, wire_dtype="int8", density=1.0, warmup_steps=1,
+                                              segment_size=1), 3)
+    ranks = [r["produced"][1] for r in full]
+    step = 4 * sum(np.abs(a) for a in ranks) / 3 / 42
+    error = np.abs(full[0]["applied"][1] - sum(ranks))
+    assert (error <= 1.5 * step * (1 + 1e-5) + 1e-12).all()
+    assert (error > 1e-3 * step).any()  # the integers do round
+    assert_ranks_identical(full)
+
+
+def test_int8_wire_refuses_a_world_its_integers_cannot_sum():
+    assert int8_levels(2) == 63 and int8_levels(3) == 42 and int8_levels(63) == 2
+    with pytest.raises(ValueError, match="at most 63 ranks"):
+        int8_levels(64)
+
+
 @pytest.mark.parametrize("make,match", [
     (lambda: SegmentSparseState(density=0.0), r"density must be a number in \(0.0, 1.0\]"),
     (lambda: SegmentSparseState(density=1.5), "density"),
     (lambda: SegmentSparseState(segment_size=0), r"segment_size must be an integer in \[1, 1048576\]"),
     (lambda: SegmentSparseState(selection="stale"), "selection must be one of"),
     (lambda: SegmentSparseState(momentum=1.0), "momentum"),
-    (lambda: SegmentSparseState(wire_dtype="int8"), "wire_dtype must be one of"),
+    (lambda: SegmentSparseState(wire_dtype="int4"), "wire_dtype must be one of"),
+    (lambda: SegmentSparseState(wire_dtype="int8", selection="lagged"), "wire_dtype='int8' needs selection='current'"),
     (lambda: SegmentSparseState(warmup_steps=0), r"warmup_steps must be an integer >= 1"),
     (lambda: SegmentSparseState(min_compress_numel=-1), "min_compress_numel"),
     (lambda: SegmentSparseState(rank_weight=-0.5), "rank_weight"),

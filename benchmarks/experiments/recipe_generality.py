@@ -4,12 +4,18 @@ two learning rates, on the digits CNN (also at higher density), and on the trans
 1e-3; each against dense and torch's PowerSGD rank 4, 2 ranks. Prints one line per case.
 Results: benchmarks/results/recipe_generality.txt.
 
-Usage: python benchmarks/experiments/recipe_generality.py
+Usage: python benchmarks/experiments/recipe_generality.py [--wire int8] [--no-peers]
+(--wire int8: the recipe at 10% on the int8 wire instead of 5.5% in bfloat16; --no-peers: the
+recipe's rows only, dense and PowerSGD being deterministic and already measured.)
 """
+
+import argparse
+import sys
 
 from hetero_comm.lab.training import TrainConfig, run_training
 
 RECIPE = dict(density=0.055, segment_size=512, wire_dtype="bfloat16", basis="dct", output="sign")
+INT8_RECIPE = dict(RECIPE, density=0.10, wire_dtype="int8")
 CASES = [
     ("mlp", dict(model="mlp", optimizer="adamw", lr=1e-3, weight_decay=0.01, epochs=8, global_batch=64), ()),
     ("mlp", dict(model="mlp", optimizer="adamw", lr=3e-3, weight_decay=0.01, epochs=8, global_batch=64), ()),
@@ -30,9 +36,17 @@ def measure(hook: str, settings: dict, options: dict) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--wire", choices=("bfloat16", "int8"), default="bfloat16")
+    parser.add_argument("--no-peers", action="store_true")
+    args = parser.parse_args()
+    print("python " + " ".join(sys.argv), flush=True)
+    recipe = INT8_RECIPE if args.wire == "int8" else RECIPE
+    peers = [] if args.no_peers else [("dense", "dense", {}),
+                                      ("PowerSGD rank 4", "powersgd", dict(matrix_approximation_rank=4))]
     for model, options, more in CASES:
-        rows = [("dense", "dense", {}), ("PowerSGD rank 4", "powersgd", dict(matrix_approximation_rank=4)),
-                ("recipe", "sparse", RECIPE)] + [(name, "sparse", s) for name, s in more]
+        extra = [] if args.wire == "int8" else [(name, "sparse", s) for name, s in more]
+        rows = peers + [("recipe", "sparse", recipe)] + extra
         cells = [f"{name}: {measure(hook, settings, options)}" for name, hook, settings in rows]
         print(f"{model} AdamW lr {options['lr']}: " + " | ".join(cells), flush=True)
 
