@@ -4,7 +4,8 @@ two learning rates, on the digits CNN (also at higher density), and on the trans
 1e-3; each against dense and torch's PowerSGD rank 4, 2 ranks. Prints one line per case.
 Results: benchmarks/results/recipe_generality.txt.
 
-Usage: python benchmarks/experiments/recipe_generality.py [--wire int8] [--no-peers]
+Usage: python benchmarks/experiments/recipe_generality.py [--wire int8] [--density 0.1]
+       [--models mlp,cnn,gpt] [--no-peers]
 (--wire int8: the recipe at 10% on the int8 wire instead of 5.5% in bfloat16; --no-peers: the
 recipe's rows only, dense and PowerSGD being deterministic and already measured.)
 """
@@ -38,14 +39,20 @@ def measure(hook: str, settings: dict, options: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--wire", choices=("bfloat16", "int8"), default="bfloat16")
+    parser.add_argument("--density", type=float, help="the recipe's density (default: 0.055 bfloat16, 0.1 int8)")
+    parser.add_argument("--models", default="mlp,cnn,gpt")
     parser.add_argument("--no-peers", action="store_true")
     args = parser.parse_args()
     print("python " + " ".join(sys.argv), flush=True)
     recipe = INT8_RECIPE if args.wire == "int8" else RECIPE
+    if args.density is not None:
+        recipe = dict(recipe, density=args.density)
     peers = [] if args.no_peers else [("dense", "dense", {}),
                                       ("PowerSGD rank 4", "powersgd", dict(matrix_approximation_rank=4))]
     for model, options, more in CASES:
-        extra = [] if args.wire == "int8" else [(name, "sparse", s) for name, s in more]
+        if model not in args.models.split(","):
+            continue
+        extra = [] if args.wire == "int8" or args.density is not None else [(name, "sparse", s) for name, s in more]
         rows = peers + [("recipe", "sparse", recipe)] + extra
         cells = [f"{name}: {measure(hook, settings, options)}" for name, hook, settings in rows]
         print(f"{model} AdamW lr {options['lr']}: " + " | ".join(cells), flush=True)
