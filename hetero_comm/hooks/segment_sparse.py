@@ -13,8 +13,8 @@ group of blocks, see :mod:`._basis`), so that a sparse selection moves almost ev
 coordinate at every step; ``output="sign"`` delivers the sign of the agreed sum, the step
 that makes such a selection train well with Adam-family optimizers (see the README's
 "Compression with AdamW"). ``wire_dtype="int8"`` sends a byte per value, rounded to a step
-every rank shares, so the allreduce sums exact integers and the same bytes carry twice
-bfloat16's density.
+every rank shares, so the allreduce sums exact integers and the same bytes carry about twice
+bfloat16's density (the importance, a float32 per segment, is the same on every wire).
 """
 
 import math
@@ -206,7 +206,7 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
     # 3. Pack (lagged, from the previous selection: with the importance riding along).
     packed_numel = k * segment
     wire = pool.acquire(packed_numel + (0 if agree_now else count), WIRE_DTYPES[state.wire_dtype], grad.device)
-    integers = _IntegerWire(state, levels, importance, indices) if levels else None
+    integers = _IntegerWire(state, levels, importance, indices, space.numel) if levels else None
     with state.timer("encode_seconds"):
         # Lagged: zeroing the sent segments below could hide a NaN; flag it first (on the device).
         local_finite = None if agree_now else torch.isfinite(importance).all()
@@ -278,18 +278,24 @@ class _IntegerWire:
     """The int8 wire: the selected segments as integers in steps every rank shares.
 
     A segment's scale (the value sent as ``levels`` steps) is ``INT8_CLIP_RMS`` times the ranks'
-    mean RMS there, ``importance / (world_size * sqrt(segment_size))`` from the agreed
-    importance (the sum of the ranks' norms), so every rank rounds to the same grid and the
-    allreduce's integer sum is exact (``world_size * levels <= 127``)."""
+    mean RMS there; that RMS, ``importance / (world_size * sqrt(elements))``, comes from the
+    agreed importance (the sum of the ranks' norms), so every rank rounds to the same grid and
+    the allreduce's integer sum is exact (``world_size * levels <= 127``). Many ranks leave few
+    levels (32 ranks: 3 each way, close to ternary); error feedback carries the rest."""
 
     def __init__(self, state: SegmentSparseState, levels: int, importance: torch.Tensor,
-                 indices: torch.Tensor) -> None:
+                 indices: torch.Tensor, numel: int) -> None:
         self.state, self.levels, self.indices, self.k = state, levels, indices, indices.numel()
         device = importance.device
         self.values = state.pool.acquire(self.k * state.segment_size, torch.float32, device)
         self.scale = state.pool.acquire(self.k, torch.float32, device)
         torch.index_select(importance, 0, indices, out=self.scale)
-        self.scale.mul_(INT8_CLIP_RMS / (state.world_size() * math.sqrt(state.segment_size)))
+        segment, count = state.segment_size, importance.numel()
+        self.scale.mul_(INT8_CLIP_RMS / (state.world_size() * math.sqrt(segment)))
+        tail = numel - (count - 1) * segment  # the last segment may be short: its RMS is over tail
+        if tail < segment:
+            self.scale.mul_(torch.where(indices == count - 1, math.sqrt(segment / tail), 1.0))
+        self.scale.clamp_(max=torch.finfo(torch.float32).max)  # a huge finite norm: no infinite step
         self.buffers = (self.values, self.scale)
 
     def pack_(self, space: "_Segmented", wire: torch.Tensor, finite: Optional[torch.Tensor]) -> None:
