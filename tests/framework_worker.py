@@ -2,8 +2,9 @@
 
     python -m torch.distributed.run --nproc_per_node 2 tests/framework_worker.py FRAMEWORK HOOK OUT
 
-For FRAMEWORK in ``lightning`` / ``accelerate`` and HOOK a key of ``CASES`` (``dct_sign``: the
-sparse hook's AdamW recipe, with AdamW betas (0, 0); the others with SGD): an
+For FRAMEWORK in ``lightning`` / ``accelerate`` and HOOK a key of ``CASES`` (``dct_sign*``: the
+sparse hook's AdamW recipe, in bfloat16 or on the int8 wire, with AdamW betas (0, 0); the
+others with SGD): an
 uninterrupted run, the same run stopped half-way, saved through the framework's own
 checkpoint and resumed in fresh objects, and a run with gradient accumulation. Each rank
 writes what it ended with to ``OUT/rank<r>.pt``.
@@ -21,7 +22,9 @@ from hetero_comm.lab.registry import HOOKS
 CASES = {"sparse": ("sparse", dict(density=0.05, segment_size=16, warmup_steps=2)),
          "dct": ("dct", dict(block_size=16, keep_ratio=0.25, bits=8, warmup_steps=2)),
          "dct_sign": ("sparse", dict(density=0.05, segment_size=4, basis="dct", dct_block_size=8,
-                                     wire_dtype="bfloat16", output="sign", warmup_steps=2))}
+                                     wire_dtype="bfloat16", output="sign", warmup_steps=2)),
+         "dct_sign_int8": ("sparse", dict(density=0.1, segment_size=4, basis="dct", dct_block_size=8,
+                                          wire_dtype="int8", output="sign", warmup_steps=2))}
 
 
 def make_hook_state(case):
@@ -31,7 +34,7 @@ def make_hook_state(case):
 
 
 def make_optimizer(parameters, case):
-    if case == "dct_sign":
+    if case.startswith("dct_sign"):
         return torch.optim.AdamW(parameters, lr=1e-3, betas=(0.0, 0.0), weight_decay=0.01)
     return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
 SAMPLES, BATCH = 256, 8  # per rank: 16 steps an epoch

@@ -37,7 +37,7 @@ def torchrun(*args, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("hook", ["sparse", "dct", "dct_sign"])
+@pytest.mark.parametrize("hook", ["sparse", "dct", "dct_sign", "dct_sign_int8"])
 @pytest.mark.parametrize("framework", ["lightning", "accelerate"])
 def test_hook_runs_and_resumes_exactly_through_the_frameworks_checkpoint(framework, hook, tmp_path):
     """Rank 0 writes the framework's checkpoint and every rank loads it: the resumed run ends
