@@ -5,6 +5,7 @@ processes can import them.
 
 import copy
 import io
+import traceback
 
 import numpy as np
 import torch
@@ -287,8 +288,8 @@ def steady_step_host_syncs(rank, world_size, hook, settings, warmup_steps=4):
                 optimizer.zero_grad()
                 ddp(batch).square().mean().backward()
                 optimizer.step()
-            except RuntimeError as error:
-                return f"step {step}: {error}"
+            except RuntimeError as error:  # with where it happened: the sync's Python frame
+                return f"step {step}: {error}\n{traceback.format_exc()}"
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()

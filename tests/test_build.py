@@ -15,7 +15,7 @@ import torch
 import hetero_comm
 from hetero_comm import ops, reference
 from hetero_comm._kernels import KERNEL_OPS, KERNELS
-from kernel_cases import require_compiled
+from kernel_cases import DEVICES, require_compiled
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,12 +94,49 @@ def needed_libraries(path) -> list:
     return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic.stdout)
 
 
+# libstdc++'s own stream and locale code, which only a private (static) copy puts in a library:
+# these are compiled into libstdc++.so, never instantiated from the headers.
+PRIVATE_LIBSTDCXX = re.compile(r" std::(locale::|ios_base::|num_put<)"
+                               r"|basic_ostream<char, std::char_traits<char> >::_M_insert<")
+
+
+def private_libstdcxx_symbols(path) -> list:
+    """Symbols of libstdc++'s stream and locale code that ``path`` defines itself (``nm``)."""
+    nm = shutil.which("nm")
+    assert nm, "nm (binutils, which the build's linker comes with) is not on PATH"
+    listing = subprocess.run([nm, "-C", "--defined-only", str(path)], capture_output=True,
+                             text=True, check=True).stdout
+    return [line for line in listing.splitlines() if PRIVATE_LIBSTDCXX.search(line)]
+
+
 def test_the_extension_links_libstdcxx_dynamically():
     # A private static libstdc++ next to torch's shared one crashed c10::str (a SIGSEGV on
-    # the first error message containing a number).
+    # the first error message containing a number). NEEDED alone is not enough: on the H100
+    # image a build with the shared library NEEDED still crashed so on CUDA ops (issue 12), so
+    # the extension must not carry the stream code itself either.
     require_compiled()
     from hetero_comm import _C
     assert "libstdc++.so.6" in needed_libraries(_C.__file__), needed_libraries(_C.__file__)
+    assert private_libstdcxx_symbols(_C.__file__) == []
+
+
+@DEVICES
+def test_an_error_message_with_a_number_raises_instead_of_crashing(device):
+    # Issue 12's bug 2, still seen on an H100 after the link fix: every CUDA op's rejection
+    # whose message formats an integer killed the process. In a subprocess, so that a crash
+    # fails this test alone, with its signal.
+    require_compiled()
+    script = textwrap.dedent(f"""
+        import torch
+        from hetero_comm import ops
+        try:
+            ops.segment_accumulate_(torch.ones(10, device="{device}"), torch.ones(11, device="{device}"), 4)
+        except ValueError as error:
+            print(error)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert "as many elements as residual" in result.stdout and "11" in result.stdout, result.stdout
 
 
 def test_setup_link_flags_keep_libstdcxx_shared_under_a_static_toolchain(tmp_path):
@@ -117,9 +154,9 @@ def test_setup_link_flags_keep_libstdcxx_shared_under_a_static_toolchain(tmp_pat
         target = tmp_path / f"{name}.so"
         subprocess.run([compiler, "-shared", "-fPIC", "-static-libstdc++", str(source), *extra,
                         "-o", str(target)], check=True, capture_output=True, timeout=120)
-        built[name] = needed_libraries(target)
-    assert "libstdc++.so.6" not in built["static"], built   # the failure the flags prevent
-    assert "libstdc++.so.6" in built["fixed"], built
+        built[name] = (needed_libraries(target), len(private_libstdcxx_symbols(target)))
+    assert "libstdc++.so.6" not in built["static"][0] and built["static"][1] > 0, built  # what the flags prevent
+    assert "libstdc++.so.6" in built["fixed"][0] and built["fixed"][1] == 0, built
 
 
 def test_every_subpackage_is_installed():

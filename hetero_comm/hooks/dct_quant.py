@@ -134,26 +134,27 @@ class DCTQuantState(ErrorFeedbackState):
             return None
         return (step * (self.keep - low)) % (self.block_size - low)
 
-    def frequencies(self, step: int) -> Optional[torch.Tensor]:
+    def frequencies(self, step: int, device: Optional[torch.device] = None) -> Optional[torch.Tensor]:
         """Indices of the coefficients sent at ``step``, ascending (``None``: the lowest
-        ``keep``). The same on every rank: a function of the step alone."""
+        ``keep``), made on ``device`` (no copy from the host). The same on every rank: a
+        function of the step alone."""
         start = self._band_start(step)
         if start is None:
             return None
         low = (self.keep + 1) // 2
-        cycling = low + (start + torch.arange(self.keep - low)) % (self.block_size - low)
-        return torch.cat([torch.arange(low), cycling.sort().values])
+        cycling = low + (start + torch.arange(self.keep - low, device=device)) % (self.block_size - low)
+        return torch.cat([torch.arange(low, device=device), cycling.sort().values])
 
     def frequencies_on(self, step: int, device: torch.device) -> Optional[torch.Tensor]:
         """:meth:`frequencies` on ``device``, kept: the band repeats after at most
-        ``block_size`` steps, so no step copies it to the GPU again (and no freed band can
-        be reused while a callback's kernels still read it)."""
+        ``block_size`` steps, and no freed band can be reused while a callback's kernels still
+        read it. Made on the device: a copy from pageable host memory would wait for the GPU."""
         start = self._band_start(step)
         if start is None:
             return None
         key = (start, str(device))
         if key not in self._bands_on_device:
-            self._bands_on_device[key] = self.frequencies(step).to(device)
+            self._bands_on_device[key] = self.frequencies(step, device)
         return self._bands_on_device[key]
 
     def __getstate__(self) -> dict:

@@ -214,8 +214,8 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
         space.keep_unsent()
         if state.momentum:  # sent segments' velocity restarts from zero
             _clear_segments(state, plan_bucket.tensors["momentum"], indices)
-        if lagged:  # sent segments are no longer held back
-            importance[indices] = 0.0
+        if lagged:  # sent segments are no longer held back (index_fill_: no host sync on CUDA)
+            importance.index_fill_(0, indices, 0.0)
         if not agree_now:
             _load_importance(wire[packed_numel:], importance, local_finite, state.world_size())
         state.drop_unless(finite, wire)  # CUDA, non-finite: the sum, and the gradient, are zero

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One lease on a GPU machine: build the CUDA extension, record the compiler's resource usage, run
+# the CUDA tests, then (optionally) the CUDA benchmarks. Everything lands under $OUT (default
+# ./gpu_out). Steps are picked by name so that one call can do what a short lease allows:
+#
+#   bash benchmarks/gpu_check.sh build kernels hooks bench
+#
+# Runs from the repository root with the machine's own python3 (which holds a CUDA torch).
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# -P: the source tree must not shadow the installed package, which holds the compiled _C.
+PY="python3 -P"
+
+for step in "$@"; do
+  case "$step" in
+  build)
+    nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    fi
+    start=$(date +%s)
+    HETERO_COMM_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=16 \
+      python3 -m pip install -v --no-build-isolation --no-deps --no-index . >"$OUT/build.log" 2>&1 \
+      || { tail -40 "$OUT/build.log"; exit 1; }
+    echo "build: $(( $(date +%s) - start )) s"
+    $PY -c "import hetero_comm; print('cuda backend:', hetero_comm.kernel_backend('cuda'))"
+    so=$($PY -c "import hetero_comm._C as c; print(c.__file__)")
+    cuobjdump --dump-resource-usage "$so" >"$OUT/resource_usage.txt" 2>&1
+    grep -c "REG:" "$OUT/resource_usage.txt" | sed 's/^/kernels with resource lines: /'
+    ;;
+  linkdiag)  # issue 12 bug 2: what the extension links, and a native backtrace of a rejected call
+    so=$($PY -c "import hetero_comm._C as c; print(c.__file__)")
+    readelf -d "$so" | grep NEEDED
+    echo "std:: symbols defined in _C: $(nm -C --defined-only "$so" | grep -c ' std::')"
+    grep -E "^(c\+\+|g\+\+|x86_64.*g\+\+|/usr/bin/(c|g)\+\+).* -shared" "$OUT/build.log" | tail -1 | cut -c1-1500
+    grep -m2 -E "nvcc .*select_segments" "$OUT/build.log" | cut -c1-600
+    for tool in c++ g++; do echo "$tool: $(readlink -f "$(command -v $tool)") $($tool -dumpfullversion)"; done
+    nvcc --version | tail -2
+    bad="import torch; from hetero_comm import ops; ops.segment_accumulate_(torch.ones(10, device='DEV'), torch.ones(11, device='DEV'), 4)"
+    for dev in cpu cuda; do
+      $PY -X faulthandler -c "${bad//DEV/$dev}" 2>&1 | grep -E "Error|Segmentation" | head -2
+    done
+    cuda-gdb -batch -ex run -ex bt --args python3 -P -c "${bad//DEV/cuda}" 2>&1 | grep -E "^#|signal" | head -30
+    ;;
+  kernels)
+    PYTHONPATH=/tmp/site timeout 300 $PY -m pytest -q -p no:cacheprovider -n 8 -k cuda \
+      tests/test_cuda_kernels.py tests/test_segments.py tests/test_dct.py tests/test_quantize.py \
+      tests/test_buffer_pool.py 2>&1 | tee "$OUT/kernels.log" | tail -30
+    ;;
+  hooks)
+    PYTHONPATH=/tmp/site timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_hooks.py ${HOOK_TESTS:-} \
+      2>&1 | tee "$OUT/hooks.log" | tail -40
+    ;;
+  bench)
+    timeout 240 $PY benchmarks/bench_kernels.py --device cuda --json "$OUT/bench_kernels_cuda.json" \
+      2>&1 | tee "$OUT/bench_kernels_cuda.txt" | tail -40
+    ;;
+  hookbench)
+    timeout 180 $PY benchmarks/bench_hooks.py --device cuda --json "$OUT/bench_hooks_cuda.json" \
+      2>&1 | tee "$OUT/bench_hooks_cuda.txt" | tail -30
+    ;;
+  *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
