@@ -3,6 +3,7 @@
 import math
 import pickle
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -338,6 +339,36 @@ def test_int8_wire_refuses_a_world_its_integers_cannot_sum():
     assert int8_levels(2) == 63 and int8_levels(3) == 42 and int8_levels(63) == 2
     with pytest.raises(ValueError, match="at most 63 ranks"):
         int8_levels(64)
+
+
+def _optimizer(kind, **settings):
+    parameters = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))]
+    groups = [{"params": parameters[:1]}, {"params": parameters[1:], **settings.pop("second", {})}]
+    return getattr(torch.optim, kind)(groups, lr=1e-3, **settings)
+
+
+@pytest.mark.parametrize("output,optimizer,warns", [
+    ("sign", lambda: _optimizer("AdamW", betas=(0.0, 0.0)), None),
+    ("sign", lambda: _optimizer("Adam", betas=(0.0, 0.0)), None),
+    ("sign", lambda: _optimizer("AdamW"), r"betas=\(0.0, 0.0\).*found betas \[\(0.9, 0.999\)\]"),
+    ("sign", lambda: _optimizer("AdamW", betas=(0.0, 0.0), second={"betas": (0.9, 0.999)}),
+     r"found betas \[\(0.0, 0.0\), \(0.9, 0.999\)\]"),  # one group left at the defaults
+    ("sign", lambda: _optimizer("SGD", momentum=0.9), "found SGD, which has no betas"),
+    ("sum", lambda: _optimizer("AdamW"), None),
+    ("sum", lambda: _optimizer("SGD", momentum=0.9), None),
+])
+def test_check_optimizer_warns_when_the_step_does_not_suit_the_output(output, optimizer, warns):
+    state = SegmentSparseState(density=0.1, basis="dct", output=output)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state.check_optimizer(optimizer())
+        AllreduceState().check_optimizer(optimizer())  # any optimizer suits a dense hook
+    messages = [str(w.message) for w in caught]
+    if warns is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and re.search(warns, messages[0]), messages
+        assert caught[0].category is UserWarning
 
 
 @pytest.mark.parametrize("make,match", [

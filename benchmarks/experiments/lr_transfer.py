@@ -1,6 +1,7 @@
 """Does a compressed recipe keep the user's AdamW learning rate? The transformer of
 bench_convergence.py (gpt_adamw), 2 ranks, at several learning rates: dense AdamW, the
-DCT-sign recipe (AdamW betas (0, 0)), and candidates that keep AdamW's betas. Prints one line
+DCT-sign recipe (AdamW betas (0, 0); bfloat16 5.5% or int8 10%), and candidates that keep
+AdamW's betas (the int8 recipe with AdamW's default betas among them). Prints one line
 per run. Results: benchmarks/results/lr_transfer.txt.
 
 Usage: python benchmarks/experiments/lr_transfer.py [--cases dense,recipe] [--lrs 1e-3,3e-3]
@@ -19,6 +20,7 @@ from hetero_comm.lab.training import TrainConfig, run_training
 GPT = dict(model="gpt", hidden=128, optimizer="adamw", weight_decay=0.01, lr_warmup_steps=30,
            lr_schedule="cosine", clip_norm=1.0, epochs=4, global_batch=32)
 SPARSE = dict(density=0.055, segment_size=512, wire_dtype="bfloat16", basis="dct")
+SPARSE_INT8 = dict(density=0.10, segment_size=512, wire_dtype="int8", basis="dct")
 
 
 class FrozenVarianceAdamW(torch.optim.Optimizer):
@@ -72,6 +74,14 @@ class SignConfig(TrainConfig):
         return (0.0, 0.0)
 
 
+@dataclasses.dataclass
+class DefaultBetasConfig(TrainConfig):
+    """The recipe run by a user who keeps AdamW's default betas (0.9, 0.999)."""
+
+    def adam_betas(self):
+        return (0.9, 0.999)
+
+
 def _momentum_before_sign(beta: float) -> None:
     """Experiment: the hook's sign output takes the sign of a momentum of the agreed sums
     (``v = beta * v + sum``, the same on every rank), not of the sum itself."""
@@ -111,6 +121,10 @@ def case(name: str, lr: float, ranks: int) -> TrainConfig:
         return SignConfig(hook="dense", **options)
     if name == "recipe":
         return TrainConfig(hook="sparse", hook_settings=dict(SPARSE, output="sign"), **options)
+    if name == "recipe_int8":  # the README's recipe: 10% on the int8 wire
+        return TrainConfig(hook="sparse", hook_settings=dict(SPARSE_INT8, output="sign"), **options)
+    if name == "recipe_int8_userbetas":  # the same, AdamW left at its default betas
+        return DefaultBetasConfig(hook="sparse", hook_settings=dict(SPARSE_INT8, output="sign"), **options)
     if name.startswith("signum"):  # signum<beta>: the recipe with momentum before the sign
         return SignumConfig(hook="sparse", hook_settings=dict(SPARSE, output="sign"),
                             beta=float(name[len("signum"):]), **options)

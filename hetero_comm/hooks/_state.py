@@ -156,6 +156,10 @@ class HookState:
             return None
         return kept_layout(self._dropped_units, parameters)
 
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Warn if ``optimizer`` does not suit what this hook hands DDP (see
+        :meth:`SegmentSparseState.check_optimizer`); the other hooks suit any optimizer."""
+
     # ------------------------------------------------------------------------ statistics
     def stats(self) -> dict:
         """Totals since construction (or the loaded checkpoint).

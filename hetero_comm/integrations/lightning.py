@@ -44,6 +44,8 @@ class HeteroCommCallback(Callback):
             raise ValueError("the DDP strategy has a ddp_comm_hook of its own (Lightning registers "
                              "it on CUDA only): give the hook to HeteroCommCallback alone")
         model.register_comm_hook(self.state, self.hook)
+        for optimizer in trainer.optimizers:  # configured by now (Lightning's setup precedes this)
+            self.state.check_optimizer(optimizer)
 
     def state_dict(self) -> Dict[str, Any]:
         return self.state.state_dict()  # a collective: Lightning calls it on every rank
