@@ -324,10 +324,12 @@ class _IntegerWire:
         self.state.drop_unless(finite, self.values)  # CUDA, non-finite: quantize zeros, send zeros
         integers = wire.view(self.k, segment)
         ops.quantize(values, self.scale, self.levels, torch.int8, out=integers)
-        values.sub_(ops.dequantize(integers, self.scale, self.levels))
-        left = self.state.pool.acquire(numel, torch.float32, space.vector.device)
+        pool, device = self.state.pool, space.vector.device
+        rounded = pool.acquire(self.k * segment, torch.float32, device)
+        values.sub_(ops.dequantize(integers, self.scale, self.levels, out=rounded.view(self.k, segment)))
+        left = pool.acquire(numel, torch.float32, device)
         space.vector.add_(ops.unpack_segments(self.values, self.indices, segment, numel, out=left))
-        self.buffers += (left,)
+        self.buffers += (rounded, left)
 
     def decode(self, wire: torch.Tensor) -> torch.Tensor:
         """The summed integers back to float32 values (packed, like the other wires)."""
