@@ -1,0 +1,114 @@
+"""SGD with the sparse hook's momentum correction: what happens to the velocity of a sent segment?
+
+Deep Gradient Compression clears it ("momentum factor masking", the hook's behaviour, `clear`).
+A gradient added to the velocity shortly before its segment is sent then counts once instead of
+``1 / (1 - momentum)`` times: at ~1/density steps between sends, about half of momentum SGD's
+step is lost. Two alternatives keep it:
+- ``keep``: the velocity is never cleared; what is sent is exactly momentum SGD's update, late;
+- ``defer``: the velocity is cleared, and the step it would still have made
+  (``momentum / (1 - momentum)`` times it) goes into the residual, to be sent later.
+And ``none``: no momentum correction; error feedback on the gradient, and the optimizer's
+momentum applied to the agreed sum (which keeps the whole step too, spread over later steps).
+
+The digits MLP of bench_convergence.py (SGD, momentum 0.9, 8 epochs), int8 wire, 8% of segments
+of 512, at lr 0.02 / 0.05 / 0.1 and 2 / 4 ranks, over several seeds. Prints one line per run and
+a table of means. Results: benchmarks/results/momentum_masking.txt.
+
+Usage: python benchmarks/experiments/momentum_masking.py [--variants clear,keep,defer,none]
+       [--lrs 0.02,0.05,0.1] [--ranks 2,4] [--seeds 0,1,2]
+"""
+
+import argparse
+import dataclasses
+import math
+import statistics
+import sys
+
+from hetero_comm.lab.training import TrainConfig, run_training
+
+SPARSE = dict(density=0.08, momentum=0.9, wire_dtype="int8", segment_size=512)
+DIGITS = dict(model="mlp", optimizer="sgd", momentum=0.9, epochs=8)
+
+
+def _patch_velocity_of_sent_segments(variant: str) -> None:
+    """Replace the hook's clearing of the sent segments' velocity (in this rank's process)."""
+    from hetero_comm import ops
+    from hetero_comm.hooks import segment_sparse
+
+    clear = segment_sparse._clear_segments
+
+    def keep(state, velocity, indices):
+        pass
+
+    def defer(state, velocity, indices):
+        bucket = next(b for b in state.plan.buckets if b.tensors.get("momentum") is velocity)
+        sent = ops.pack_segments_(velocity.clone(), indices, state.segment_size)
+        sent.mul_(state.momentum / (1.0 - state.momentum))
+        bucket.tensors["residual"].add_(
+            ops.unpack_segments(sent, indices, state.segment_size, velocity.numel()))
+        clear(state, velocity, indices)
+
+    segment_sparse._clear_segments = {"clear": clear, "keep": keep, "defer": defer}[variant]
+
+
+@dataclasses.dataclass
+class MaskingConfig(TrainConfig):
+    variant: str = "clear"
+
+    def make_optimizer(self, parameters, total_steps: int):
+        _patch_velocity_of_sent_segments(self.variant)  # runs in each rank's process
+        return super().make_optimizer(parameters, total_steps)
+
+
+def case(variant: str, lr: float, ranks: int, seed: int) -> TrainConfig:
+    options = dict(DIGITS, lr=lr, workers=ranks, global_batch=32 * ranks, seed=seed)
+    if variant == "dense":
+        return TrainConfig(hook="dense", **options)
+    if variant == "none":  # no momentum correction: the optimizer's momentum, after the sum
+        return TrainConfig(hook="sparse", hook_settings=dict(SPARSE, momentum=0.0), **options)
+    return MaskingConfig(hook="sparse", hook_settings=SPARSE, variant=variant, **options)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", default="clear,keep,defer")
+    parser.add_argument("--lrs", default="0.02,0.05,0.1")
+    parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--seeds", default="0,1,2")
+    args = parser.parse_args()
+    print("python " + " ".join(sys.argv), flush=True)
+    accuracy = {}
+    for ranks in (int(x) for x in args.ranks.split(",")):
+        for lr in (float(x) for x in args.lrs.split(",")):
+            for variant in ["dense"] + args.variants.split(","):
+                for seed in (int(x) for x in args.seeds.split(",")):
+                    try:
+                        record = run_training(case(variant, lr, ranks, seed), timeout=3600)
+                        acc, loss = 100 * record["final_accuracy"], record["epochs"]["test_loss"][-1]
+                    except RuntimeError as error:  # the hook stops a run that diverged
+                        if "non-finite gradient" not in str(error):
+                            raise
+                        acc = loss = float("nan")
+                    acc = acc if math.isfinite(loss) else float("nan")
+                    accuracy.setdefault((ranks, lr, variant), []).append(acc)
+                    print(f"{variant:>6} lr {lr:g} ranks {ranks} seed {seed}: val acc {acc:.1f}% "
+                          f"val loss {loss:.3f}", flush=True)
+    print("\n| ranks | lr | " + " | ".join(["dense"] + args.variants.split(",")) + " |")
+    print("|---" * (3 + len(args.variants.split(","))) + "|")
+    for ranks, lr in sorted({key[:2] for key in accuracy}):
+        cells = []
+        for variant in ["dense"] + args.variants.split(","):
+            values = [v for v in accuracy[(ranks, lr, variant)] if math.isfinite(v)]
+            diverged = len(accuracy[(ranks, lr, variant)]) - len(values)
+            if not values:
+                cells.append("diverged")
+                continue
+            dense = statistics.mean(accuracy[(ranks, lr, "dense")])
+            mean = statistics.mean(values)
+            cells.append(f"{mean:.1f}%" + ("" if variant == "dense" else f" ({mean - dense:+.1f})")
+                         + (f", {diverged} diverged" if diverged else ""))
+        print(f"| {ranks} | {lr:g} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
