@@ -15,7 +15,7 @@ of 512, at lr 0.02 / 0.05 / 0.1 and 2 / 4 ranks, over several seeds. Prints one 
 a table of means. Results: benchmarks/results/momentum_masking.txt.
 
 Usage: python benchmarks/experiments/momentum_masking.py [--variants clear,keep,defer,none]
-       [--lrs 0.02,0.05,0.1] [--ranks 2,4] [--seeds 0,1,2]
+       [--lrs 0.02,0.05,0.1] [--ranks 2,4] [--seeds 0,1,2] [--ternary F]
 """
 
 import argparse
@@ -51,22 +51,38 @@ def _patch_velocity_of_sent_segments(variant: str) -> None:
     segment_sparse._clear_segments = {"clear": clear, "keep": keep, "defer": defer}[variant]
 
 
+def _patch_ternary_wire() -> None:
+    """Simulate a ternary wire: each rank sends -1, 0 or +1 steps of one RMS (the int8 wire with
+    one level each way). Packed in base 2W + 1, the sums of up to 6 ranks fit twice in a byte
+    (13 ** 2 < 256) and those of 2 ranks three times (5 ** 3 < 256), so ``--ternary F`` runs at F times the density for the same bytes as
+    the int8 rows; the bytes printed by the lab are the unpacked int8 ones (F times too many)."""
+    from hetero_comm.hooks import segment_sparse
+
+    segment_sparse.int8_levels = lambda world_size: 1
+    segment_sparse.INT8_CLIP_RMS = 1.0
+
+
 @dataclasses.dataclass
 class MaskingConfig(TrainConfig):
     variant: str = "clear"
+    ternary: bool = False
 
     def make_optimizer(self, parameters, total_steps: int):
         _patch_velocity_of_sent_segments(self.variant)  # runs in each rank's process
+        if self.ternary:
+            _patch_ternary_wire()
         return super().make_optimizer(parameters, total_steps)
 
 
-def case(variant: str, lr: float, ranks: int, seed: int) -> TrainConfig:
+def case(variant: str, lr: float, ranks: int, seed: int, ternary: int = 0) -> TrainConfig:
     options = dict(DIGITS, lr=lr, workers=ranks, global_batch=32 * ranks, seed=seed)
     if variant == "dense":
         return TrainConfig(hook="dense", **options)
+    sparse = dict(SPARSE, density=SPARSE["density"] * (ternary or 1))
     if variant == "none":  # no momentum correction: the optimizer's momentum, after the sum
-        return TrainConfig(hook="sparse", hook_settings=dict(SPARSE, momentum=0.0), **options)
-    return MaskingConfig(hook="sparse", hook_settings=SPARSE, variant=variant, **options)
+        sparse["momentum"], variant = 0.0, "keep"  # (keep: nothing to clear)
+    return MaskingConfig(hook="sparse", hook_settings=sparse, variant=variant, ternary=bool(ternary),
+                         **options)
 
 
 def main() -> None:
@@ -75,6 +91,8 @@ def main() -> None:
     parser.add_argument("--lrs", default="0.02,0.05,0.1")
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--ternary", type=int, default=0, metavar="F",
+                        help="simulate a ternary wire packed F values to a byte (density x F)")
     args = parser.parse_args()
     print("python " + " ".join(sys.argv), flush=True)
     accuracy = {}
@@ -83,7 +101,7 @@ def main() -> None:
             for variant in ["dense"] + args.variants.split(","):
                 for seed in (int(x) for x in args.seeds.split(",")):
                     try:
-                        record = run_training(case(variant, lr, ranks, seed), timeout=3600)
+                        record = run_training(case(variant, lr, ranks, seed, args.ternary), timeout=3600)
                         acc, loss = 100 * record["final_accuracy"], record["epochs"]["test_loss"][-1]
                     except RuntimeError as error:  # the hook stops a run that diverged
                         if "non-finite gradient" not in str(error):
