@@ -141,9 +141,13 @@ class DCTQuantState(ErrorFeedbackState):
         start = self._band_start(step)
         if start is None:
             return None
+        # The lowest `low`, then `moving` of the rest from `start` on, wrapping around: ascending,
+        # that is the wrapped part first. Built from ranges (no sort, nothing read back).
         low = (self.keep + 1) // 2
-        cycling = low + (start + torch.arange(self.keep - low, device=device)) % (self.block_size - low)
-        return torch.cat([torch.arange(low, device=device), cycling.sort().values])
+        moving, rest = self.keep - low, self.block_size - low
+        wrapped = max(0, start + moving - rest)
+        ranges = ((0, low + wrapped), (low + start, low + min(start + moving, rest)))
+        return torch.cat([torch.arange(a, b, device=device) for a, b in ranges])
 
     def frequencies_on(self, step: int, device: torch.device) -> Optional[torch.Tensor]:
         """:meth:`frequencies` on ``device``, kept: the band repeats after at most
