@@ -11,7 +11,7 @@ Two measurements per hook, printed as one table:
    with a hook that returns the bucket untouched; the difference per MB of gradient is the
    hook's encode + decode time.
 
-Usage: python benchmarks/bench_hooks.py [--workers 2] [--epochs 8] [--quick] [--json PATH]
+Usage: python benchmarks/bench_hooks.py [--workers 2] [--epochs 8] [--quick] [--json PATH] [--only int8,...]
 """
 
 import argparse
@@ -45,6 +45,13 @@ CONFIGS = [
     ("dct_quant keep 1/8, 8 bit, low band",
      dict(hook="dct", hook_settings=dict(keep_ratio=0.125, bits=8, band="low"))),
     ("dct_quant keep 1/4, 16 bit", dict(hook="dct", hook_settings=dict(keep_ratio=0.25, bits=16))),
+    ("segment_sparse 8% bfloat16, segments of 512",
+     dict(hook="sparse", hook_settings=dict(density=0.08, wire_dtype="bfloat16", segment_size=512))),
+    ("segment_sparse 8% int8, segments of 512",
+     dict(hook="sparse", hook_settings=dict(density=0.08, wire_dtype="int8", segment_size=512))),
+    ("segment_sparse 10% DCT basis, sign, int8 (AdamW recipe)",
+     dict(hook="sparse", hook_settings=dict(density=0.1, basis="dct", output="sign", wire_dtype="int8",
+                                            segment_size=512), optimizer="adamw", lr=3e-3)),
 ]
 
 
@@ -85,6 +92,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7, help="hook-cost repeats")
     parser.add_argument("--quick", action="store_true", help="2 epochs, 3 repeats")
     parser.add_argument("--json", help="save the numbers here")
+    parser.add_argument("--only", help="comma-separated words: run dense and the hooks whose name "
+                        "contains one of them")
     args = parser.parse_args()
     epochs, repeats = (2, 3) if args.quick else (args.epochs, args.repeats)
 
@@ -92,7 +101,9 @@ def main() -> int:
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
     rows = []
-    for name, overrides in CONFIGS:
+    words = args.only.split(",") if args.only else None
+    chosen = [c for i, c in enumerate(CONFIGS) if i == 0 or words is None or any(w in c[0] for w in words)]
+    for name, overrides in chosen:
         config = TrainConfig(workers=args.workers, epochs=epochs,
                              global_batch=32 * args.workers, **overrides)
         record = run_training(config)
@@ -119,7 +130,8 @@ def main() -> int:
               f"{100 * (r['accuracy'] - dense['accuracy']):+.1f} |")
     print("\nbytes/step: averaged over the run, warm-up steps (dense) included; compression: "
           "dense float32 bytes / bytes/step. step ms: median wall time of a training step "
-          "(loopback network, so this is compute, not link, bound).")
+          "(loopback network, so this is compute, not link, bound). The AdamW recipe's row "
+          "trains with AdamW, lr 3e-3, betas (0, 0).")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

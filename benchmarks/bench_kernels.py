@@ -6,6 +6,7 @@ installed (or built in place and PYTHONPATH=. set)::
     python benchmarks/bench_kernels.py            # 1M, 4M and 25M elements
     python benchmarks/bench_kernels.py --quick    # 1M and 4M, fewer repeats
     python benchmarks/bench_kernels.py --sizes 2M,8M --threads 1 --json out.json
+    python benchmarks/bench_kernels.py --only pack_quantized   # one family's table
 
 It first measures the machine's copy bandwidth (``dst.copy_(src)`` on preallocated float32
 tensors of the largest size, bytes = read + write), then prints one table per kernel:
@@ -51,6 +52,8 @@ BYTE_MODELS = {
                            "(importance output negligible)",
     "select_segments": "4S read importance",
     "pack_segments_": "4*k*seg read residual + 4*k*seg write packed + 4*k*seg write zeros",
+    "pack_quantized_segments_": "4*k*seg read residual + 4*k*seg write residual + 1*k*seg write "
+                                "packed (int8; scale negligible)",
     "unpack_segments": "4*k*seg read packed + 4n write out",
     "quantize": "4n read x + 4*rows read scale + 1n write q",
     "dequantize": "1n read q + 4*rows read scale + 4n write x_hat",
@@ -278,6 +281,56 @@ def bench_pack_unpack(sizes: Sequence[int], segment_size: int = 256) -> List[Row
     return pack_rows + unpack_rows
 
 
+def unfused_pack_quantized(residual, indices, segment_size, scale, numel, buffers):
+    """What the int8 wire did before pack_quantized_segments_, with the compiled ops: pack
+    (zeroing), quantize, dequantize, subtract, and add the error back through a full-size
+    unpack (the n-sized passes the fused kernel removes)."""
+    values, q, rounded, left = buffers
+    k = indices.numel()
+    ops.pack_segments_(residual, indices, segment_size, out=values)
+    ops.quantize(values.view(k, segment_size), scale, QUANT_LEVELS, torch.int8, out=q.view(k, segment_size))
+    values.view(k, segment_size).sub_(ops.dequantize(q.view(k, segment_size), scale, QUANT_LEVELS,
+                                                     out=rounded.view(k, segment_size)))
+    residual.add_(ops.unpack_segments(values, indices, segment_size, numel, out=left))
+
+
+def bench_pack_quantized(sizes: Sequence[int], segment_size: int = 512) -> List[Row]:
+    rows, unfused = [], []
+    for numel in sizes:
+        segments = num_segments(numel, segment_size)
+        original = torch.randn(numel)
+        residual = original.clone()
+        for density in (0.01, 0.10):
+            k = max(1, round(density * segments))
+            indices = random_segment_indices(segments, k)
+            scale = torch.rand(k) * 2 + 1
+            packed_numel = k * segment_size
+            config = f"n={count_label(numel)} seg={segment_size} k={density:.0%} int8"
+            packed = torch.zeros(packed_numel, dtype=torch.int8)
+            restore = lambda: residual.copy_(original)  # noqa: E731
+            rows.append(compare(
+                "pack_quantized_segments_", config, numel, 9 * packed_numel,
+                lambda: reference.pack_quantized_segments_(residual, indices, segment_size, scale,
+                                                           QUANT_LEVELS, torch.int8, out=packed),
+                lambda: ops.pack_quantized_segments_(residual, indices, segment_size, scale,
+                                                     QUANT_LEVELS, torch.int8, out=packed),
+                setup=restore))
+            buffers = (torch.empty(packed_numel), torch.empty(packed_numel, dtype=torch.int8),
+                       torch.empty(packed_numel), torch.empty(numel))
+            unfused_ms = measure(lambda: unfused_pack_quantized(residual, indices, segment_size, scale,
+                                                                numel, buffers), setup=restore)
+            fused_ms = rows[-1].compiled_ms
+            unfused.append(f"{config}: {unfused_ms:.3f} ms ({unfused_ms / fused_ms:.1f}x the fused kernel)")
+            extra_results.setdefault("pack_quantized_unfused", []).append(
+                {"config": config, "unfused_ms": unfused_ms, "fused_ms": fused_ms})
+    print_table(f"pack_quantized_segments_(residual, indices, segment_size, scale, levels={QUANT_LEVELS}, "
+                "int8, out=packed)  [out= preallocated, compiled and reference; residual restored "
+                "outside the timed region]", rows,
+                ["the unfused compiled ops it replaces in the int8 wire (pack, quantize, dequantize, "
+                 "subtract, full-size unpack + add): " + "; ".join(unfused)])
+    return rows
+
+
 def block_scale(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.abs().amax(dim=1)
 
@@ -398,6 +451,7 @@ AIMS = (
     Aim("select_segments", "speedup_vs_topk", 20, largest_size_only=False),
     Aim("pack_segments_", "pct_of_copy", 70, largest_size_only=True),
     Aim("unpack_segments", "pct_of_copy", 70, largest_size_only=True),
+    Aim("pack_quantized_segments_", "pct_of_copy", 70, largest_size_only=True),
     Aim("quantize", "pct_of_copy", 70, largest_size_only=True),
     Aim("dequantize", "pct_of_copy", 70, largest_size_only=True),
     Aim("dct_encode + quantize", "speedup", 1.0, largest_size_only=False, strictly_greater=True),
@@ -432,6 +486,11 @@ def print_aims(results: Sequence[dict], largest_size: int) -> None:
 
 
 # ------------------------------------------------------------------------------- main
+FAMILIES = {"accumulate": bench_segment_accumulate, "select": bench_select_segments,
+            "pack": bench_pack_unpack, "pack_quantized": bench_pack_quantized,
+            "quantize": bench_quantize, "dct": bench_dct}
+
+
 def parse_size(text: str) -> int:
     text = text.strip().upper()
     multiplier = {"K": 1_000, "M": 1_000_000}.get(text[-1:], 1)
@@ -452,6 +511,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="torch.set_num_threads(N) (default: "
                                                     "leave torch's setting)")
     parser.add_argument("--json", metavar="PATH", help="save every number to PATH")
+    parser.add_argument("--only", choices=sorted(FAMILIES), help="run one kernel family's tables")
     return parser.parse_args(argv)
 
 
@@ -492,12 +552,11 @@ def main(argv=None) -> int:
           "Sizes that fit in cache may exceed 100% of copy bandwidth.")
 
     rows: List[Row] = []
-    rows += bench_segment_accumulate(sizes)
-    rows += bench_select_segments(sizes)
-    rows += bench_pack_unpack(sizes)
-    rows += bench_quantize(sizes)
-    rows += bench_dct(sizes)
-    extra_results["dct_accuracy"] = dct_accuracy()
+    for family, bench in FAMILIES.items():
+        if args.only in (None, family):
+            rows += bench(sizes)
+    if args.only in (None, "dct"):
+        extra_results["dct_accuracy"] = dct_accuracy()
 
     aims = evaluate_aims(rows, largest_size)
     print_aims(aims, largest_size)

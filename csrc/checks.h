@@ -113,6 +113,11 @@ inline void check_quant_dtype(at::ScalarType dtype) {
                    "dtype must be int8, int16 or int32; got ", dtype_name(dtype));
 }
 
+// Runs the lambda with scalar_t the C++ type of a dtype that check_quant_dtype accepts.
+#define HC_DISPATCH_QUANT_TYPES(TYPE, NAME, ...) \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kChar, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kShort, __VA_ARGS__) AT_DISPATCH_CASE(at::kInt, __VA_ARGS__))
+
 inline int64_t quant_dtype_max(at::ScalarType dtype) {
   return dtype == at::kChar ? 127 : dtype == at::kShort ? 32767 : 2147483647;
 }
@@ -161,11 +166,17 @@ inline std::pair<uintptr_t, uintptr_t> byte_range(const at::Tensor& t) {
   return {start, start + static_cast<uintptr_t>(span) * t.element_size()};
 }
 
-inline void check_no_overlap(const at::Tensor& out, const at::Tensor& other, const char* other_name) {
-  if (out.numel() == 0 || other.numel() == 0) return;
-  const auto [a, b] = byte_range(out);
+// `written` (a tensor the kernel writes) and `other` share no memory.
+inline void check_no_overlap(const at::Tensor& written, const char* written_name,
+                             const at::Tensor& other, const char* other_name) {
+  if (written.numel() == 0 || other.numel() == 0) return;
+  const auto [a, b] = byte_range(written);
   const auto [c, d] = byte_range(other);
-  TORCH_CHECK_VALUE(!(a < d && c < b), "out must not overlap ", other_name, " in memory");
+  TORCH_CHECK_VALUE(!(a < d && c < b), written_name, " must not overlap ", other_name, " in memory");
+}
+
+inline void check_no_overlap(const at::Tensor& out, const at::Tensor& other, const char* other_name) {
+  check_no_overlap(out, "out", other, other_name);
 }
 
 // A caller's out= buffer: dtype, exact shape, contiguous, on the device of `other`, and not
@@ -183,6 +194,18 @@ inline void check_pack(const at::Tensor& residual, const at::Tensor& indices, in
   check_at_least("segment_size", segment_size, 1);
   check_same_device(residual, "residual", indices, "indices");
   check_indices(indices, num_segments(residual.numel(), segment_size));
+}
+
+// scale[j] is the quantization scale of segment indices[j].
+inline void check_pack_quantized(const at::Tensor& residual, const at::Tensor& indices,
+                                 int64_t segment_size, const at::Tensor& scale, int64_t levels,
+                                 at::ScalarType dtype) {
+  check_pack(residual, indices, segment_size);
+  check_quant_dtype(dtype);
+  check_scale(scale, indices.numel());
+  check_same_device(residual, "residual", scale, "scale");
+  check_levels(levels, dtype);
+  check_no_overlap(residual, "residual", scale, "scale");
 }
 
 inline void check_unpack(const at::Tensor& packed, const at::Tensor& indices, int64_t segment_size,
@@ -253,6 +276,15 @@ inline void check_pack_into(const at::Tensor& residual, const at::Tensor& indice
   check_pack(residual, indices, segment_size);
   check_out_shape(out, {at::kFloat, at::kBFloat16, at::kHalf}, {indices.numel() * segment_size},
                   residual, "residual");
+}
+
+inline void check_pack_quantized_into(const at::Tensor& residual, const at::Tensor& indices,
+                                      int64_t segment_size, const at::Tensor& scale,
+                                      int64_t levels, const at::Tensor& out) {
+  check_tensor(out, "out", {at::kChar, at::kShort, at::kInt}, 1, /*writable=*/true);
+  check_pack_quantized(residual, indices, segment_size, scale, levels, out.scalar_type());
+  check_out_shape(out, {out.scalar_type()}, {indices.numel() * segment_size}, residual, "residual");
+  check_no_overlap(out, scale, "scale");
 }
 
 inline void check_unpack_into(const at::Tensor& packed, const at::Tensor& indices,

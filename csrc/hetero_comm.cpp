@@ -15,6 +15,10 @@ TORCH_LIBRARY(hetero_comm, m) {
   m.def("pack_segments_(Tensor(a!) residual, Tensor indices, int segment_size) -> Tensor");
   m.def("pack_segments_into_(Tensor(a!) residual, Tensor indices, int segment_size, "
         "Tensor(b!) out) -> ()");
+  m.def("pack_quantized_segments_(Tensor(a!) residual, Tensor indices, int segment_size, "
+        "Tensor scale, int levels, ScalarType dtype) -> Tensor");
+  m.def("pack_quantized_segments_into_(Tensor(a!) residual, Tensor indices, int segment_size, "
+        "Tensor scale, int levels, Tensor(b!) out) -> ()");
   m.def("unpack_segments(Tensor packed, Tensor indices, int segment_size, int numel, "
         "float scale=1.0) -> Tensor");
   m.def("unpack_segments_into_(Tensor packed, Tensor indices, int segment_size, float scale, "

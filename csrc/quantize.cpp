@@ -15,15 +15,6 @@
 namespace hetero_comm {
 namespace {
 
-// Run-time instruction-set dispatch (GCC function multi-versioning). Every result here is
-// exact on every instruction set (IEEE multiply, round-half-even conversion, no fused
-// multiply-add), so the AVX2 clone changes the speed, never a value.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define HC_ISA_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define HC_ISA_CLONES
-#endif
-
 #define HC_DEFINE_ROW_KERNELS(Int)                                                            \
   HC_ISA_CLONES bool quantize_row_dispatched(const float* in, Int* out, int64_t len,           \
                                              float factor, float bound) {                      \
@@ -45,10 +36,6 @@ HC_ISA_CLONES bool all_finite_dispatched(const float* values, int64_t count) {
 int64_t grain_rows(int64_t row_len) {
   return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, row_len));
 }
-
-#define HC_DISPATCH_QUANT_TYPES(TYPE, NAME, ...) \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kChar, __VA_ARGS__) \
-                     AT_DISPATCH_CASE(at::kShort, __VA_ARGS__) AT_DISPATCH_CASE(at::kInt, __VA_ARGS__))
 
 // Assumes validated arguments. Returns false if x holds a non-finite value (q is then garbage).
 bool quantize_into(const at::Tensor& x, const at::Tensor& scale, int64_t levels, at::Tensor& q) {

@@ -1,6 +1,8 @@
 // pack_segments_ / pack_segments_into_: gather the selected segments into a packed buffer of
 // k * segment_size values (a short last segment zero padded), leaving in the residual what the
 // packed dtype could not represent (zero for float32).
+// pack_quantized_segments_ / pack_quantized_segments_into_: the same gather, as integers in a
+// step per segment, leaving each value's rounding error in the residual.
 // unpack_segments / unpack_segments_into_: write every element of the output, zero except the
 // selected segments, which get scale * packed. See hetero_comm/reference.py for the spec.
 #include <ATen/core/Tensor.h>
@@ -52,6 +54,30 @@ pack_kernel(float* __restrict__ residual, int64_t n, const int64_t* __restrict__
     packed[p] = rounded;
     // What `packed` could not represent stays behind (0 for float32, also for an infinity).
     if (source >= 0) residual[source] = kExact<OutT> ? 0.0f : value - static_cast<float>(rounded);
+  }
+}
+
+// As pack_kernel, each element through quantize_value with its segment's factor and step
+// (the float64 divisions of common.h, per element: the kernel is bound by memory, not by them).
+template <typename QuantT>
+__global__ void __launch_bounds__(kThreads)
+pack_quantized_kernel(float* __restrict__ residual, int64_t n, const int64_t* __restrict__ indices,
+                      int64_t segment_size, const float* __restrict__ scale, int64_t levels,
+                      float bound, int64_t packed_numel, QuantT* __restrict__ packed) {
+  const int64_t segments = num_segments(n, segment_size);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packed_numel;
+       p += stride) {
+    const int64_t j = p / segment_size;
+    const int64_t source = segment_element(indices[j], p % segment_size, segment_size, segments, n);
+    if (source < 0) {  // padding
+      packed[p] = QuantT{0};
+      continue;
+    }
+    const float value = residual[source];
+    const int32_t q = quantize_value(value, quantize_factor(scale[j], levels), bound);
+    packed[p] = static_cast<QuantT>(q);
+    residual[source] = value - dequantize_value(q, dequantize_step(scale[j], levels));
   }
 }
 
@@ -120,6 +146,40 @@ void pack_segments_into_cuda(at::Tensor& residual, const at::Tensor& indices,
   pack_impl(residual, indices, segment_size, out, result);
 }
 
+void pack_quantized_impl(at::Tensor& residual, const at::Tensor& indices, int64_t segment_size,
+                         const at::Tensor& scale, int64_t levels, at::Tensor& out) {
+  const int64_t packed_numel = indices.numel() * segment_size;
+  if (packed_numel == 0) return;
+  const c10::cuda::CUDAGuard guard(residual.device());
+  const at::Tensor indices_c = indices.contiguous(), scale_c = scale.contiguous();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_quant_types(out.scalar_type(), "out", [&](auto tag) {
+    using QuantT = decltype(tag);
+    pack_quantized_kernel<QuantT><<<grid_for(packed_numel), kThreads, 0, stream>>>(
+        residual.mutable_data_ptr<float>(), residual.numel(), indices_c.const_data_ptr<int64_t>(),
+        segment_size, scale_c.const_data_ptr<float>(), levels, levels_bound(levels), packed_numel,
+        out.mutable_data_ptr<QuantT>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+at::Tensor pack_quantized_segments_cuda(at::Tensor& residual, const at::Tensor& indices,
+                                        int64_t segment_size, const at::Tensor& scale,
+                                        int64_t levels, at::ScalarType dtype) {
+  check_pack_quantized(residual, indices, segment_size, scale, levels, dtype);
+  const c10::cuda::CUDAGuard guard(residual.device());
+  at::Tensor out = at::empty({indices.numel() * segment_size}, residual.options().dtype(dtype));
+  pack_quantized_impl(residual, indices, segment_size, scale, levels, out);
+  return out;
+}
+
+void pack_quantized_segments_into_cuda(at::Tensor& residual, const at::Tensor& indices,
+                                       int64_t segment_size, const at::Tensor& scale,
+                                       int64_t levels, at::Tensor& out) {
+  check_pack_quantized_into(residual, indices, segment_size, scale, levels, out);
+  pack_quantized_impl(residual, indices, segment_size, scale, levels, out);
+}
+
 void unpack_impl(const at::Tensor& packed, const at::Tensor& indices, int64_t segment_size,
                  int64_t numel, double scale, const std::optional<at::Tensor>& given_out,
                  at::Tensor& out) {
@@ -176,6 +236,8 @@ void unpack_segments_into_cuda(const at::Tensor& packed, const at::Tensor& indic
 TORCH_LIBRARY_IMPL(hetero_comm, CUDA, m) {
   m.impl("pack_segments_", &hetero_comm::cuda::pack_segments_cuda);
   m.impl("pack_segments_into_", &hetero_comm::cuda::pack_segments_into_cuda);
+  m.impl("pack_quantized_segments_", &hetero_comm::cuda::pack_quantized_segments_cuda);
+  m.impl("pack_quantized_segments_into_", &hetero_comm::cuda::pack_quantized_segments_into_cuda);
   m.impl("unpack_segments", &hetero_comm::cuda::unpack_segments_cuda);
   m.impl("unpack_segments_into_", &hetero_comm::cuda::unpack_segments_into_cuda);
 }

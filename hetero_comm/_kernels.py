@@ -13,6 +13,7 @@ KERNELS = (
     "segment_accumulate_",
     "select_segments",
     "pack_segments_",
+    "pack_quantized_segments_",
     "unpack_segments",
     "dct_encode",
     "dct_decode",

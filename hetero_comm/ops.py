@@ -127,6 +127,38 @@ def pack_segments_(residual: torch.Tensor, indices: torch.Tensor, segment_size: 
     return out
 
 
+def pack_quantized_segments_(residual: torch.Tensor, indices: torch.Tensor, segment_size: int,
+                             scale: torch.Tensor, levels: int, dtype: torch.dtype,
+                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Gather the selected segments as integers (:func:`quantize`'s rule, ``scale[j]`` for
+    segment ``indices[j]``, zero-padded to ``segment_size``); each selected element ``v`` of
+    ``residual`` becomes ``v - dequantized integer``, its rounding error. NaN and infinity are
+    allowed (sent as 0 and ``+-levels``; they stay in the residual).
+
+    Args:
+        residual: float32 [n], contiguous, modified in place.
+        indices: int64 [k], strictly increasing, in [0, S).
+        segment_size: elements per segment, >= 1.
+        scale: float32 [k], finite, >= 0.
+        levels: 1 <= levels <= max of ``dtype``.
+        dtype: torch.int8, torch.int16 or torch.int32.
+        out: optional ``dtype`` [k * segment_size], contiguous.
+
+    Returns:
+        packed: ``out``, or a new ``dtype`` [k * segment_size].
+    """
+    if not _compiled(residual):
+        return reference.pack_quantized_segments_(residual, indices, segment_size, scale, levels, dtype,
+                                                  out=out)
+    if out is None:
+        return torch.ops.hetero_comm.pack_quantized_segments_.default(residual, indices, segment_size,
+                                                                      scale, levels, dtype)
+    _check_out_matches(out, "dtype", dtype, out.dtype)
+    torch.ops.hetero_comm.pack_quantized_segments_into_.default(residual, indices, segment_size, scale,
+                                                                levels, out)
+    return out
+
+
 def unpack_segments(packed: torch.Tensor, indices: torch.Tensor, segment_size: int, numel: int,
                     scale: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Scatter ``scale * packed`` to the selected segments of a zeroed flat tensor.
@@ -270,6 +302,14 @@ if extension_loaded():
 
     @torch.library.register_fake("hetero_comm::pack_segments_into_")
     def _pack_segments_into_fake(residual, indices, segment_size, out):
+        return None
+
+    @torch.library.register_fake("hetero_comm::pack_quantized_segments_")
+    def _pack_quantized_segments_fake(residual, indices, segment_size, scale, levels, dtype):
+        return residual.new_empty(indices.numel() * segment_size, dtype=dtype)
+
+    @torch.library.register_fake("hetero_comm::pack_quantized_segments_into_")
+    def _pack_quantized_segments_into_fake(residual, indices, segment_size, scale, levels, out):
         return None
 
     @torch.library.register_fake("hetero_comm::unpack_segments")

@@ -62,11 +62,12 @@ def _byte_range(t: torch.Tensor) -> tuple:
     return start, start + span * t.element_size()
 
 
-def _check_no_overlap(out: torch.Tensor, other: torch.Tensor, other_name: str) -> None:
+def _check_no_overlap(out: torch.Tensor, other: torch.Tensor, other_name: str, *,
+                      written_name: str = "out") -> None:
     if out.numel() and other.numel():
         (a, b), (c, d) = _byte_range(out), _byte_range(other)
         if a < d and c < b:
-            raise ValueError(f"out must not overlap {other_name} in memory")
+            raise ValueError(f"{written_name} must not overlap {other_name} in memory")
 
 
 def _check_out(out: torch.Tensor, dtypes, shape, like: torch.Tensor, like_name: str) -> None:
@@ -210,6 +211,59 @@ def pack_segments_(residual: torch.Tensor, indices: torch.Tensor, segment_size: 
             residual[positions[inside]] = 0
         else:
             residual[positions[inside]] = (picked - out.view_as(picked).float())[inside]
+    return out
+
+
+def pack_quantized_segments_(residual: torch.Tensor, indices: torch.Tensor, segment_size: int,
+                             scale: torch.Tensor, levels: int, dtype: torch.dtype,
+                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Move the selected segments into one contiguous tensor as integers, leaving each value's
+    rounding error in ``residual``: :func:`pack_segments_` followed by :func:`quantize`, in one
+    pass and without the separate error buffer.
+
+    Segment ``indices[j]`` is quantized with ``scale[j]`` by :func:`quantize`'s rule (a short
+    last segment is padded with zeros) and lands at ``packed[j * segment_size : (j + 1) *
+    segment_size]``. Each selected element ``v`` of ``residual`` becomes ``v - x_hat``, with
+    ``x_hat`` its :func:`dequantize`'d integer (a float32 product, then a float32 difference),
+    so ``residual + unpack_segments(dequantize(packed))`` is the residual before the call up to
+    one rounding of that sum. A NaN is allowed: it is sent as 0 and stays in the residual; an
+    infinity is sent as ``+-levels`` and stays infinite there (so error feedback never hides one).
+
+    Args:
+        residual: float32 [n], contiguous; the selected segments are updated as above.
+        indices: int64 [k], strictly increasing, each in [0, S).
+        segment_size: elements per segment, >= 1.
+        scale: float32 [k], finite and >= 0: the value sent as ``levels``, per selected segment.
+        levels: 1 <= levels <= the largest value of ``dtype``.
+        dtype: torch.int8, torch.int16 or torch.int32.
+        out: optional ``dtype`` [k * segment_size], contiguous, to write into instead of
+            allocating.
+
+    Returns:
+        packed: ``out`` if given, else a new ``dtype`` [k * segment_size].
+    """
+    _check_tensor("residual", residual, (torch.float32,), 1, writable=True)
+    check_int("segment_size", segment_size, 1)
+    _check_indices(indices, num_segments(residual.numel(), segment_size))
+    _check_same_device(residual=residual, indices=indices)
+    if dtype not in QUANT_DTYPES.values():
+        raise TypeError(f"dtype must be int8, int16 or int32; got {dtype}")
+    _check_scale(scale, indices.numel())
+    _check_same_device(residual=residual, scale=scale)
+    check_int("levels", levels, 1, torch.iinfo(dtype).max)
+    _check_no_overlap(residual, scale, "scale", written_name="residual")
+    packed_numel = indices.numel() * segment_size
+    if out is not None:
+        _check_out(out, (dtype,), (packed_numel,), residual, "residual")
+        _check_no_overlap(out, scale, "scale")
+    else:
+        out = torch.empty(packed_numel, dtype=dtype, device=residual.device)
+    if indices.numel():
+        positions, inside = _segment_positions(indices, segment_size, residual.numel())
+        picked = torch.where(inside, residual[positions.clamp(max=residual.numel() - 1)], 0.0)
+        q = _quantized(picked, scale, levels, dtype)
+        out.copy_(q.view(-1))
+        residual[positions[inside]] = (picked - _dequantized(q, scale, levels))[inside]
     return out
 
 
@@ -374,12 +428,23 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, levels: int, dtype: torch.dty
         _check_out(out, (dtype,), tuple(x.shape), x, "x")
     if x.numel() and not bool(torch.isfinite(x).all()):
         raise ValueError("x must be finite (found NaN or infinity)")
+    q = _quantized(x, scale, levels, dtype)
+    return q if out is None else out.copy_(q)
+
+
+def _quantized(x: torch.Tensor, scale: torch.Tensor, levels: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`quantize`'s rule for validated arguments; a NaN in ``x`` becomes 0 and an
+    infinity ``+-levels`` (``pack_quantized_segments_`` allows them)."""
     factor = torch.where(scale > 0, levels / scale.double(), torch.zeros_like(scale, dtype=torch.float64))
     bound = largest_float32_at_most(levels)
     # A scale so small that levels / scale overflows gives an infinite factor: 0 * inf is 0.
     scaled = torch.nan_to_num(x * factor.float().unsqueeze(1), nan=0.0).clamp_(-bound, bound)
-    q = torch.round(scaled).to(dtype)
-    return q if out is None else out.copy_(q)
+    return torch.round(scaled).to(dtype)
+
+
+def _dequantized(q: torch.Tensor, scale: torch.Tensor, levels: int) -> torch.Tensor:
+    """:func:`dequantize`'s rule for validated arguments."""
+    return q.float() * (scale.double() / levels).float().unsqueeze(1)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, levels: int,
@@ -401,6 +466,5 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, levels: int,
     check_int("levels", levels, 1)
     if out is not None:
         _check_out(out, (torch.float32,), tuple(q.shape), q, "q")
-    step = (scale.double() / levels).float()
-    x_hat = q.float() * step.unsqueeze(1)
+    x_hat = _dequantized(q, scale, levels)
     return x_hat if out is None else out.copy_(x_hat)

@@ -101,6 +101,9 @@ def test_mixed_devices_are_rejected_untouched():
         lambda: hc.pack_segments_.default(residual, torch.tensor([0, 1]), 4),
         lambda: hc.pack_segments_into_.default(residual, indices, 4, torch.empty(8)),
         lambda: hc.unpack_segments_into_.default(torch.ones(8, device="cuda"), indices, 4, 1.0, torch.empty(10)),
+        lambda: hc.pack_quantized_segments_.default(residual, indices, 4, torch.ones(2), 127, torch.int8),
+        lambda: hc.pack_quantized_segments_into_.default(residual, indices, 4, torch.ones(2, device="cuda"), 127,
+                                                         torch.empty(8, dtype=torch.int8)),
         lambda: hc.dct_encode_into_.default(residual, 4, torch.empty(3, 2)),
         lambda: hc.dct_decode_into_.default(torch.ones(3, 2, device="cuda"), 4, torch.empty(10)),
         lambda: hc.quantize.default(x, torch.ones(4), 127, torch.int8),
@@ -160,6 +163,10 @@ def _every_op_once(out_forms: dict) -> None:
     ops.pack_segments_(residual, indices, segment_size, out=out_forms["packed"])
     ops.unpack_segments(packed, indices, segment_size, n, 0.5)
     ops.unpack_segments(out_forms["packed"], indices, segment_size, n, 0.5, out=out_forms["flat"])
+    segment_scale = importance[:40].abs()
+    ops.pack_quantized_segments_(residual, indices, segment_size, segment_scale, 63, torch.int8)
+    ops.pack_quantized_segments_(residual, indices, segment_size, segment_scale, 63, torch.int8,
+                                 out=out_forms["integers"])
     coeffs = ops.dct_encode(grad, 256, 32)
     ops.dct_encode(grad, 256, 32, out=out_forms["coeffs"])
     ops.dct_decode(coeffs, 256, n)
@@ -179,6 +186,7 @@ def test_no_op_synchronises_with_the_host(strict_checks_off):
         "importance": torch.empty(blocks, device="cuda"),
         "indices": torch.empty(40, dtype=torch.int64, device="cuda"),
         "packed": torch.empty(40 * 256, dtype=torch.float16, device="cuda"),
+        "integers": torch.empty(40 * 256, dtype=torch.int8, device="cuda"),
         "flat": torch.empty(n, device="cuda"), "coeffs": torch.empty(blocks, 32, device="cuda"),
         "q": torch.empty(blocks, 32, dtype=torch.int8, device="cuda"),
         "x_hat": torch.empty(blocks, 32, device="cuda"),
@@ -216,6 +224,13 @@ def test_bad_indices_without_strict_checks_stay_inside_the_buffers(strict_checks
     kept = torch.arange(1.0, 101.0)
     kept[8:12] = 0
     assert torch.equal(residual.cpu(), kept)
+    residual = cuda(torch.arange(1.0, 101.0))
+    integers = ops.pack_quantized_segments_(residual, cuda(torch.tensor([-1, 2, 25, 1 << 40])), 4,
+                                            cuda(torch.full((4,), 100.0)), 100, torch.int8)
+    expected_integers = torch.zeros(16, dtype=torch.int8)
+    expected_integers[4:8] = torch.arange(9, 13)          # scale 100 at 100 levels: a step of 1
+    assert torch.equal(integers.cpu(), expected_integers)
+    assert torch.equal(residual.cpu(), kept)              # exact integers leave zeros behind
     flat = ops.unpack_segments(cuda(torch.ones(12)), cuda(torch.tensor([-5, 24, 99])), 4, 98)
     expected_flat = torch.zeros(98)
     expected_flat[96:] = 1.0                              # the short last segment, 2 elements

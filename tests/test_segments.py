@@ -1,4 +1,5 @@
-"""segment_accumulate_, select_segments, pack_segments_, unpack_segments: compiled == reference."""
+"""segment_accumulate_, select_segments, pack_segments_, pack_quantized_segments_,
+unpack_segments: compiled == reference."""
 
 import pytest
 import torch
@@ -226,7 +227,132 @@ def same_bits_or_both_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
     nan = torch.isnan(a)
     return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan].view(torch.int32),
                                                             b[~nan].view(torch.int32))
-    assert packed[10:].tolist() == [0.0] * 6
+
+
+# ------------------------------------------------------------------ pack_quantized_segments_
+QUANT_DTYPES = (torch.int8, torch.int16, torch.int32)
+
+
+def _segment_scales(indices: torch.Tensor, seed: int) -> torch.Tensor:
+    """Scales around the data's (unit normal) range: some clip, one is 0 (all sent as 0), one
+    so small that levels / scale overflows float32."""
+    generator = torch.Generator().manual_seed(seed)
+    scale = torch.rand(indices.numel(), generator=generator) * 4
+    if indices.numel() > 2:
+        scale[0], scale[1] = 0.0, 1e-40
+    return scale
+
+
+@DEVICES
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("segment_size", SEGMENT_SIZES)
+def test_pack_quantized_matches_reference_and_the_ops_it_fuses(numel, segment_size, dtype, device):
+    segments = (numel + segment_size - 1) // segment_size
+    levels = {torch.int8: 42, torch.int16: 1000, torch.int32: 2**31 - 1}[dtype]
+    for indices in _selections(segments):
+        residual = random_tensor(numel, torch.float32, seed=numel)
+        scale = _segment_scales(indices, seed=segment_size)
+        compiled_residual, reference_residual = residual.to(device, copy=True), residual.clone()
+        given = torch.full((indices.numel() * segment_size,), 7, dtype=dtype, device=device)
+        packed = ops.pack_quantized_segments_(compiled_residual, indices.to(device), segment_size,
+                                              scale.to(device), levels, dtype, out=given)
+        expected = reference.pack_quantized_segments_(reference_residual, indices, segment_size, scale,
+                                                      levels, dtype)
+        assert packed is given and torch.equal(packed.cpu(), expected)
+        assert torch.equal(compiled_residual.cpu(), reference_residual)
+        # Bit for bit what the unfused ops give (the int8 wire's earlier path): pack, quantize,
+        # and keep value - dequantized in the residual.
+        unfused_residual = residual.clone()
+        values = reference.pack_segments_(unfused_residual, indices, segment_size).view(-1, segment_size)
+        q = reference.quantize(values, scale, levels, dtype)
+        assert torch.equal(q.view(-1), expected)
+        error = values - reference.dequantize(q, scale, levels)
+        unfused_residual += reference.unpack_segments(error.view(-1), indices, segment_size, numel)
+        assert torch.equal(reference_residual, unfused_residual)
+
+
+@DEVICES
+@BACKENDS
+def test_pack_quantized_keeps_the_rounding_error_and_any_nan_in_the_residual(backend, device):
+    #         segment 0 (scale 1, 4 levels: step 0.25)  segment 1 (not sent)  segment 2, short
+    values = [0.3, -0.125, 2.0, float("nan"), 5.0, 6.0, 7.0, 8.0, float("inf"), -0.6]
+    residual = torch.tensor(values, device=device)
+    packed = backend.pack_quantized_segments_(residual, torch.tensor([0, 2], device=device), 4,
+                                              torch.tensor([1.0, 0.5], device=device), 4, torch.int8)
+    # round_half_even(0.3 * 4) = 1, (-0.5) -> -0 , 2.0 clips at 4 levels, NaN is sent as 0;
+    # inf clips at 4, -0.6 * 8 = -4.8 clips at -4; the short segment is padded with zeros.
+    assert packed.cpu().tolist() == [1, 0, 4, 0, 4, -4, 0, 0]
+    left = residual.cpu()
+    assert left[[0, 1, 2]].tolist() == pytest.approx([0.05, -0.125, 1.0])
+    assert torch.isnan(left[3]) and left[8] == float("inf")
+    assert left[4:8].tolist() == [5.0, 6.0, 7.0, 8.0]
+    assert left[9].item() == pytest.approx(-0.1)
+
+
+@DEVICES
+def test_pack_quantized_reads_non_contiguous_indices_and_scale(device):
+    residual = random_tensor(1000, torch.float32, seed=8)
+    indices, scale = torch.tensor([1, 4, 15]), torch.tensor([0.5, 2.0, 3.0])
+    expected_residual = residual.clone()
+    expected = reference.pack_quantized_segments_(expected_residual, indices, 64, scale, 100, torch.int16)
+    compiled_residual = residual.to(device)
+    packed = ops.pack_quantized_segments_(compiled_residual, non_contiguous(indices, device), 64,
+                                          non_contiguous(scale, device), 100, torch.int16)
+    assert torch.equal(packed.cpu(), expected) and torch.equal(compiled_residual.cpu(), expected_residual)
+
+
+@DEVICES
+@BACKENDS
+@pytest.mark.parametrize("case, match", [
+    (dict(indices=torch.tensor([0, 3]), scale=torch.ones(2)), r"indices must lie in \[0, 3\)"),
+    (dict(indices=torch.tensor([2, 1]), scale=torch.ones(2)), "strictly increasing"),
+    (dict(segment_size=0), "segment_size must be an integer >= 1"),
+    (dict(residual=torch.ones(20)[::2]), "must be contiguous"),
+    (dict(residual=torch.ones(10, dtype=torch.float16)), "residual must have dtype"),
+    (dict(scale=torch.ones(3)), r"scale must have one entry per block \(2\)"),
+    (dict(scale=torch.tensor([1.0, -1.0])), "scale must be finite and >= 0"),
+    (dict(scale=torch.tensor([1.0, float("inf")])), "scale must be finite and >= 0"),
+    (dict(scale=torch.ones(2, dtype=torch.float64)), "scale must have dtype"),
+    (dict(levels=0), "levels must be an integer in \\[1, 127\\]"),
+    (dict(levels=128), "levels must be an integer in \\[1, 127\\]"),
+    (dict(dtype=torch.float32), "dtype must be int8, int16 or int32"),
+    (dict(out=torch.zeros(7, dtype=torch.int8)), r"out must have shape \[8\]; got \[7\]"),
+    (dict(out=torch.zeros(8, dtype=torch.int8), scale=torch.tensor([1.0, -1.0])), "scale must be finite"),
+    (dict(out=torch.zeros(16, dtype=torch.int8)[::2]), "must be contiguous"),
+])
+def test_pack_quantized_rejects_bad_input(backend, case, match, device):
+    args = dict(residual=torch.arange(1.0, 11.0), indices=torch.tensor([0, 2]), segment_size=4,
+                scale=torch.ones(2), levels=10, dtype=torch.int8) | case
+    args = {name: to_device(value, device) for name, value in args.items()}
+    guarded = [args["residual"]] + ([args["out"]] if "out" in args else [])
+    with untouched(*guarded), pytest.raises((ValueError, TypeError), match=match):
+        backend.pack_quantized_segments_(**args)
+
+
+@DEVICES
+@BACKENDS
+def test_pack_quantized_rejects_overlaps_and_an_out_of_another_dtype(backend, device):
+    storage = torch.arange(40.0, device=device)
+    indices = torch.tensor([0, 1], device=device)
+    with untouched(storage), pytest.raises(ValueError, match="residual must not overlap scale"):
+        backend.pack_quantized_segments_(storage[:20], indices, 4, storage[18:20], 10, torch.int8)
+    residual = torch.arange(20.0, device=device)
+    with untouched(residual), pytest.raises((ValueError, TypeError), match="out must have dtype"):
+        backend.pack_quantized_segments_(residual, indices, 4, torch.ones(2, device=device), 10, torch.int8,
+                                         out=torch.zeros(8, dtype=torch.int16, device=device))
+
+
+@DEVICES
+def test_pack_quantized_ops_pass_opcheck(device):
+    hc = torch.ops.hetero_comm
+    residual = random_tensor(1000, torch.float32, 1).to(device)
+    indices, scale = torch.tensor([0, 3, 31], device=device), torch.tensor([1.0, 2.0, 0.5], device=device)
+    torch.library.opcheck(hc.pack_quantized_segments_.default, (residual.clone(), indices, 32, scale, 63,
+                                                                torch.int8))
+    torch.library.opcheck(hc.pack_quantized_segments_into_.default,
+                          (residual.clone(), indices, 32, scale, 1000,
+                           torch.empty(96, dtype=torch.int16, device=device)))
 
 
 @DEVICES

@@ -88,9 +88,29 @@ HC_HOST_DEVICE int32_t quantize_value(float x, float factor, float bound) {
   return round_half_even_to_int(v);
 }
 
+// float32(q) * step, rounded once: never contracted into a fused multiply-add with a later
+// subtraction (nvcc contracts by default; the CPU build passes -ffp-contract=off).
+HC_HOST_DEVICE float dequantize_value(int32_t q, float step) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(static_cast<float>(q), step);
+#else
+  return static_cast<float>(q) * step;
+#endif
+}
+
 }  // namespace hetero_comm
 
 // ----------------------------------------------------------------- CPU only: row loops
+// Run-time instruction-set dispatch (GCC function multi-versioning) for the functions that call
+// these loops. Every result here is exact on every instruction set (IEEE multiply,
+// round-half-even conversion, no fused multiply-add), so the AVX2 clone changes the speed,
+// never a value.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#define HC_ISA_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define HC_ISA_CLONES
+#endif
+
 namespace hetero_comm {
 
 // One row of quantize: returns false if any input is not finite. __restrict: the output is a

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common.h"
+
 namespace hetero_comm {
 
 // residual[i] += grad[i] over one segment; returns the L2 norm of the updated segment.
@@ -48,6 +50,22 @@ void pack_segment(float* source, int64_t len, int64_t segment_size, Out* dest) {
     }
   }
   for (int64_t i = len; i < segment_size; ++i) dest[i] = static_cast<Out>(0.0f);
+}
+
+// Quantizes one segment (len <= segment_size elements) into `dest` with quantize_value's rule,
+// zero-pads it to segment_size, and leaves in the source what the integer does not carry:
+// v - dequantize_value(q, step) (NaN or infinity stay: a NaN quantizes to 0, an infinity to
+// +-bound). __restrict: Int is a char type for int8, which may alias anything.
+template <typename Int>
+void pack_quantized_segment(float* __restrict source, int64_t len, int64_t segment_size,
+                            float factor, float bound, float step, Int* __restrict dest) {
+  for (int64_t i = 0; i < len; ++i) {
+    const float value = source[i];
+    const int32_t q = quantize_value(value, factor, bound);
+    dest[i] = static_cast<Int>(q);
+    source[i] = value - dequantize_value(q, step);
+  }
+  for (int64_t i = len; i < segment_size; ++i) dest[i] = Int{0};
 }
 
 // Writes segments [first, last) of the flat output: scale * packed for selected segments,

@@ -136,6 +136,13 @@ static void test_segment_helpers() {
   const int64_t indices[] = {1, 4};
   hc::unpack_segment_range(values.data(), indices, 2, 0, 2, 9, 2.0f, 0, 5, out.data());
   EXPECT(out[0] == 0.0f && out[2] == 2.0f && out[3] == 4.0f && out[8] == 6.0f && out[9] == -1.0f);
+  // Quantized: scale 1, 4 levels (step 0.25); 2.0 clips at 4 and keeps 1.0; padded with zeros.
+  std::vector<float> source = {0.3f, -0.125f, 2.0f};
+  std::vector<int8_t> integers(4, 9);
+  hc::pack_quantized_segment(source.data(), 3, 4, hc::quantize_factor(1.0f, 4), hc::levels_bound(4),
+                             hc::dequantize_step(1.0f, 4), integers.data());
+  EXPECT(integers[0] == 1 && integers[1] == 0 && integers[2] == 4 && integers[3] == 0);
+  EXPECT(source[0] == 0.3f - 0.25f && source[1] == -0.125f && source[2] == 1.0f);
 }
 
 static void test_select_passes() {

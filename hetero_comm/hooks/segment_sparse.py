@@ -168,8 +168,9 @@ def segment_sparse_hook(state: SegmentSparseState, bucket: dist.GradBucket) -> t
        agreed at the previous step.
     3. Pack those segments and zero them in the residual, which keeps whatever the wire dtype
        cannot represent (:func:`hetero_comm.ops.pack_segments_`). int8: each segment is
-       rounded to integers in a step shared by all ranks (:func:`hetero_comm.ops.quantize`,
-       see :class:`_IntegerWire`); the rounding and clipping error stays in the residual.
+       rounded to integers in a step shared by all ranks, and the rounding and clipping error
+       stays in the residual, in the same pass (:func:`hetero_comm.ops.pack_quantized_segments_`,
+       see :class:`_IntegerWire`).
     4. Allreduce (sum) the packed values; every rank sent the same segments, so the sum is
        ``sum_i w_i * residual_i`` there. Lagged: the importance of what stays held back
        travels in the same allreduce.
@@ -227,7 +228,7 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
     with state.timer("encode_seconds"):
         # Lagged: zeroing the sent segments below could hide a NaN; flag it first (on the device).
         local_finite = None if agree_now else torch.isfinite(importance).all()
-        _pack_selected(space, indices, wire[:packed_numel], integers, finite)
+        _pack_selected(space, indices, wire[:packed_numel], integers)
         space.keep_unsent()
         if state.momentum:  # sent segments' velocity restarts from zero
             _clear_segments(state, plan_bucket.tensors["momentum"], indices)
@@ -271,13 +272,13 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
 
 
 def _pack_selected(space: "_Segmented", indices: torch.Tensor, wire: torch.Tensor,
-                   integers: Optional["_IntegerWire"], finite: Optional[torch.Tensor]) -> None:
+                   integers: Optional["_IntegerWire"]) -> None:
     """Step 3: the selected segments onto ``wire``; in the residual, zeros or what the wire
-    dtype cannot carry. ``finite``: the CUDA flag of the agreed importance."""
+    dtype cannot carry."""
     if integers is None:
         ops.pack_segments_(space.vector, indices, space.state.segment_size, out=wire)
     else:
-        integers.pack_(space, wire, finite)
+        integers.pack_(space, wire)
 
 
 def int8_levels(world_size: int) -> int:
@@ -315,21 +316,12 @@ class _IntegerWire:
         self.scale.clamp_(max=torch.finfo(torch.float32).max)  # a huge finite norm: no infinite step
         self.buffers = (self.values, self.scale)
 
-    def pack_(self, space: "_Segmented", wire: torch.Tensor, finite: Optional[torch.Tensor]) -> None:
+    def pack_(self, space: "_Segmented", wire: torch.Tensor) -> None:
         """Round the selected segments of ``space.vector`` onto ``wire``; what the integers do
-        not carry (rounding, clipping) stays in those segments."""
-        segment, numel = self.state.segment_size, space.numel
-        values = self.values.view(self.k, segment)
-        ops.pack_segments_(space.vector, self.indices, segment, out=self.values)  # sent ones zeroed
-        self.state.drop_unless(finite, self.values)  # CUDA, non-finite: quantize zeros, send zeros
-        integers = wire.view(self.k, segment)
-        ops.quantize(values, self.scale, self.levels, torch.int8, out=integers)
-        pool, device = self.state.pool, space.vector.device
-        rounded = pool.acquire(self.k * segment, torch.float32, device)
-        values.sub_(ops.dequantize(integers, self.scale, self.levels, out=rounded.view(self.k, segment)))
-        left = pool.acquire(numel, torch.float32, device)
-        space.vector.add_(ops.unpack_segments(self.values, self.indices, segment, numel, out=left))
-        self.buffers += (rounded, left)
+        not carry (rounding, clipping) stays in those segments. A NaN is sent as 0 and stays in
+        the residual (CUDA: the caller then zeroes the wire by the agreed importance's flag)."""
+        ops.pack_quantized_segments_(space.vector, self.indices, self.state.segment_size, self.scale,
+                                     self.levels, torch.int8, out=wire)
 
     def decode(self, wire: torch.Tensor) -> torch.Tensor:
         """The summed integers back to float32 values (packed, like the other wires)."""
