@@ -243,36 +243,43 @@ def random_segment_indices(segments: int, k: int) -> torch.Tensor:
     return torch.randperm(segments)[:k].sort().values
 
 
-def bench_pack_unpack(sizes: Sequence[int], segment_size: int = 256) -> List[Row]:
-    pack_rows, unpack_rows = [], []
+def segment_cases(sizes: Sequence[int], segment_size: int):
+    """(n, density, selected indices, the original residual, a residual to work on) at 1% and
+    10% of the segments of each size."""
     for numel in sizes:
         segments = num_segments(numel, segment_size)
         original = torch.randn(numel)
         residual = original.clone()
         for density in (0.01, 0.10):
-            k = max(1, round(density * segments))
-            indices = random_segment_indices(segments, k)
-            packed_numel = k * segment_size
-            config = (f"n={count_label(numel)} seg={segment_size} "
-                      f"k={density:.0%} ({k} segments)")
+            yield numel, density, random_segment_indices(segments, max(1, round(density * segments))), \
+                original, residual
 
-            # pack zeroes the selected segments: restore them before every call.
-            packed = torch.zeros(packed_numel)
-            restore = lambda: residual.copy_(original)  # noqa: E731
-            pack_rows.append(compare(
-                "pack_segments_", config, numel, 3 * 4 * packed_numel,
-                lambda: reference.pack_segments_(residual, indices, segment_size, out=packed),
-                lambda: ops.pack_segments_(residual, indices, segment_size, out=packed),
-                setup=restore))
 
-            unpacked = torch.zeros(numel)
-            scale = 0.5  # e.g. 1 / world_size
-            unpack_rows.append(compare(
-                "unpack_segments", config, numel, 4 * packed_numel + 4 * numel,
-                lambda: reference.unpack_segments(packed, indices, segment_size, numel, scale,
-                                                  out=unpacked),
-                lambda: ops.unpack_segments(packed, indices, segment_size, numel, scale,
-                                            out=unpacked)))
+def bench_pack_unpack(sizes: Sequence[int], segment_size: int = 256) -> List[Row]:
+    pack_rows, unpack_rows = [], []
+    for numel, density, indices, original, residual in segment_cases(sizes, segment_size):
+        k = indices.numel()
+        packed_numel = k * segment_size
+        config = (f"n={count_label(numel)} seg={segment_size} "
+                  f"k={density:.0%} ({k} segments)")
+
+        # pack zeroes the selected segments: restore them before every call.
+        packed = torch.zeros(packed_numel)
+        restore = lambda: residual.copy_(original)  # noqa: E731
+        pack_rows.append(compare(
+            "pack_segments_", config, numel, 3 * 4 * packed_numel,
+            lambda: reference.pack_segments_(residual, indices, segment_size, out=packed),
+            lambda: ops.pack_segments_(residual, indices, segment_size, out=packed),
+            setup=restore))
+
+        unpacked = torch.zeros(numel)
+        scale = 0.5  # e.g. 1 / world_size
+        unpack_rows.append(compare(
+            "unpack_segments", config, numel, 4 * packed_numel + 4 * numel,
+            lambda: reference.unpack_segments(packed, indices, segment_size, numel, scale,
+                                              out=unpacked),
+            lambda: ops.unpack_segments(packed, indices, segment_size, numel, scale,
+                                        out=unpacked)))
     print_table("pack_segments_(residual, indices, segment_size, out=packed)  "
                 "[out= preallocated float32, compiled and reference; residual restored "
                 "outside the timed region]", pack_rows)
@@ -296,33 +303,28 @@ def unfused_pack_quantized(residual, indices, segment_size, scale, numel, buffer
 
 def bench_pack_quantized(sizes: Sequence[int], segment_size: int = 512) -> List[Row]:
     rows, unfused = [], []
-    for numel in sizes:
-        segments = num_segments(numel, segment_size)
-        original = torch.randn(numel)
-        residual = original.clone()
-        for density in (0.01, 0.10):
-            k = max(1, round(density * segments))
-            indices = random_segment_indices(segments, k)
-            scale = torch.rand(k) * 2 + 1
-            packed_numel = k * segment_size
-            config = f"n={count_label(numel)} seg={segment_size} k={density:.0%} int8"
-            packed = torch.zeros(packed_numel, dtype=torch.int8)
-            restore = lambda: residual.copy_(original)  # noqa: E731
-            rows.append(compare(
-                "pack_quantized_segments_", config, numel, 9 * packed_numel,
-                lambda: reference.pack_quantized_segments_(residual, indices, segment_size, scale,
-                                                           QUANT_LEVELS, torch.int8, out=packed),
-                lambda: ops.pack_quantized_segments_(residual, indices, segment_size, scale,
-                                                     QUANT_LEVELS, torch.int8, out=packed),
-                setup=restore))
-            buffers = (torch.empty(packed_numel), torch.empty(packed_numel, dtype=torch.int8),
-                       torch.empty(packed_numel), torch.empty(numel))
-            unfused_ms = measure(lambda: unfused_pack_quantized(residual, indices, segment_size, scale,
-                                                                numel, buffers), setup=restore)
-            fused_ms = rows[-1].compiled_ms
-            unfused.append(f"{config}: {unfused_ms:.3f} ms ({unfused_ms / fused_ms:.1f}x the fused kernel)")
-            extra_results.setdefault("pack_quantized_unfused", []).append(
-                {"config": config, "unfused_ms": unfused_ms, "fused_ms": fused_ms})
+    for numel, density, indices, original, residual in segment_cases(sizes, segment_size):
+        k = indices.numel()
+        scale = torch.rand(k) * 2 + 1
+        packed_numel = k * segment_size
+        config = f"n={count_label(numel)} seg={segment_size} k={density:.0%} int8"
+        packed = torch.zeros(packed_numel, dtype=torch.int8)
+        restore = lambda: residual.copy_(original)  # noqa: E731
+        rows.append(compare(
+            "pack_quantized_segments_", config, numel, 9 * packed_numel,
+            lambda: reference.pack_quantized_segments_(residual, indices, segment_size, scale,
+                                                       QUANT_LEVELS, torch.int8, out=packed),
+            lambda: ops.pack_quantized_segments_(residual, indices, segment_size, scale,
+                                                 QUANT_LEVELS, torch.int8, out=packed),
+            setup=restore))
+        buffers = (torch.empty(packed_numel), torch.empty(packed_numel, dtype=torch.int8),
+                   torch.empty(packed_numel), torch.empty(numel))
+        unfused_ms = measure(lambda: unfused_pack_quantized(residual, indices, segment_size, scale,
+                                                            numel, buffers), setup=restore)
+        fused_ms = rows[-1].compiled_ms
+        unfused.append(f"{config}: {unfused_ms:.3f} ms ({unfused_ms / fused_ms:.1f}x the fused kernel)")
+        extra_results.setdefault("pack_quantized_unfused", []).append(
+            {"config": config, "unfused_ms": unfused_ms, "fused_ms": fused_ms})
     print_table(f"pack_quantized_segments_(residual, indices, segment_size, scale, levels={QUANT_LEVELS}, "
                 "int8, out=packed)  [out= preallocated, compiled and reference; residual restored "
                 "outside the timed region]", rows,

@@ -5,9 +5,10 @@ two learning rates, on the digits CNN (also at higher density), and on the trans
 Results: benchmarks/results/recipe_generality.txt.
 
 Usage: python benchmarks/experiments/recipe_generality.py [--wire int8] [--density 0.1]
-       [--models mlp,cnn,gpt] [--no-peers]
+       [--models mlp,cnn,gpt] [--no-peers] [--workers 2] [--weight-decay 0.01]
 (--wire int8: the recipe at 10% on the int8 wire instead of 5.5% in bfloat16; --no-peers: the
-recipe's rows only, dense and PowerSGD being deterministic and already measured.)
+recipe's rows only, dense and PowerSGD being deterministic and already measured; --workers:
+ranks, the global batch unchanged; --weight-decay 0: Adam without weight decay.)
 """
 
 import argparse
@@ -42,6 +43,8 @@ def main() -> None:
     parser.add_argument("--density", type=float, help="the recipe's density (default: 0.055 bfloat16, 0.1 int8)")
     parser.add_argument("--models", default="mlp,cnn,gpt")
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--weight-decay", type=float, help="instead of each case's 0.01")
     args = parser.parse_args()
     print("python " + " ".join(sys.argv), flush=True)
     recipe = INT8_RECIPE if args.wire == "int8" else RECIPE
@@ -52,10 +55,14 @@ def main() -> None:
     for model, options, more in CASES:
         if model not in args.models.split(","):
             continue
+        options = dict(options, workers=args.workers)
+        if args.weight_decay is not None:
+            options["weight_decay"] = args.weight_decay
         extra = [] if args.wire == "int8" or args.density is not None else [(name, "sparse", s) for name, s in more]
         rows = peers + [("recipe", "sparse", recipe)] + extra
         cells = [f"{name}: {measure(hook, settings, options)}" for name, hook, settings in rows]
-        print(f"{model} AdamW lr {options['lr']}: " + " | ".join(cells), flush=True)
+        print(f"{model} AdamW lr {options['lr']} wd {options['weight_decay']}, {args.workers} ranks: "
+              + " | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
