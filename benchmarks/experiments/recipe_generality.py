@@ -5,10 +5,11 @@ two learning rates, on the digits CNN (also at higher density), and on the trans
 Results: benchmarks/results/recipe_generality.txt.
 
 Usage: python benchmarks/experiments/recipe_generality.py [--wire int8] [--density 0.1]
-       [--models mlp,cnn,gpt] [--no-peers] [--workers 2] [--weight-decay 0.01]
+       [--models mlp,cnn,gpt] [--no-peers] [--workers 2] [--weight-decay 0.01] [--lrs 1.5e-3,...]
 (--wire int8: the recipe at 10% on the int8 wire instead of 5.5% in bfloat16; --no-peers: the
 recipe's rows only, dense and PowerSGD being deterministic and already measured; --workers:
-ranks, the global batch unchanged; --weight-decay 0: Adam without weight decay.)
+ranks, the global batch unchanged; --weight-decay 0: Adam without weight decay; --lrs: run each
+model at these learning rates instead of its cases' own.)
 """
 
 import argparse
@@ -45,6 +46,7 @@ def main() -> None:
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--weight-decay", type=float, help="instead of each case's 0.01")
+    parser.add_argument("--lrs", help="comma-separated learning rates instead of the cases' own")
     args = parser.parse_args()
     print("python " + " ".join(sys.argv), flush=True)
     recipe = INT8_RECIPE if args.wire == "int8" else RECIPE
@@ -52,7 +54,14 @@ def main() -> None:
         recipe = dict(recipe, density=args.density)
     peers = [] if args.no_peers else [("dense", "dense", {}),
                                       ("PowerSGD rank 4", "powersgd", dict(matrix_approximation_rank=4))]
-    for model, options, more in CASES:
+    cases = CASES
+    if args.lrs:  # each model's first case at every given rate
+        firsts = {}
+        for model, options, more in CASES:
+            firsts.setdefault(model, (options, more))
+        cases = [(model, dict(options, lr=float(lr)), more) for model, (options, more) in firsts.items()
+                 for lr in args.lrs.split(",")]
+    for model, options, more in cases:
         if model not in args.models.split(","):
             continue
         options = dict(options, workers=args.workers)
