@@ -348,6 +348,9 @@ def _optimizer(kind, **settings):
 
 
 @pytest.mark.parametrize("output,optimizer,warns", [
+    ("momentum correction", lambda: _optimizer("SGD", momentum=0.0), None),
+    ("momentum correction", lambda: _optimizer("SGD", momentum=0.0, second={"momentum": 0.9}),
+     r"momentum=0 in every parameter group; found momentum \[0.9\]"),
     ("sign", lambda: _optimizer("AdamW", betas=(0.0, 0.0)), None),
     ("sign", lambda: _optimizer("Adam", betas=(0.0, 0.0)), None),
     ("sign", lambda: _optimizer("AdamW"), r"betas=\(0.0, 0.0\).*found betas \[\(0.9, 0.999\)\]"),
@@ -358,7 +361,8 @@ def _optimizer(kind, **settings):
     ("sum", lambda: _optimizer("SGD", momentum=0.9), None),
 ])
 def test_check_optimizer_warns_when_the_step_does_not_suit_the_output(output, optimizer, warns):
-    state = SegmentSparseState(density=0.1, basis="dct", output=output)
+    state = (SegmentSparseState(density=0.1, momentum=0.9) if output == "momentum correction"
+             else SegmentSparseState(density=0.1, basis="dct", output=output))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         state.check_optimizer(optimizer())

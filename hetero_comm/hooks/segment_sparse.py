@@ -127,7 +127,16 @@ class SegmentSparseState(ErrorFeedbackState):
         """Warn (``UserWarning``) if ``optimizer`` does not take the step this hook's output
         is made for. ``output="sign"`` is AdamW's (or Adam's) with ``betas=(0.0, 0.0)``: with
         the default betas the README's recipe ends 30-50% worse on its transformer, and SGD's
-        learning rate is not a sign step's. ``output="sum"`` suits any optimizer."""
+        learning rate is not a sign step's. With ``momentum`` (momentum correction) the hook
+        applies the momentum, so an optimizer's own would apply it twice. Otherwise
+        ``output="sum"`` suits any optimizer. (Neither check can see the learning rate: the
+        README's recipes take 1.5x (sign) and 2x (momentum correction) the dense rate.)"""
+        if self.momentum:
+            doubled = sorted({group["momentum"] for group in optimizer.param_groups if group.get("momentum")})
+            if doubled:
+                warnings.warn(f"SegmentSparseState(momentum={self.momentum}) applies momentum in the hook: "
+                              f"give the optimizer momentum=0 in every parameter group; found momentum "
+                              f"{doubled}", UserWarning, stacklevel=2)
         if self.output != "sign":
             return
         betas = {tuple(group["betas"]) for group in optimizer.param_groups if "betas" in group}
