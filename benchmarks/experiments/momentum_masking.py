@@ -15,7 +15,8 @@ of 512, at lr 0.02 / 0.05 / 0.1 and 2 / 4 ranks, over several seeds. Prints one 
 a table of means. Results: benchmarks/results/momentum_masking.txt.
 
 Usage: python benchmarks/experiments/momentum_masking.py [--variants clear,keep,defer,none]
-       [--lrs 0.02,0.05,0.1] [--ranks 2,4] [--seeds 0,1,2] [--ternary F]
+       [--lrs 0.02,0.05,0.1] [--ranks 2,4] [--seeds 0,1,2] [--ternary F] [--model cnn]
+       (--model cnn: the digits CNN of recipe_generality.py, 6 epochs)
 """
 
 import argparse
@@ -28,6 +29,7 @@ from hetero_comm.lab.training import TrainConfig, run_training
 
 SPARSE = dict(density=0.08, momentum=0.9, wire_dtype="int8", segment_size=512)
 DIGITS = dict(model="mlp", optimizer="sgd", momentum=0.9, epochs=8)
+MODELS = {"mlp": {}, "cnn": dict(model="cnn", hidden=64, epochs=6)}  # the CNN of recipe_generality.py
 
 
 def _patch_velocity_of_sent_segments(variant: str) -> None:
@@ -74,8 +76,8 @@ class MaskingConfig(TrainConfig):
         return super().make_optimizer(parameters, total_steps)
 
 
-def case(variant: str, lr: float, ranks: int, seed: int, ternary: int = 0) -> TrainConfig:
-    options = dict(DIGITS, lr=lr, workers=ranks, global_batch=32 * ranks, seed=seed)
+def case(variant: str, lr: float, ranks: int, seed: int, ternary: int = 0, model: str = "mlp") -> TrainConfig:
+    options = dict(DIGITS, **MODELS[model], lr=lr, workers=ranks, global_batch=32 * ranks, seed=seed)
     if variant == "dense":
         return TrainConfig(hook="dense", **options)
     sparse = dict(SPARSE, density=SPARSE["density"] * (ternary or 1))
@@ -93,6 +95,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--ternary", type=int, default=0, metavar="F",
                         help="simulate a ternary wire packed F values to a byte (density x F)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
     args = parser.parse_args()
     print("python " + " ".join(sys.argv), flush=True)
     accuracy = {}
@@ -101,7 +104,8 @@ def main() -> None:
             for variant in ["dense"] + args.variants.split(","):
                 for seed in (int(x) for x in args.seeds.split(",")):
                     try:
-                        record = run_training(case(variant, lr, ranks, seed, args.ternary), timeout=3600)
+                        record = run_training(case(variant, lr, ranks, seed, args.ternary, args.model),
+                                              timeout=3600)
                         acc, loss = 100 * record["final_accuracy"], record["epochs"]["test_loss"][-1]
                     except RuntimeError as error:  # the hook stops a run that diverged
                         if "non-finite gradient" not in str(error):
