@@ -16,7 +16,7 @@ a table of means. Results: benchmarks/results/momentum_masking.txt.
 
 Usage: python benchmarks/experiments/momentum_masking.py [--variants clear,keep,defer,none]
        [--lrs 0.02,0.05,0.1] [--ranks 2,4] [--seeds 0,1,2] [--ternary F] [--model cnn]
-       (--model cnn: the digits CNN of recipe_generality.py, 6 epochs)
+       (--model cnn: the digits CNN of recipe_generality.py, 6 epochs; --model gpt: the transformer)
 """
 
 import argparse
@@ -29,7 +29,11 @@ from hetero_comm.lab.training import TrainConfig, run_training
 
 SPARSE = dict(density=0.08, momentum=0.9, wire_dtype="int8", segment_size=512)
 DIGITS = dict(model="mlp", optimizer="sgd", momentum=0.9, epochs=8)
-MODELS = {"mlp": {}, "cnn": dict(model="cnn", hidden=64, epochs=6)}  # the CNN of recipe_generality.py
+# Per model: TrainConfig settings and the batch per rank. The CNN is recipe_generality.py's; the
+# transformer is bench_convergence.py's gpt_adamw with SGD (compare its per-run val loss).
+MODELS = {"mlp": (dict(), 32), "cnn": (dict(model="cnn", hidden=64, epochs=6), 32),
+          "gpt": (dict(model="gpt", hidden=128, epochs=4, lr_warmup_steps=30, lr_schedule="cosine",
+                       clip_norm=1.0), 16)}
 
 
 def _patch_velocity_of_sent_segments(variant: str) -> None:
@@ -77,7 +81,8 @@ class MaskingConfig(TrainConfig):
 
 
 def case(variant: str, lr: float, ranks: int, seed: int, ternary: int = 0, model: str = "mlp") -> TrainConfig:
-    options = dict(DIGITS, **MODELS[model], lr=lr, workers=ranks, global_batch=32 * ranks, seed=seed)
+    settings, per_rank_batch = MODELS[model]
+    options = dict(DIGITS, **settings, lr=lr, workers=ranks, global_batch=per_rank_batch * ranks, seed=seed)
     if variant == "dense":
         return TrainConfig(hook="dense", **options)
     sparse = dict(SPARSE, density=SPARSE["density"] * (ternary or 1))
