@@ -3,11 +3,13 @@
     python -m torch.distributed.run --nproc_per_node 2 tests/framework_worker.py FRAMEWORK HOOK OUT
 
 For FRAMEWORK in ``lightning`` / ``accelerate`` and HOOK a key of ``CASES`` (``dct_sign*``: the
-sparse hook's AdamW recipe, in bfloat16 or on the int8 wire, with AdamW betas (0, 0); the
-others with SGD): an
-uninterrupted run, the same run stopped half-way, saved through the framework's own
-checkpoint and resumed in fresh objects, and a run with gradient accumulation. Each rank
-writes what it ended with to ``OUT/rank<r>.pt``.
+sparse hook's AdamW recipe, in bfloat16 or on the int8 wire; ``sparse_mc``: its SGD recipe,
+momentum correction; the others with SGD): an uninterrupted run, the same run stopped
+half-way, saved through the framework's own checkpoint and resumed in fresh objects, and a run
+with gradient accumulation. These runs keep the dense optimizer (AdamW's default betas, SGD's
+momentum, the dense rate) and let the hook state prepare it (``prepare_optimizers=True``, or
+``state.prepare_optimizer``); for the recipes a ``by_hand`` run sets the recipe's optimizer
+itself. Each rank writes what it ended with to ``OUT/rank<r>.pt``.
 """
 
 import os
@@ -25,7 +27,9 @@ CASES = {"sparse": ("sparse", dict(density=0.05, segment_size=16, warmup_steps=2
          "dct_sign": ("sparse", dict(density=0.05, segment_size=4, basis="dct", dct_block_size=8,
                                      wire_dtype="bfloat16", output="sign", warmup_steps=2)),
          "dct_sign_int8": ("sparse", dict(density=0.1, segment_size=4, basis="dct", dct_block_size=8,
-                                          wire_dtype="int8", output="sign", warmup_steps=2))}
+                                          wire_dtype="int8", output="sign", warmup_steps=2)),
+         "sparse_mc": ("sparse", dict(density=0.05, segment_size=16, momentum=0.9, warmup_steps=2))}
+RECIPES = ("dct_sign", "dct_sign_int8", "sparse_mc")
 
 
 def make_hook_state(case):
@@ -34,9 +38,15 @@ def make_hook_state(case):
     return spec.make_state(settings), spec.hook
 
 
-def make_optimizer(parameters, case):
+def make_optimizer(parameters, case, by_hand=False):
+    """The dense optimizer, or (``by_hand``) the README's recipe for the case's hook written
+    out: what ``prepare_optimizer`` must turn the dense one into."""
     if case.startswith("dct_sign"):
-        return torch.optim.AdamW(parameters, lr=1e-3, betas=(0.0, 0.0), weight_decay=0.01)
+        if by_hand:
+            return torch.optim.AdamW(parameters, lr=1.5e-3, betas=(0.0, 0.0), weight_decay=0.01)
+        return torch.optim.AdamW(parameters, lr=1e-3, weight_decay=0.01)
+    if by_hand and case == "sparse_mc":
+        return torch.optim.SGD(parameters, lr=0.1, momentum=0.0)
     return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
 SAMPLES, BATCH = 256, 8  # per rank: 16 steps an epoch
 
@@ -62,7 +72,8 @@ def summary(state, module) -> dict:
 
 
 # ------------------------------------------------------------------------------ Lightning
-def lightning_fit(hook, epochs, ckpt_path=None, save_to=None, accumulate=1, optimizer_of=None):
+def lightning_fit(hook, epochs, ckpt_path=None, save_to=None, accumulate=1, optimizer_of=None,
+                  by_hand=False):
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -78,12 +89,13 @@ def lightning_fit(hook, epochs, ckpt_path=None, save_to=None, accumulate=1, opti
             return nn.functional.mse_loss(self.net(x), y)
 
         def configure_optimizers(self):
-            return make_optimizer(self.parameters(), optimizer_of or hook)
+            return make_optimizer(self.parameters(), optimizer_of or hook, by_hand)
 
     state, hook_function = make_hook_state(hook)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=epochs,
                          accumulate_grad_batches=accumulate,
-                         callbacks=[HeteroCommCallback(state, hook_function)], logger=False,
+                         callbacks=[HeteroCommCallback(state, hook_function, prepare_optimizers=
+                                                       not (by_hand or optimizer_of))], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
     module = Module()
@@ -92,8 +104,9 @@ def lightning_fit(hook, epochs, ckpt_path=None, save_to=None, accumulate=1, opti
         trainer.fit(module, DataLoader(TensorDataset(*make_data()), batch_size=BATCH), ckpt_path=ckpt_path)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
-    return dict(summary(state, module.net), optimizer_warnings=[
-        str(w.message) for w in caught if "SegmentSparseState(output='sign')" in str(w.message)])
+    groups = trainer.optimizers[0].param_groups
+    return dict(summary(state, module.net), learning_rate=groups[0]["lr"], optimizer_warnings=[
+        str(w.message) for w in caught if "SegmentSparseState(" in str(w.message)])
 
 
 def run_lightning(hook, directory):
@@ -102,23 +115,28 @@ def run_lightning(hook, directory):
     runs = {"uninterrupted": lightning_fit(hook, 2),
             "resumed": lightning_fit(hook, 2, ckpt_path=path),
             "accumulated": lightning_fit(hook, 1, accumulate=2)}
-    if hook.startswith("dct_sign"):  # the sign recipe given SGD: the callback must warn
+    if hook in RECIPES:
+        runs["by_hand"] = lightning_fit(hook, 2, by_hand=True)
+    if hook.startswith("dct_sign"):  # the sign recipe given SGD, unprepared: the callback must warn
         runs["mismatched"] = lightning_fit(hook, 1, optimizer_of="sparse")
     return runs
 
 
 # ----------------------------------------------------------------------------- Accelerate
-def accelerate_run(hook, steps, save_at=None, load_from=None, accumulate=1, directory=None):
+def accelerate_run(hook, steps, save_at=None, load_from=None, accumulate=1, directory=None,
+                   by_hand=False):
     from accelerate import Accelerator
 
     from hetero_comm.integrations.accelerate import register_comm_hook
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
     net = make_net()
-    optimizer = make_optimizer(net.parameters(), hook)
+    optimizer = make_optimizer(net.parameters(), hook, by_hand)
     model, optimizer = accelerator.prepare(net, optimizer)
     state, hook_function = make_hook_state(hook)
     register_comm_hook(accelerator, model, state, hook_function)
+    if not by_hand:
+        state.prepare_optimizer(optimizer)  # Accelerate's wrapper: the optimizer inside is fitted
     first = 0
     if load_from is not None:
         accelerator.load_state(load_from)
@@ -143,7 +161,8 @@ def run_accelerate(hook, directory):
     accelerate_run(hook, 16, save_at=9, directory=saved)
     return {"uninterrupted": accelerate_run(hook, 16),
             "resumed": accelerate_run(hook, 16, save_at=9, load_from=saved),
-            "accumulated": accelerate_run(hook, 16, accumulate=2)}
+            "accumulated": accelerate_run(hook, 16, accumulate=2),
+            **({"by_hand": accelerate_run(hook, 16, by_hand=True)} if hook in RECIPES else {})}
 
 
 def main():

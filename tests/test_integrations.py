@@ -37,12 +37,13 @@ def torchrun(*args, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("hook", ["sparse", "dct", "dct_sign", "dct_sign_int8"])
+@pytest.mark.parametrize("hook", ["sparse", "dct", "dct_sign", "dct_sign_int8", "sparse_mc"])
 @pytest.mark.parametrize("framework", ["lightning", "accelerate"])
 def test_hook_runs_and_resumes_exactly_through_the_frameworks_checkpoint(framework, hook, tmp_path):
     """Rank 0 writes the framework's checkpoint and every rank loads it: the resumed run ends
     bitwise where the uninterrupted one does (each rank's error feedback is in rank 0's
-    file). Gradient accumulation syncs every second batch."""
+    file). Gradient accumulation syncs every second batch. The dense optimizer prepared by
+    the hook state ends bitwise where the recipe written by hand does."""
     result = torchrun(ROOT / "tests" / "framework_worker.py", framework, hook, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
@@ -54,9 +55,13 @@ def test_hook_runs_and_resumes_exactly_through_the_frameworks_checkpoint(framewo
         assert torch.equal(rank["resumed"]["params"], rank["uninterrupted"]["params"])
         assert rank["resumed"]["steps"] == rank["uninterrupted"]["steps"] == steps
         assert rank["accumulated"]["steps"] == 8  # 16 batches, a sync every second one
-    if framework == "lightning":  # HeteroCommCallback runs state.check_optimizer at fit start
+        if "by_hand" in rank:
+            assert torch.equal(rank["by_hand"]["params"], rank["uninterrupted"]["params"])
+    if framework == "lightning":  # HeteroCommCallback prepares, or checks, at fit start
         for rank in ranks:
             assert all(rank[run]["optimizer_warnings"] == [] for run in ("uninterrupted", "resumed"))
+            # the user's rate, not the step's, between steps and in the checkpoint
+            assert rank["resumed"]["learning_rate"] == (1e-3 if hook.startswith("dct_sign") else 0.05)
             if hook.startswith("dct_sign"):
                 assert any("found SGD" in message for message in rank["mismatched"]["optimizer_warnings"])
 

@@ -1,7 +1,9 @@
 """Does a compressed recipe keep the user's AdamW learning rate? The transformer of
 bench_convergence.py (gpt_adamw), 2 ranks, at several learning rates: dense AdamW, the
 DCT-sign recipe (AdamW betas (0, 0); bfloat16 5.5% or int8 10%), and candidates that keep
-AdamW's betas (the int8 recipe with AdamW's default betas among them). Prints one line
+AdamW's betas (the int8 recipe with AdamW's default betas among them); ``prepared_int8``: the
+int8 recipe run as users do, dense AdamW at the dense rate handed to
+``state.prepare_optimizer`` (betas (0, 0), 1.5x the rate inside each step). Prints one line
 per run. Results: benchmarks/results/lr_transfer.txt.
 
 Usage: python benchmarks/experiments/lr_transfer.py [--cases dense,recipe] [--lrs 1e-3,3e-3]
@@ -123,6 +125,9 @@ def case(name: str, lr: float, ranks: int) -> TrainConfig:
         return TrainConfig(hook="sparse", hook_settings=dict(SPARSE, output="sign"), **options)
     if name == "recipe_int8":  # the README's recipe: 10% on the int8 wire
         return TrainConfig(hook="sparse", hook_settings=dict(SPARSE_INT8, output="sign"), **options)
+    if name == "prepared_int8":  # the recipe as users run it: dense AdamW, prepare_optimizer
+        return TrainConfig(hook="sparse", hook_settings=dict(SPARSE_INT8, output="sign"),
+                           prepare_optimizer=True, **options)
     if name == "recipe_int8_userbetas":  # the same, AdamW left at its default betas
         return DefaultBetasConfig(hook="sparse", hook_settings=dict(SPARSE_INT8, output="sign"), **options)
     if name.startswith("signum"):  # signum<beta>: the recipe with momentum before the sign

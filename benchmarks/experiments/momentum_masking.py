@@ -9,12 +9,14 @@ step is lost. Two alternatives keep it:
   (``momentum / (1 - momentum)`` times it) goes into the residual, to be sent later.
 And ``none``: no momentum correction; error feedback on the gradient, and the optimizer's
 momentum applied to the agreed sum (which keeps the whole step too, spread over later steps).
+``prepared``: the README's recipe as a user runs it: the dense optimizer (momentum 0.9, the
+dense rate) handed to ``state.prepare_optimizer``, i.e. ``clear`` at twice the rate.
 
 The digits MLP of bench_convergence.py (SGD, momentum 0.9, 8 epochs), int8 wire, 8% of segments
 of 512, at lr 0.02 / 0.05 / 0.1 and 2 / 4 ranks, over several seeds. Prints one line per run and
 a table of means. Results: benchmarks/results/momentum_masking.txt.
 
-Usage: python benchmarks/experiments/momentum_masking.py [--variants clear,keep,defer,none]
+Usage: python benchmarks/experiments/momentum_masking.py [--variants clear,keep,defer,none,prepared]
        [--lrs 0.02,0.05,0.1] [--ranks 2,4] [--seeds 0,1,2] [--ternary F] [--model cnn]
        (--model cnn: the digits CNN of recipe_generality.py, 6 epochs; --model gpt: the transformer)
 """
@@ -88,8 +90,9 @@ def case(variant: str, lr: float, ranks: int, seed: int, ternary: int = 0, model
     sparse = dict(SPARSE, density=SPARSE["density"] * (ternary or 1))
     if variant == "none":  # no momentum correction: the optimizer's momentum, after the sum
         sparse["momentum"], variant = 0.0, "keep"  # (keep: nothing to clear)
-    return MaskingConfig(hook="sparse", hook_settings=sparse, variant=variant, ternary=bool(ternary),
-                         **options)
+    prepared = variant == "prepared"
+    return MaskingConfig(hook="sparse", hook_settings=sparse, variant="clear" if prepared else variant,
+                         ternary=bool(ternary), prepare_optimizer=prepared, **options)
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ from .._checks import check_float, check_int, check_optional
 from .._layout import GRADIENT_DTYPES
 from ..buffer_pool import BufferPool
 from ._dropped import KeptLayout, kept_layout
+from ._optimizer import OptimizerFit, unwrap_optimizer
 from ._plan import Plan, PlanBucket, Route, redistribute
 from ._streams import CallbackOrder
 
@@ -159,6 +160,55 @@ class HookState:
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Warn if ``optimizer`` does not suit what this hook hands DDP (see
         :meth:`SegmentSparseState.check_optimizer`); the other hooks suit any optimizer."""
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          lr_scale: Optional[float] = None) -> torch.optim.Optimizer:
+        """Fit ``optimizer``, set up as for dense training, to what this hook hands DDP, and
+        keep the user's learning rate and schedule: the hyperparameters the hook needs are set
+        in every parameter group (and set again after ``optimizer.load_state_dict``), and each
+        ``optimizer.step()`` runs at ``lr_scale`` times every group's learning rate, which
+        holds the user's rate again when the step returns (so schedulers, created before or
+        after, logs and checkpoints see the user's rate).
+
+        What is set, and the default ``lr_scale``, depend on the hook: see
+        :meth:`SegmentSparseState.prepare_optimizer`. The other hooks hand DDP a (weighted)
+        sum, which suits any optimizer: nothing is set, and ``lr_scale`` defaults to 1.
+
+        Call it on every rank, after creating the optimizer, and again on the new optimizer
+        of a resumed run; preparing the same optimizer again replaces the earlier call.
+        Framework wrappers that hold the optimizer in ``.optimizer`` (Accelerate's) are
+        unwrapped.
+
+        Args:
+            optimizer: a ``torch.optim.Optimizer`` (or a wrapper as above).
+            lr_scale: the factor on the learning rate inside each step, > 0 (``None``: the
+                hook's default).
+
+        Returns:
+            ``optimizer``, as given.
+
+        Raises:
+            TypeError: the optimizer is not one this hook's output suits.
+            ValueError: a bad ``lr_scale``, or a hyperparameter the hook cannot take over.
+            Nothing is changed when it raises.
+
+        Example::
+
+            >>> optimizer = torch.optim.AdamW(model.parameters(), lr=dense_lr)
+            >>> scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+            >>> state.prepare_optimizer(optimizer)
+        """
+        if lr_scale is not None:
+            check_float("lr_scale", lr_scale, 0.0, float("inf"), low_open=True)
+        inner = unwrap_optimizer(optimizer)
+        settings, default_scale = self._optimizer_fit(inner)
+        OptimizerFit(inner, settings, default_scale if lr_scale is None else float(lr_scale))
+        return optimizer
+
+    def _optimizer_fit(self, optimizer: torch.optim.Optimizer) -> Tuple[dict, float]:
+        """The hyperparameters :meth:`prepare_optimizer` sets and its default learning-rate
+        factor; raises if ``optimizer`` does not suit this hook."""
+        return {}, 1.0
 
     # ------------------------------------------------------------------------ statistics
     def stats(self) -> dict:

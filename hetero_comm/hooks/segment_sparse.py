@@ -19,7 +19,7 @@ bfloat16's density (the importance, a float32 per segment, is the same on every 
 
 import math
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,10 @@ WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": t
 # int8 wire: a rank's values are clipped at this many times the ranks' mean RMS of the segment
 # (what is clipped stays in the residual).
 INT8_CLIP_RMS = 4.0
+# prepare_optimizer's default learning-rate factors (README: "The recipe's learning rate",
+# "SGD at large learning rates").
+SIGN_LR_SCALE = 1.5
+MOMENTUM_CORRECTION_LR_SCALE = 2.0
 SELECTIONS = ("current", "lagged")
 BASES = ("elements", "dct")
 OUTPUTS = ("sum", "sign")
@@ -130,13 +134,15 @@ class SegmentSparseState(ErrorFeedbackState):
         learning rate is not a sign step's. With ``momentum`` (momentum correction) the hook
         applies the momentum, so an optimizer's own would apply it twice. Otherwise
         ``output="sum"`` suits any optimizer. (Neither check can see the learning rate: the
-        README's recipes take 1.5x (sign) and 2x (momentum correction) the dense rate.)"""
+        README's recipes take 1.5x (sign) and 2x (momentum correction) the dense rate, which
+        :meth:`prepare_optimizer` applies along with these settings.)"""
         if self.momentum:
             doubled = sorted({group["momentum"] for group in optimizer.param_groups if group.get("momentum")})
             if doubled:
                 warnings.warn(f"SegmentSparseState(momentum={self.momentum}) applies momentum in the hook: "
-                              f"give the optimizer momentum=0 in every parameter group; found momentum "
-                              f"{doubled}", UserWarning, stacklevel=2)
+                              f"give the optimizer momentum=0 in every parameter group (or call "
+                              f"state.prepare_optimizer(optimizer)); found momentum {doubled}",
+                              UserWarning, stacklevel=2)
         if self.output != "sign":
             return
         betas = {tuple(group["betas"]) for group in optimizer.param_groups if "betas" in group}
@@ -145,8 +151,52 @@ class SegmentSparseState(ErrorFeedbackState):
         found = (f"betas {sorted(betas)}" if betas
                  else f"{type(optimizer).__name__}, which has no betas")
         warnings.warn(f"SegmentSparseState(output='sign') hands the optimizer sign steps: use "
-                      f"AdamW (or Adam) with betas=(0.0, 0.0) in every parameter group; found "
-                      f"{found}", UserWarning, stacklevel=2)
+                      f"AdamW (or Adam) with betas=(0.0, 0.0) in every parameter group (or call "
+                      f"state.prepare_optimizer(optimizer)); found {found}", UserWarning,
+                      stacklevel=2)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          lr_scale: Optional[float] = None) -> torch.optim.Optimizer:
+        """Fit ``optimizer``, set up as for dense training, to this hook's output, keeping the
+        user's learning rate and schedule (the README's recipes; the mechanism and its
+        guarantees: :meth:`HookState.prepare_optimizer`):
+
+        * ``output="sign"``: Adam or AdamW. Sets ``betas=(0.0, 0.0)`` (the step becomes
+          ``lr`` times the agreed sign, with AdamW's decoupled weight decay) and steps at
+          ``lr_scale`` times the rate, default :data:`SIGN_LR_SCALE` (1.5: the recipe's
+          optimum was 1.5x dense's on the README's transformer, digits MLP and CNN).
+        * ``momentum`` > 0 (momentum correction): SGD whose momentum is 0 or this state's,
+          without Nesterov. Sets its momentum to 0 (the hook applies it) and steps at
+          ``lr_scale`` times the rate, default :data:`MOMENTUM_CORRECTION_LR_SCALE` (2:
+          clearing the velocity of sent segments loses about half of each step). Measured
+          to hold below dense SGD's optimal rate; at or above it, pass ``lr_scale=1``.
+        * otherwise (``output="sum"``): any optimizer, unchanged (``lr_scale`` default 1).
+        """
+        return super().prepare_optimizer(optimizer, lr_scale)
+
+    def _optimizer_fit(self, optimizer: torch.optim.Optimizer) -> Tuple[dict, float]:
+        if self.output == "sign":
+            if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                raise TypeError(f"SegmentSparseState(output='sign') hands the optimizer sign "
+                                f"steps, which Adam or AdamW take with betas (0, 0); got "
+                                f"{type(optimizer).__name__}: use output='sum' with it")
+            return {"betas": (0.0, 0.0)}, SIGN_LR_SCALE
+        if not self.momentum:
+            return {}, 1.0
+        if not isinstance(optimizer, torch.optim.SGD):
+            raise TypeError(f"SegmentSparseState(momentum={self.momentum}) replaces SGD's "
+                            f"momentum; got {type(optimizer).__name__}: use momentum=0 with it")
+        for index, group in enumerate(optimizer.param_groups):
+            if group["momentum"] not in (0.0, self.momentum):
+                raise ValueError(f"parameter group {index} has momentum {group['momentum']}, but "
+                                 f"the hook applies momentum {self.momentum}: give "
+                                 f"SegmentSparseState the optimizer's momentum (the hook's is "
+                                 f"fixed: a scheduler cycling momentum, such as OneCycleLR, "
+                                 f"needs cycle_momentum=False)")
+            if group["nesterov"]:
+                raise ValueError(f"parameter group {index} uses Nesterov momentum, which the "
+                                 f"hook's momentum correction does not apply")
+        return {"momentum": 0.0}, MOMENTUM_CORRECTION_LR_SCALE
 
     def density_at(self, step: int) -> float:
         """The density used at ``step`` (1 during the dense warm-up)."""

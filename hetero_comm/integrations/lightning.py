@@ -17,17 +17,27 @@ class HeteroCommCallback(Callback):
 
     Give the hook to this callback only, not to ``DDPStrategy(ddp_comm_hook=...)``.
 
+    ``prepare_optimizers=True`` hands every optimizer to ``state.prepare_optimizer`` at the
+    start of ``fit``, so ``configure_optimizers`` keeps the dense learning rate and schedule
+    (the README's recipes); otherwise each is only checked (``state.check_optimizer``, which
+    warns if it does not suit the hook).
+
     Example::
 
         >>> state = SegmentSparseState(density=0.01)
         >>> trainer = Trainer(strategy="ddp", devices=2, accelerator="cpu",
         ...                   callbacks=[HeteroCommCallback(state, segment_sparse_hook)])
+        >>> # the AdamW recipe, configure_optimizers unchanged:
+        >>> state = SegmentSparseState(density=0.10, segment_size=512, wire_dtype="int8",
+        ...                            basis="dct", output="sign")
+        >>> callback = HeteroCommCallback(state, segment_sparse_hook, prepare_optimizers=True)
     """
 
-    def __init__(self, state: HookState, hook: Callable) -> None:
+    def __init__(self, state: HookState, hook: Callable, *, prepare_optimizers: bool = False) -> None:
         if not isinstance(state, HookState):
             raise TypeError(f"state must be a hetero_comm hook state; got {type(state).__name__}")
         self.state, self.hook = state, hook
+        self.prepare_optimizers = bool(prepare_optimizers)
 
     @property
     def state_key(self) -> str:
@@ -45,7 +55,10 @@ class HeteroCommCallback(Callback):
                              "it on CUDA only): give the hook to HeteroCommCallback alone")
         model.register_comm_hook(self.state, self.hook)
         for optimizer in trainer.optimizers:  # configured by now (Lightning's setup precedes this)
-            self.state.check_optimizer(optimizer)
+            if self.prepare_optimizers:
+                self.state.prepare_optimizer(optimizer)
+            else:
+                self.state.check_optimizer(optimizer)
 
     def state_dict(self) -> Dict[str, Any]:
         return self.state.state_dict()  # a collective: Lightning calls it on every rank

@@ -51,6 +51,10 @@ class TrainConfig:
     (``lr_schedule="constant"``) or follows a cosine down towards 0 (``"cosine"``, which would
     reach 0 one step after the last);
     ``clip_norm`` clips the global gradient norm (after the hook) before each step.
+    ``prepare_optimizer`` builds the optimizer as for dense training (AdamW's default betas,
+    SGD with ``momentum``, at ``lr``) and hands it to the hook state's ``prepare_optimizer``,
+    as a user keeping their dense settings would; without it the optimizer is built for the
+    hook directly (:meth:`adam_betas`, :meth:`optimizer_momentum`) and takes ``lr`` as is.
 
     ``dropout`` > 0 puts dropout after each hidden layer of the MLP: ``dropout_kind``
     ``"standard"`` (``nn.Dropout``, a mask per sample), ``"unit"`` (whole units, the same on
@@ -78,6 +82,7 @@ class TrainConfig:
     lr_warmup_steps: int = 0
     lr_schedule: str = "constant"
     clip_norm: Optional[float] = None
+    prepare_optimizer: bool = False
     seed: int = 0
     hidden: int = 256
     dropout: float = 0.0
@@ -121,6 +126,8 @@ class TrainConfig:
             raise ValueError("the sparse hook's output='sign' is a recipe for AdamW (with "
                              "betas=(0.0, 0.0)); SGD's learning rate is not one for sign "
                              "steps: use output='sum'")
+        if self.prepare_optimizer and HOOKS[self.hook].state_class is None:
+            raise ValueError(f"prepare_optimizer needs a hetero_comm hook; {self.hook!r} is torch's")
         if self.batching == "dynamic" and self.hook not in WEIGHTED_HOOKS:
             raise ValueError(f"batching='dynamic' needs a hook that weights ranks "
                              f"({', '.join(WEIGHTED_HOOKS)}); {self.hook!r} averages them "
@@ -142,6 +149,8 @@ class TrainConfig:
 
     def optimizer_momentum(self) -> float:
         """The SGD momentum: 0 when the sparse hook's momentum correction replaces it."""
+        if self.prepare_optimizer:
+            return self.momentum
         return 0.0 if self.hook_settings.get("momentum") else self.momentum
 
     def adam_betas(self) -> Tuple[float, float]:
@@ -149,6 +158,8 @@ class TrainConfig:
         steps by ``lr`` times the sign it is given, with its decoupled weight decay: error
         feedback already accumulates the gradient as a momentum would); else
         ``(0.9, 0.999)``."""
+        if self.prepare_optimizer:
+            return (0.9, 0.999)
         return (0.0, 0.0) if self.hook_settings.get("output") == "sign" else (0.9, 0.999)
 
     def make_optimizer(self, parameters, total_steps: int):
@@ -267,6 +278,8 @@ class _Run:
         if config.max_steps is not None:
             total_steps = min(total_steps, config.max_steps)
         self.optimizer, self.schedule = config.make_optimizer(self.ddp.parameters(), total_steps)
+        if config.prepare_optimizer:
+            self.state.prepare_optimizer(self.optimizer)
         if self.units is not None:
             self.units.attach(self.optimizer)
         self.step = 0

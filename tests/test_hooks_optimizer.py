@@ -1,0 +1,225 @@
+"""``state.prepare_optimizer``: a dense optimizer, prepared, steps exactly as the README's recipe
+written by hand, keeps the user's learning rate between steps (for schedulers and checkpoints),
+and is refused, untouched, when it does not suit the hook."""
+
+import copy
+
+import pytest
+import torch
+
+from hetero_comm.hooks import AllreduceState, DCTQuantState, SegmentSparseState
+
+SIGN = dict(density=0.1, basis="dct", output="sign")
+MOMENTUM_CORRECTION = dict(density=0.1, momentum=0.9)
+
+
+def make_groups(seed=0):
+    """Two parameter groups (the second at a tenth of the rate), as users have."""
+    generator = torch.Generator().manual_seed(seed)
+    first = [torch.nn.Parameter(torch.randn(5, 3, generator=generator))]
+    second = [torch.nn.Parameter(torch.randn(7, generator=generator))]
+    return [{"params": first}, {"params": second, "lr_factor": 0.1}]
+
+
+def make(kind, lr, **settings):
+    groups = make_groups()
+    for group in groups:
+        group["lr"] = lr * group.pop("lr_factor", 1.0)
+    return getattr(torch.optim, kind)(groups, lr=lr, **settings)
+
+
+SCHEDULERS = {
+    "lambda": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1 / (1 + step % 4)),
+    "cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=5),
+    "step": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+}
+
+
+def train(optimizer, scheduler=None, steps=6, seed=1, sign=False, first=0):
+    """Steps ``first`` to ``first + steps`` with reproducible gradients (each step's drawn from
+    its own seed; signs for the sign hook); the rates between steps."""
+    rates = []
+    for step in range(first, first + steps):
+        generator = torch.Generator().manual_seed(seed * 1000 + step)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                grad = torch.randn(p.shape, generator=generator)
+                p.grad = grad.sign() if sign else grad
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        rates.append([group["lr"] for group in optimizer.param_groups])
+    return rates
+
+
+def parameters(optimizer):
+    return [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
+
+
+# (state settings, dense optimizer, the README's recipe written by hand)
+RECIPES = {
+    "adamw sign": (SIGN, ("AdamW", 2e-3, dict(weight_decay=0.01)),
+                   ("AdamW", 3e-3, dict(weight_decay=0.01, betas=(0.0, 0.0)))),
+    "adam sign": (SIGN, ("Adam", 1e-3, {}), ("Adam", 1.5e-3, dict(betas=(0.0, 0.0)))),
+    "sgd momentum correction": (MOMENTUM_CORRECTION, ("SGD", 0.05, dict(momentum=0.9, weight_decay=1e-4)),
+                                ("SGD", 0.1, dict(momentum=0.0, weight_decay=1e-4))),
+    "sgd, its momentum already 0": (MOMENTUM_CORRECTION, ("SGD", 0.05, {}), ("SGD", 0.1, {})),
+}
+
+
+@pytest.mark.parametrize("scheduler", [None, *SCHEDULERS])
+@pytest.mark.parametrize("scheduler_first", [True, False])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_prepared_optimizer_steps_as_the_recipe_by_hand_and_keeps_the_users_rate(recipe, scheduler, scheduler_first):
+    settings, (kind, lr, options), (hand_kind, hand_lr, hand_options) = RECIPES[recipe]
+    sign = settings.get("output") == "sign"
+    by_hand = make(hand_kind, hand_lr, **hand_options)
+    dense = make(kind, lr, **options)
+    unprepared = make(kind, lr, **options)
+    make_scheduler = SCHEDULERS.get(scheduler, lambda o: None)
+    hand_rates = train(by_hand, make_scheduler(by_hand), sign=sign)
+    schedule = make_scheduler(dense) if scheduler_first else None
+    assert SegmentSparseState(**settings).prepare_optimizer(dense) is dense
+    schedule = schedule if scheduler_first else make_scheduler(dense)
+    rates = train(dense, schedule, sign=sign)
+    user_rates = train(unprepared, make_scheduler(unprepared), sign=sign)
+    for mine, hands in zip(parameters(dense), parameters(by_hand)):
+        torch.testing.assert_close(mine, hands, rtol=1e-6, atol=1e-9)
+    assert rates == user_rates  # the scheduler and anyone reading saw the user's rate
+    scale = hand_lr / lr
+    for mine, hands in zip(rates, hand_rates):
+        assert mine == pytest.approx([r / scale for r in hands], rel=1e-12)
+    assert not any(torch.equal(a, b) for a, b in zip(parameters(dense), parameters(unprepared)))
+
+
+@pytest.mark.parametrize("kind,settings", [("SGD", dict(momentum=0.9)), ("AdamW", {})])
+@pytest.mark.parametrize("state", [lambda: AllreduceState(), lambda: DCTQuantState(),
+                                   lambda: SegmentSparseState(density=0.1)],
+                         ids=["allreduce", "dct_quant", "sparse sum"])
+def test_hooks_that_hand_a_sum_leave_any_optimizer_as_it_is_unless_given_a_scale(state, kind, settings):
+    prepared, plain = make(kind, 0.01, **settings), make(kind, 0.01, **settings)
+    hyperparameters = copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
+                                     for g in prepared.param_groups])
+    state().prepare_optimizer(prepared)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in prepared.param_groups] == hyperparameters
+    train(prepared), train(plain)
+    assert all(torch.equal(a, b) for a, b in zip(parameters(prepared), parameters(plain)))
+    scaled, doubled = make(kind, 0.01, **settings), make(kind, 0.02, **settings)
+    state().prepare_optimizer(scaled, lr_scale=2.0)
+    train(scaled), train(doubled)
+    for a, b in zip(parameters(scaled), parameters(doubled)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_preparing_again_replaces_the_earlier_call():
+    state = SegmentSparseState(**MOMENTUM_CORRECTION)
+    twice = make("SGD", 0.05, momentum=0.9)
+    state.prepare_optimizer(twice)
+    state.prepare_optimizer(twice)
+    state.prepare_optimizer(twice, lr_scale=3.0)
+    state.prepare_optimizer(twice)  # back to the default, 2
+    by_hand = make("SGD", 0.1)
+    train(twice), train(by_hand)
+    for a, b in zip(parameters(twice), parameters(by_hand)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_a_checkpoint_holds_the_users_rate_and_resumes_exactly():
+    state = SegmentSparseState(**SIGN)
+
+    def fresh():
+        optimizer = make("AdamW", 2e-3, weight_decay=0.01)
+        return optimizer, SCHEDULERS["cosine"](optimizer)
+
+    whole, whole_schedule = fresh()
+    state.prepare_optimizer(whole)
+    whole_rates = train(whole, whole_schedule, steps=8, sign=True)
+
+    first, first_schedule = fresh()
+    state.prepare_optimizer(first)
+    train(first, first_schedule, steps=3, sign=True)
+    saved = copy.deepcopy((first.state_dict(), first_schedule.state_dict(), parameters(first)))
+    assert [g["lr"] for g in saved[0]["param_groups"]] == whole_rates[2]  # the user's rate
+    assert saved[0]["param_groups"][0]["betas"] == (0.0, 0.0)
+
+    for prepare_before_loading in (True, False):
+        resumed, resumed_schedule = fresh()
+        with torch.no_grad():
+            for p, value in zip([p for g in resumed.param_groups for p in g["params"]], saved[2]):
+                p.copy_(value)
+        if prepare_before_loading:
+            state.prepare_optimizer(resumed)
+        resumed.load_state_dict(saved[0])
+        resumed_schedule.load_state_dict(saved[1])
+        if not prepare_before_loading:
+            state.prepare_optimizer(resumed)
+        rates = train(resumed, resumed_schedule, steps=5, sign=True, first=3)
+        assert rates == whole_rates[3:]
+        assert all(torch.equal(a, b) for a, b in zip(parameters(resumed), parameters(whole)))
+
+
+def test_loading_a_dense_checkpoint_keeps_what_the_hook_needs():
+    dense = make("AdamW", 1e-3)
+    train(dense, steps=2)
+    prepared = make("AdamW", 1e-3)
+    SegmentSparseState(**SIGN).prepare_optimizer(prepared)
+    prepared.load_state_dict(dense.state_dict())  # betas (0.9, 0.999) in the file
+    assert all(group["betas"] == (0.0, 0.0) for group in prepared.param_groups)
+
+
+def test_a_scheduler_cycling_momentum_cannot_give_the_optimizer_its_momentum_back():
+    optimizer = make("SGD", 0.05, momentum=0.9)
+    cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10,
+                                                base_momentum=0.9, max_momentum=0.9)
+    SegmentSparseState(**MOMENTUM_CORRECTION).prepare_optimizer(optimizer)
+    used = []  # what each step itself ran with
+    optimizer.register_step_post_hook(lambda o, *_: used.append([g["momentum"] for g in o.param_groups]))
+    train(optimizer, cycle, steps=4)
+    assert [g["momentum"] for g in optimizer.param_groups] != [0.0, 0.0]  # the cycle set them
+    assert used == [[0.0, 0.0]] * 4
+
+
+def test_a_step_that_raises_does_not_leave_the_rate_scaled():
+    optimizer = make("SGD", 0.05, momentum=0.9)
+    SegmentSparseState(**MOMENTUM_CORRECTION).prepare_optimizer(optimizer)
+    by_hand = make("SGD", 0.1)
+    train(optimizer, steps=1), train(by_hand, steps=1)
+
+    def failing_closure():
+        raise RuntimeError("loss could not be computed")
+
+    with pytest.raises(RuntimeError, match="loss could not"):
+        optimizer.step(failing_closure)
+    train(optimizer, steps=1, first=1), train(by_hand, steps=1, first=1)
+    assert [g["lr"] for g in optimizer.param_groups] == [0.05, 0.05 * 0.1]  # the user's
+    for a, b in zip(parameters(optimizer), parameters(by_hand)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("settings,optimizer,error,match", [
+    (SIGN, lambda: make("SGD", 0.05, momentum=0.9), TypeError, "Adam or AdamW.*got SGD"),
+    (SIGN, lambda: make("RMSprop", 1e-3), TypeError, "got RMSprop"),
+    (MOMENTUM_CORRECTION, lambda: make("AdamW", 1e-3), TypeError, "replaces SGD's momentum; got AdamW"),
+    (MOMENTUM_CORRECTION, lambda: make("SGD", 0.05, momentum=0.5), ValueError,
+     "group 0 has momentum 0.5, but the hook applies momentum 0.9"),
+    (MOMENTUM_CORRECTION, lambda: make("SGD", 0.05, momentum=0.9, nesterov=True), ValueError,
+     "Nesterov"),
+    (SIGN, lambda: torch.nn.Linear(2, 2), TypeError, "must be a torch.optim.Optimizer"),
+])
+def test_an_optimizer_that_does_not_suit_is_refused_untouched(settings, optimizer, error, match):
+    optimizer = optimizer()
+    before = copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
+                            for g in getattr(optimizer, "param_groups", [])])
+    with pytest.raises(error, match=match):
+        SegmentSparseState(**settings).prepare_optimizer(optimizer)
+    if before:
+        assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == before
+        assert not optimizer._optimizer_step_pre_hooks
+
+
+@pytest.mark.parametrize("lr_scale", [0.0, -1.0, float("nan"), float("inf"), "2"])
+def test_a_bad_lr_scale_is_refused(lr_scale):
+    optimizer = make("AdamW", 1e-3)
+    with pytest.raises((ValueError, TypeError), match="lr_scale"):
+        SegmentSparseState(**SIGN).prepare_optimizer(optimizer, lr_scale=lr_scale)
+    assert all(group["betas"] == (0.9, 0.999) for group in optimizer.param_groups)
