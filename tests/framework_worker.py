@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hetero_comm.hooks.segment_sparse import momentum_correction_lr_scale
 from hetero_comm.lab.registry import HOOKS
 
 CASES = {"sparse": ("sparse", dict(density=0.05, segment_size=16, warmup_steps=2)),
@@ -46,7 +47,8 @@ def make_optimizer(parameters, case, by_hand=False):
             return torch.optim.AdamW(parameters, lr=1.5e-3, betas=(0.0, 0.0), weight_decay=0.01)
         return torch.optim.AdamW(parameters, lr=1e-3, weight_decay=0.01)
     if by_hand and case == "sparse_mc":
-        return torch.optim.SGD(parameters, lr=0.1, momentum=0.0)
+        return torch.optim.SGD(parameters, lr=0.05 * momentum_correction_lr_scale(0.05, 0.9),
+                               momentum=0.0)
     return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
 SAMPLES, BATCH = 256, 8  # per rank: 16 steps an epoch
 
@@ -117,7 +119,7 @@ def run_lightning(hook, directory):
             "accumulated": lightning_fit(hook, 1, accumulate=2)}
     if hook in RECIPES:
         runs["by_hand"] = lightning_fit(hook, 2, by_hand=True)
-    if hook.startswith("dct_sign"):  # the sign recipe given SGD, unprepared: the callback must warn
+    if hook in RECIPES:  # unprepared, SGD with momentum 0.9: the callback must warn
         runs["mismatched"] = lightning_fit(hook, 1, optimizer_of="sparse")
     return runs
 

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from hetero_comm.hooks import AllreduceState, DCTQuantState, SegmentSparseState
+from hetero_comm.hooks.segment_sparse import momentum_correction_lr_scale
 
 SIGN = dict(density=0.1, basis="dct", output="sign")
 MOMENTUM_CORRECTION = dict(density=0.1, momentum=0.9)
+MC_SCALE = momentum_correction_lr_scale(0.1, 0.9)  # 2.42
 
 
 def make_groups(seed=0):
@@ -62,8 +64,8 @@ RECIPES = {
                    ("AdamW", 3e-3, dict(weight_decay=0.01, betas=(0.0, 0.0)))),
     "adam sign": (SIGN, ("Adam", 1e-3, {}), ("Adam", 1.5e-3, dict(betas=(0.0, 0.0)))),
     "sgd momentum correction": (MOMENTUM_CORRECTION, ("SGD", 0.05, dict(momentum=0.9, weight_decay=1e-4)),
-                                ("SGD", 0.1, dict(momentum=0.0, weight_decay=1e-4))),
-    "sgd, its momentum already 0": (MOMENTUM_CORRECTION, ("SGD", 0.05, {}), ("SGD", 0.1, {})),
+                                ("SGD", 0.05 * MC_SCALE, dict(momentum=0.0, weight_decay=1e-4))),
+    "sgd, its momentum already 0": (MOMENTUM_CORRECTION, ("SGD", 0.05, {}), ("SGD", 0.05 * MC_SCALE, {})),
 }
 
 
@@ -117,8 +119,8 @@ def test_preparing_again_replaces_the_earlier_call():
     state.prepare_optimizer(twice)
     state.prepare_optimizer(twice)
     state.prepare_optimizer(twice, lr_scale=3.0)
-    state.prepare_optimizer(twice)  # back to the default, 2
-    by_hand = make("SGD", 0.1)
+    state.prepare_optimizer(twice)  # back to the default
+    by_hand = make("SGD", 0.05 * MC_SCALE)
     train(twice), train(by_hand)
     for a, b in zip(parameters(twice), parameters(by_hand)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
@@ -182,7 +184,7 @@ def test_a_scheduler_cycling_momentum_cannot_give_the_optimizer_its_momentum_bac
 def test_a_step_that_raises_does_not_leave_the_rate_scaled():
     optimizer = make("SGD", 0.05, momentum=0.9)
     SegmentSparseState(**MOMENTUM_CORRECTION).prepare_optimizer(optimizer)
-    by_hand = make("SGD", 0.1)
+    by_hand = make("SGD", 0.05 * MC_SCALE)
     train(optimizer, steps=1), train(by_hand, steps=1)
 
     def failing_closure():
@@ -194,6 +196,26 @@ def test_a_step_that_raises_does_not_leave_the_rate_scaled():
     assert [g["lr"] for g in optimizer.param_groups] == [0.05, 0.05 * 0.1]  # the user's
     for a, b in zip(parameters(optimizer), parameters(by_hand)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("interval", [1, 2, 5, 12, 40])
+@pytest.mark.parametrize("momentum", [0.5, 0.9, 0.99])
+def test_momentum_correction_scale_gives_back_what_clearing_loses(interval, momentum):
+    """Simulate the hook on one coordinate whose segment goes out every ``interval`` steps: a
+    unit gradient arriving at each step of the interval in turn; what the sends carry, times
+    the factor, is what momentum SGD would move it (``1 / (1 - momentum)``) on average."""
+    carried = []
+    for arrival in range(interval):
+        velocity = held = sent = 0.0
+        for step in range(arrival, arrival + interval * 400):
+            velocity = momentum * velocity + (1.0 if step == arrival else 0.0)
+            held += velocity
+            if step % interval == interval - 1:  # the segment goes out: sent, then cleared
+                sent, held, velocity = sent + held, 0.0, 0.0
+        carried.append(sent)
+    scale = momentum_correction_lr_scale(1.0 / interval, momentum)
+    assert scale * sum(carried) / interval == pytest.approx(1 / (1 - momentum), rel=1e-9)
+    assert momentum_correction_lr_scale(1.0 / interval, 0.0) == 1.0
 
 
 @pytest.mark.parametrize("settings,optimizer,error,match", [

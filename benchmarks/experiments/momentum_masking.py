@@ -10,7 +10,8 @@ step is lost. Two alternatives keep it:
 And ``none``: no momentum correction; error feedback on the gradient, and the optimizer's
 momentum applied to the agreed sum (which keeps the whole step too, spread over later steps).
 ``prepared``: the README's recipe as a user runs it: the dense optimizer (momentum 0.9, the
-dense rate) handed to ``state.prepare_optimizer``, i.e. ``clear`` at twice the rate.
+dense rate) handed to ``state.prepare_optimizer``, i.e. ``clear`` at
+``momentum_correction_lr_scale(density, 0.9)`` times the rate (2.1 at 8%).
 
 The digits MLP of bench_convergence.py (SGD, momentum 0.9, 8 epochs), int8 wire, 8% of segments
 of 512, at lr 0.02 / 0.05 / 0.1 and 2 / 4 ranks, over several seeds. Prints one line per run and
@@ -18,6 +19,7 @@ a table of means. Results: benchmarks/results/momentum_masking.txt.
 
 Usage: python benchmarks/experiments/momentum_masking.py [--variants clear,keep,defer,none,prepared]
        [--lrs 0.02,0.05,0.1] [--ranks 2,4] [--seeds 0,1,2] [--ternary F] [--model cnn]
+       [--density 0.08]
        (--model cnn: the digits CNN of recipe_generality.py, 6 epochs; --model gpt: the transformer)
 """
 
@@ -82,12 +84,13 @@ class MaskingConfig(TrainConfig):
         return super().make_optimizer(parameters, total_steps)
 
 
-def case(variant: str, lr: float, ranks: int, seed: int, ternary: int = 0, model: str = "mlp") -> TrainConfig:
+def case(variant: str, lr: float, ranks: int, seed: int, ternary: int = 0, model: str = "mlp",
+         density: float = SPARSE["density"]) -> TrainConfig:
     settings, per_rank_batch = MODELS[model]
     options = dict(DIGITS, **settings, lr=lr, workers=ranks, global_batch=per_rank_batch * ranks, seed=seed)
     if variant == "dense":
         return TrainConfig(hook="dense", **options)
-    sparse = dict(SPARSE, density=SPARSE["density"] * (ternary or 1))
+    sparse = dict(SPARSE, density=density * (ternary or 1))
     if variant == "none":  # no momentum correction: the optimizer's momentum, after the sum
         sparse["momentum"], variant = 0.0, "keep"  # (keep: nothing to clear)
     prepared = variant == "prepared"
@@ -104,6 +107,7 @@ def main() -> None:
     parser.add_argument("--ternary", type=int, default=0, metavar="F",
                         help="simulate a ternary wire packed F values to a byte (density x F)")
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
+    parser.add_argument("--density", type=float, default=SPARSE["density"])
     args = parser.parse_args()
     print("python " + " ".join(sys.argv), flush=True)
     accuracy = {}
@@ -112,7 +116,8 @@ def main() -> None:
             for variant in ["dense"] + args.variants.split(","):
                 for seed in (int(x) for x in args.seeds.split(",")):
                     try:
-                        record = run_training(case(variant, lr, ranks, seed, args.ternary, args.model),
+                        record = run_training(case(variant, lr, ranks, seed, args.ternary, args.model,
+                                                   args.density),
                                               timeout=3600)
                         acc, loss = 100 * record["final_accuracy"], record["epochs"]["test_loss"][-1]
                     except RuntimeError as error:  # the hook stops a run that diverged

@@ -5,8 +5,8 @@ import dataclasses
 from typing import Callable, Dict, Optional, Tuple
 
 from .._checks import check_choice
-from ..hooks import (AllreduceState, DCTQuantState, SegmentSparseState, allreduce_hook,
-                     dct_quant_hook, segment_sparse_hook)
+from ..hooks import (AllreduceState, DCTQuantState, HookState, SegmentSparseState,
+                     allreduce_hook, dct_quant_hook, segment_sparse_hook)
 
 __all__ = ["HookSpec", "HOOKS", "WEIGHTED_HOOKS", "make_hook"]
 
@@ -26,6 +26,11 @@ class HookSpec:
     state_class: Optional[type]
     weighted: bool
     defaults: Tuple[Tuple[str, object], ...] = ()
+
+    @property
+    def is_hetero_comm(self) -> bool:
+        """Whether the state is a hetero_comm one (else the hook is torch's)."""
+        return isinstance(self.state_class, type) and issubclass(self.state_class, HookState)
 
     def make_state(self, settings: Optional[dict] = None):
         settings = dict(settings or {})

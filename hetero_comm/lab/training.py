@@ -126,7 +126,7 @@ class TrainConfig:
             raise ValueError("the sparse hook's output='sign' is a recipe for AdamW (with "
                              "betas=(0.0, 0.0)); SGD's learning rate is not one for sign "
                              "steps: use output='sum'")
-        if self.prepare_optimizer and HOOKS[self.hook].state_class is None:
+        if self.prepare_optimizer and not HOOKS[self.hook].is_hetero_comm:
             raise ValueError(f"prepare_optimizer needs a hetero_comm hook; {self.hook!r} is torch's")
         if self.batching == "dynamic" and self.hook not in WEIGHTED_HOOKS:
             raise ValueError(f"batching='dynamic' needs a hook that weights ranks "
@@ -144,7 +144,7 @@ class TrainConfig:
             raise ValueError("skip_dropped needs a unit dropout (dropout > 0 and dropout_kind "
                              "'unit' or 'sliced'): standard dropout drops per sample, and "
                              "nothing is zero on every rank")
-        if self.skip_dropped and HOOKS[self.hook].state_class is None:
+        if self.skip_dropped and not HOOKS[self.hook].is_hetero_comm:
             raise ValueError(f"skip_dropped needs a hetero_comm hook; {self.hook!r} is torch's")
 
     def optimizer_momentum(self) -> float:
