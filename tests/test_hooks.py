@@ -350,7 +350,8 @@ def _optimizer(kind, **settings):
 @pytest.mark.parametrize("output,optimizer,warns", [
     ("momentum correction", lambda: _optimizer("SGD", momentum=0.0), None),
     ("momentum correction", lambda: _optimizer("SGD", momentum=0.0, second={"momentum": 0.9}),
-     r"momentum=0 in every parameter group; found momentum \[0.9\]"),
+     r"momentum=0 in every parameter group \(or call state.prepare_optimizer\(optimizer\)\); "
+     r"found momentum \[0.9\]"),
     ("sign", lambda: _optimizer("AdamW", betas=(0.0, 0.0)), None),
     ("sign", lambda: _optimizer("Adam", betas=(0.0, 0.0)), None),
     ("sign", lambda: _optimizer("AdamW"), r"betas=\(0.0, 0.0\).*found betas \[\(0.9, 0.999\)\]"),

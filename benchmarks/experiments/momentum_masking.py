@@ -19,7 +19,7 @@ a table of means. Results: benchmarks/results/momentum_masking.txt.
 
 Usage: python benchmarks/experiments/momentum_masking.py [--variants clear,keep,defer,none,prepared]
        [--lrs 0.02,0.05,0.1] [--ranks 2,4] [--seeds 0,1,2] [--ternary F] [--model cnn]
-       [--density 0.08]
+       [--density 0.08] [--density-warmup STEPS]
        (--model cnn: the digits CNN of recipe_generality.py, 6 epochs; --model gpt: the transformer)
 """
 
@@ -85,12 +85,12 @@ class MaskingConfig(TrainConfig):
 
 
 def case(variant: str, lr: float, ranks: int, seed: int, ternary: int = 0, model: str = "mlp",
-         density: float = SPARSE["density"]) -> TrainConfig:
+         density: float = SPARSE["density"], density_warmup: int = 0) -> TrainConfig:
     settings, per_rank_batch = MODELS[model]
     options = dict(DIGITS, **settings, lr=lr, workers=ranks, global_batch=per_rank_batch * ranks, seed=seed)
     if variant == "dense":
         return TrainConfig(hook="dense", **options)
-    sparse = dict(SPARSE, density=density * (ternary or 1))
+    sparse = dict(SPARSE, density=density * (ternary or 1), density_warmup_steps=density_warmup)
     if variant == "none":  # no momentum correction: the optimizer's momentum, after the sum
         sparse["momentum"], variant = 0.0, "keep"  # (keep: nothing to clear)
     prepared = variant == "prepared"
@@ -108,6 +108,8 @@ def main() -> None:
                         help="simulate a ternary wire packed F values to a byte (density x F)")
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
     parser.add_argument("--density", type=float, default=SPARSE["density"])
+    parser.add_argument("--density-warmup", type=int, default=0, metavar="STEPS",
+                        help="the hook's density_warmup_steps (density falls from 1 over STEPS)")
     args = parser.parse_args()
     print("python " + " ".join(sys.argv), flush=True)
     accuracy = {}
@@ -117,17 +119,18 @@ def main() -> None:
                 for seed in (int(x) for x in args.seeds.split(",")):
                     try:
                         record = run_training(case(variant, lr, ranks, seed, args.ternary, args.model,
-                                                   args.density),
+                                                   args.density, args.density_warmup),
                                               timeout=3600)
                         acc, loss = 100 * record["final_accuracy"], record["epochs"]["test_loss"][-1]
+                        ratio = record["dense_bytes_per_step"] / record["bytes_per_step"]
                     except RuntimeError as error:  # the hook stops a run that diverged
                         if "non-finite gradient" not in str(error):
                             raise
-                        acc = loss = float("nan")
+                        acc = loss = ratio = float("nan")
                     acc = acc if math.isfinite(loss) else float("nan")
                     accuracy.setdefault((ranks, lr, variant), []).append(acc)
                     print(f"{variant:>6} lr {lr:g} ranks {ranks} seed {seed}: val acc {acc:.1f}% "
-                          f"val loss {loss:.3f}", flush=True)
+                          f"val loss {loss:.3f} ({ratio:.1f}x)", flush=True)
     print("\n| ranks | lr | " + " | ".join(["dense"] + args.variants.split(",")) + " |")
     print("|---" * (3 + len(args.variants.split(","))) + "|")
     for ranks, lr in sorted({key[:2] for key in accuracy}):

@@ -8,7 +8,9 @@
 * :func:`allreduce_hook` with :class:`AllreduceState`: the dense baseline, same weighting.
 
 Every state takes ``rank_weight`` (this rank's share of the result ``sum_i w_i g_i``) and
-offers ``stats()``, ``state_dict()`` and ``load_state_dict()``. The compressing states
+offers ``stats()``, ``state_dict()``, ``load_state_dict()``, and ``prepare_optimizer()``,
+which fits the user's dense optimizer to what the hook hands it while keeping the user's
+learning rate and schedule (``_optimizer.py``). The compressing states
 (:class:`ErrorFeedbackState`) also take ``warmup_steps`` and ``min_compress_numel`` and keep
 their error-feedback state by parameter (``_plan.py``), so it survives DDP's bucket rebuild
 and a resumed run.

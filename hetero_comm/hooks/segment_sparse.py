@@ -149,7 +149,7 @@ class SegmentSparseState(ErrorFeedbackState):
         learning rate is not a sign step's. With ``momentum`` (momentum correction) the hook
         applies the momentum, so an optimizer's own would apply it twice. Otherwise
         ``output="sum"`` suits any optimizer. (Neither check can see the learning rate: the
-        README's recipes take 1.5x (sign) and 2x (momentum correction) the dense rate, which
+        README's recipes take 1.5x (sign) and about 2x (momentum correction) the dense rate, which
         :meth:`prepare_optimizer` applies along with these settings.)"""
         if self.momentum:
             doubled = sorted({group["momentum"] for group in optimizer.param_groups if group.get("momentum")})
