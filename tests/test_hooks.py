@@ -358,6 +358,8 @@ def _optimizer(kind, **settings):
     ("sign", lambda: _optimizer("AdamW", betas=(0.0, 0.0), second={"betas": (0.9, 0.999)}),
      r"found betas \[\(0.0, 0.0\), \(0.9, 0.999\)\]"),  # one group left at the defaults
     ("sign", lambda: _optimizer("SGD", momentum=0.9), "found SGD, which has no betas"),
+    ("sign", lambda: _optimizer("Adam", betas=(0.0, 0.0), weight_decay=0.01),
+     "Adam's weight_decay 0.01, added to the gradient"),
     ("sum", lambda: _optimizer("AdamW"), None),
     ("sum", lambda: _optimizer("SGD", momentum=0.9), None),
 ])

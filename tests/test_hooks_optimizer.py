@@ -63,6 +63,8 @@ RECIPES = {
     "adamw sign": (SIGN, ("AdamW", 2e-3, dict(weight_decay=0.01)),
                    ("AdamW", 3e-3, dict(weight_decay=0.01, betas=(0.0, 0.0)))),
     "adam sign": (SIGN, ("Adam", 1e-3, {}), ("Adam", 1.5e-3, dict(betas=(0.0, 0.0)))),
+    "adam sign, decoupled decay": (SIGN, ("Adam", 1e-3, dict(weight_decay=0.01, decoupled_weight_decay=True)),
+                                   ("AdamW", 1.5e-3, dict(weight_decay=0.01, betas=(0.0, 0.0)))),
     "sgd momentum correction": (MOMENTUM_CORRECTION, ("SGD", 0.05, dict(momentum=0.9, weight_decay=1e-4)),
                                 ("SGD", 0.05 * MC_SCALE, dict(momentum=0.0, weight_decay=1e-4))),
     "sgd, its momentum already 0": (MOMENTUM_CORRECTION, ("SGD", 0.05, {}), ("SGD", 0.05 * MC_SCALE, {})),
@@ -181,20 +183,59 @@ def test_a_scheduler_cycling_momentum_cannot_give_the_optimizer_its_momentum_bac
     assert used == [[0.0, 0.0]] * 4
 
 
-def test_a_step_that_raises_does_not_leave_the_rate_scaled():
+@pytest.mark.parametrize("scheduler", [None, "exponential"])
+def test_a_step_that_raises_does_not_leave_the_rate_scaled(scheduler):
+    make_scheduler = {None: lambda o: None,
+                      "exponential": lambda o: torch.optim.lr_scheduler.ExponentialLR(o, 0.9)}[scheduler]
     optimizer = make("SGD", 0.05, momentum=0.9)
+    schedule = make_scheduler(optimizer)
     SegmentSparseState(**MOMENTUM_CORRECTION).prepare_optimizer(optimizer)
     by_hand = make("SGD", 0.05 * MC_SCALE)
-    train(optimizer, steps=1), train(by_hand, steps=1)
+    hand_schedule = make_scheduler(by_hand)
+    train(optimizer, schedule, steps=1), train(by_hand, hand_schedule, steps=1)
 
     def failing_closure():
         raise RuntimeError("loss could not be computed")
 
     with pytest.raises(RuntimeError, match="loss could not"):
         optimizer.step(failing_closure)
-    train(optimizer, steps=1, first=1), train(by_hand, steps=1, first=1)
-    assert [g["lr"] for g in optimizer.param_groups] == [0.05, 0.05 * 0.1]  # the user's
+    assert [g["lr"] for g in optimizer.param_groups] == user_rates_after_one_step(schedule)
+    if schedule is not None:  # a chainable scheduler reads the rate the failed step left
+        schedule.step(), hand_schedule.step()
+    train(optimizer, schedule, steps=2, first=1), train(by_hand, hand_schedule, steps=2, first=1)
+    for mine, hands in zip(optimizer.param_groups, by_hand.param_groups):
+        assert mine["lr"] == pytest.approx(hands["lr"] / MC_SCALE, rel=1e-12)
     for a, b in zip(parameters(optimizer), parameters(by_hand)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def user_rates_after_one_step(schedule):
+    """The two groups' rates (0.05 and a tenth of it) after one step of ``schedule``."""
+    decay = 1.0 if schedule is None else 0.9
+    return [0.05 * decay, 0.05 * 0.1 * decay]
+
+
+def test_a_group_added_later_is_checked_and_fitted():
+    optimizer = make("SGD", 0.05, momentum=0.9)
+    SegmentSparseState(**MOMENTUM_CORRECTION).prepare_optimizer(optimizer)
+    optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))], "momentum": 0.9})
+    train(optimizer, steps=1)
+    assert [g["momentum"] for g in optimizer.param_groups] == [0.0, 0.0, 0.0]
+    optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))], "momentum": 0.5})
+    with pytest.raises(ValueError, match="group 3 has momentum 0.5"):
+        train(optimizer, steps=1)
+
+
+def test_copies_lose_the_fit_and_preparing_them_again_restores_it():
+    state = SegmentSparseState(**SIGN)
+    optimizer = make("AdamW", 1e-3)
+    state.prepare_optimizer(optimizer)
+    copied = copy.deepcopy(optimizer)
+    assert "step" not in vars(copied) and not hasattr(copied, "_hetero_comm_fit")
+    state.prepare_optimizer(copied)
+    by_hand = make("AdamW", 1.5e-3, betas=(0.0, 0.0))
+    train(copied, sign=True), train(by_hand, sign=True)
+    for a, b in zip(parameters(copied), parameters(by_hand)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
 
 
@@ -227,6 +268,9 @@ def test_momentum_correction_scale_gives_back_what_clearing_loses(interval, mome
     (MOMENTUM_CORRECTION, lambda: make("SGD", 0.05, momentum=0.9, nesterov=True), ValueError,
      "Nesterov"),
     (SIGN, lambda: torch.nn.Linear(2, 2), TypeError, "must be a torch.optim.Optimizer"),
+    (SIGN, lambda: make("Adam", 1e-3, weight_decay=0.01), ValueError, "Adam's weight_decay 0.01"),
+    (MOMENTUM_CORRECTION, lambda: make("SGD", 0.05, momentum=0.9, dampening=0.1), ValueError,
+     "dampening 0.1"),
 ])
 def test_an_optimizer_that_does_not_suit_is_refused_untouched(settings, optimizer, error, match):
     optimizer = optimizer()
@@ -236,7 +280,7 @@ def test_an_optimizer_that_does_not_suit_is_refused_untouched(settings, optimize
         SegmentSparseState(**settings).prepare_optimizer(optimizer)
     if before:
         assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == before
-        assert not optimizer._optimizer_step_pre_hooks
+        assert "step" not in vars(optimizer) and not hasattr(optimizer, "_hetero_comm_fit")
 
 
 @pytest.mark.parametrize("lr_scale", [0.0, -1.0, float("nan"), float("inf"), "2"])

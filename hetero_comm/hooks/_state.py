@@ -167,8 +167,10 @@ class HookState:
         keep the user's learning rate and schedule: the hyperparameters the hook needs are set
         in every parameter group (and set again after ``optimizer.load_state_dict``), and each
         ``optimizer.step()`` runs at ``lr_scale`` times every group's learning rate, which
-        holds the user's rate again when the step returns (so schedulers, created before or
-        after, logs and checkpoints see the user's rate).
+        holds the user's rate again when the step returns or raises (so schedulers, created
+        before or after, logs and checkpoints see the user's rate). Before each step the
+        groups are checked again (a group added since, or a momentum a scheduler set, raises
+        as here). A copy or an unpickled optimizer loses this: prepare it again.
 
         What is set, and the default ``lr_scale``, depend on the hook: see
         :meth:`SegmentSparseState.prepare_optimizer`. The other hooks hand DDP a (weighted)
@@ -202,7 +204,8 @@ class HookState:
             check_float("lr_scale", lr_scale, 0.0, float("inf"), low_open=True)
         inner = unwrap_optimizer(optimizer)
         settings, default_scale = self._optimizer_fit(inner)
-        OptimizerFit(inner, settings, default_scale if lr_scale is None else float(lr_scale))
+        OptimizerFit(inner, settings, default_scale if lr_scale is None else float(lr_scale),
+                     check=self._optimizer_fit)
         return optimizer
 
     def _optimizer_fit(self, optimizer: torch.optim.Optimizer) -> Tuple[dict, float]:

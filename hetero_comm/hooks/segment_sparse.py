@@ -46,15 +46,29 @@ BASES = ("elements", "dct")
 OUTPUTS = ("sum", "sign")
 
 
+def _refuse_coupled_weight_decay(optimizer: torch.optim.Optimizer) -> None:
+    """Adam's own ``weight_decay`` adds ``wd * p`` to the gradient before normalising: with
+    sign steps that moves every coordinate the hook left at 0 by a whole ``lr``."""
+    for index, group in enumerate(optimizer.param_groups):
+        if group.get("weight_decay") and not group.get("decoupled_weight_decay", False):
+            raise ValueError(f"parameter group {index} has Adam's weight_decay "
+                             f"{group['weight_decay']}, added to the gradient before AdamW's "
+                             f"normalisation: with sign steps it moves every coordinate not "
+                             f"sent by a whole lr. Use AdamW (decoupled weight decay), or Adam "
+                             f"with decoupled_weight_decay=True")
+
+
 def momentum_correction_lr_scale(density: float, momentum: float) -> float:
     """The learning-rate factor that gives back what momentum correction's clearing loses.
 
     Momentum SGD moves a gradient by ``1 / (1 - m)`` times the rate in all. Momentum correction
-    sends a gradient that arrived ``t`` steps before its segment went out with
-    ``(1 - m**(t + 1)) / (1 - m)`` of that, then clears the velocity. With a segment sent every
+    moves a gradient that arrived ``t`` steps before its segment went out by
+    ``(1 - m**(t + 1)) / (1 - m)`` times the rate, then clears the velocity. With a segment sent every
     ``T = 1 / density`` steps and arrivals spread evenly over that interval, the fraction kept
     is ``1 - m * (1 - m**T) / (T * (1 - m))``; the factor is its inverse (2.1 at 8% and
     momentum 0.9, 1.5 at 4%, 2.7 at 12%; README: "SGD at large learning rates")."""
+    check_float("density", density, 0.0, 1.0, low_open=True)
+    check_float("momentum", momentum, 0.0, 0.999)
     if not momentum:
         return 1.0
     interval = 1.0 / density
@@ -160,6 +174,10 @@ class SegmentSparseState(ErrorFeedbackState):
                               UserWarning, stacklevel=2)
         if self.output != "sign":
             return
+        try:
+            _refuse_coupled_weight_decay(optimizer)
+        except ValueError as error:
+            warnings.warn(f"SegmentSparseState(output='sign'): {error}", UserWarning, stacklevel=2)
         betas = {tuple(group["betas"]) for group in optimizer.param_groups if "betas" in group}
         if betas == {(0.0, 0.0)}:
             return
@@ -196,6 +214,7 @@ class SegmentSparseState(ErrorFeedbackState):
                 raise TypeError(f"SegmentSparseState(output='sign') hands the optimizer sign "
                                 f"steps, which Adam or AdamW take with betas (0, 0); got "
                                 f"{type(optimizer).__name__}: use output='sum' with it")
+            _refuse_coupled_weight_decay(optimizer)
             return {"betas": (0.0, 0.0)}, SIGN_LR_SCALE
         if not self.momentum:
             return {}, 1.0
@@ -212,6 +231,9 @@ class SegmentSparseState(ErrorFeedbackState):
             if group["nesterov"]:
                 raise ValueError(f"parameter group {index} uses Nesterov momentum, which the "
                                  f"hook's momentum correction does not apply")
+            if group["momentum"] and group["dampening"]:
+                raise ValueError(f"parameter group {index} has dampening {group['dampening']}, "
+                                 f"which the hook's momentum correction does not apply")
         return {"momentum": 0.0}, momentum_correction_lr_scale(self.density, self.momentum)
 
     def density_at(self, step: int) -> float:
