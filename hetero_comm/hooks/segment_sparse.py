@@ -52,7 +52,7 @@ def _refuse_coupled_weight_decay(optimizer: torch.optim.Optimizer) -> None:
     for index, group in enumerate(optimizer.param_groups):
         if group.get("weight_decay") and not group.get("decoupled_weight_decay", False):
             raise ValueError(f"parameter group {index} has Adam's weight_decay "
-                             f"{group['weight_decay']}, added to the gradient before AdamW's "
+                             f"{group['weight_decay']}, added to the gradient before Adam's "
                              f"normalisation: with sign steps it moves every coordinate not "
                              f"sent by a whole lr. Use AdamW (decoupled weight decay), or Adam "
                              f"with decoupled_weight_decay=True")
@@ -194,12 +194,13 @@ class SegmentSparseState(ErrorFeedbackState):
         user's learning rate and schedule (the README's recipes; the mechanism and its
         guarantees: :meth:`HookState.prepare_optimizer`):
 
-        * ``output="sign"``: Adam or AdamW. Sets ``betas=(0.0, 0.0)`` (the step becomes
+        * ``output="sign"``: AdamW, or Adam without weight decay or with
+          ``decoupled_weight_decay=True``. Sets ``betas=(0.0, 0.0)`` (the step becomes
           ``lr`` times the agreed sign, with AdamW's decoupled weight decay) and steps at
           ``lr_scale`` times the rate, default :data:`SIGN_LR_SCALE` (1.5: the recipe's
           optimum was 1.5x dense's on the README's transformer, digits MLP and CNN).
         * ``momentum`` > 0 (momentum correction): SGD whose momentum is 0 or this state's,
-          without Nesterov. Sets its momentum to 0 (the hook applies it) and steps at
+          without Nesterov or dampening. Sets its momentum to 0 (the hook applies it) and steps at
           ``lr_scale`` times the rate, default :func:`momentum_correction_lr_scale` of the
           density and momentum (2.1 at 8% and 0.9: clearing the velocity of sent segments
           loses about half of each step). Measured to hold below dense SGD's optimal rate;
