@@ -1,5 +1,6 @@
 """A Lightning callback that runs a hetero_comm hook on any device and checkpoints its state."""
 
+import warnings
 from typing import Any, Callable, Dict
 
 from lightning.pytorch.callbacks import Callback
@@ -58,7 +59,16 @@ class HeteroCommCallback(Callback):
             if self.prepare_optimizers:
                 self.state.prepare_optimizer(optimizer)
             else:
-                self.state.check_optimizer(optimizer)
+                self._check_optimizer(optimizer)
+
+    def _check_optimizer(self, optimizer) -> None:
+        """``state.check_optimizer``, its warnings saying how to prepare the optimizer here."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.state.check_optimizer(optimizer)
+        for warning in caught:
+            warnings.warn(f"{warning.message} (with Lightning: HeteroCommCallback(state, hook, "
+                          f"prepare_optimizers=True))", warning.category, stacklevel=3)
 
     def state_dict(self) -> Dict[str, Any]:
         return self.state.state_dict()  # a collective: Lightning calls it on every rank
