@@ -83,8 +83,8 @@ def test_dct_sign_recipe_keeps_a_transformer_with_adamw_near_dense():
     clipping, 200 steps at 2 ranks. The plain sparse hook at ~25x ends far above dense (measured
     +11% over seeds 0-2); the DCT-sign recipe at ~23x ends within noise of dense (measured -1.6%
     to +0%). The int8 wire at twice the density and the same bytes runs as a user would: AdamW
-    at dense's rate and betas, handed to ``state.prepare_optimizer`` (measured -9% to -10%, seeds
-    0-2). The bounds leave room for other seeds and machines, not for the plain hook."""
+    at dense's rate and betas, handed to ``state.prepare_optimizer`` (about 10% below dense
+    here, at seed 0). The bounds leave room for other seeds and machines, not for the plain hook."""
     text = dict(model="gpt", hidden=32, optimizer="adamw", lr=3e-3, weight_decay=0.01,
                 lr_warmup_steps=10, lr_schedule="cosine", clip_norm=1.0, epochs=4, max_steps=200,
                 global_batch=32)

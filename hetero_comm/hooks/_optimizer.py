@@ -21,7 +21,9 @@ def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside a framework's wrapper (Accelerate's ``AcceleratedOptimizer``
     keeps it in ``.optimizer`` and steps it there)."""
     inner = optimizer
-    while not isinstance(vars(inner).get("_optimizer_step_pre_hooks"), dict):
+    # A torch optimizer sets up its own attributes in __init__; Accelerate's wrapper subclasses
+    # Optimizer without running it (its param_groups is a property reading the inner one).
+    while "param_groups" not in vars(inner):
         inner = getattr(inner, "optimizer", None)
         if inner is None or not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer (or a wrapper holding one "
