@@ -6,6 +6,7 @@ processes can import them.
 import copy
 import io
 import traceback
+import warnings
 
 import numpy as np
 import torch
@@ -118,6 +119,14 @@ def train(rank, world_size, hook, settings, steps, options=None):
         # that goes away with this process.
         "state_dict": _saved(state.state_dict()) if options.get("return_state_dict") else None,
     }
+
+
+def hook_warnings(rank, world_size, hook, settings, steps):
+    """The hook's own warnings (``segment_sparse_hook: ...``) during :func:`train`."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(rank, world_size, hook, settings, steps)
+    return [str(w.message) for w in caught if str(w.message).startswith("segment_sparse_hook")]
 
 
 def _saved(obj) -> bytes:

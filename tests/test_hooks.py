@@ -17,7 +17,7 @@ from hetero_comm.hooks._basis import DctBasis
 from hetero_comm.hooks.segment_sparse import int8_levels
 from hetero_comm.hooks.dct_quant import pack_int16_pairs, quantization_levels, unpack_int16_pair_sums
 from hetero_comm.lab.launch import run_ranks
-from hook_workers import (load_into_another_model, loaded, loaded_residual_total,
+from hook_workers import (hook_warnings, load_into_another_model, loaded, loaded_residual_total,
                           share_one_state, train)
 
 SPARSE = dict(segment_size=16, density=0.05, warmup_steps=2)
@@ -432,6 +432,23 @@ def test_density_schedule_and_cycling_band():
     assert seen == set(range(16))  # every frequency is sent eventually
     assert len(dct._bands_on_device) == 7  # the band repeats: 14 frequencies, 2 per step
     assert DCTQuantState(band="low").frequencies_on(5, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("settings_, warned", [
+    (dict(segment_size=64, density=0.1), True),  # one bucket of 1,247 elements: 20 segments
+    (dict(segment_size=8, density=0.1), False),  # 156 segments
+    (dict(segment_size=64, density=1.0), False),  # every segment sent: no selection
+    (dict(segment_size=64, density=0.1, basis="dct"), False),  # measured not to help the DCT basis
+])
+def test_too_few_segments_per_bucket_warns_once_with_a_size_that_fits(settings_, warned):
+    results = run_ranks(2, hook_warnings, "sparse", dict(settings_, warmup_steps=1), 4)
+    for messages in results:
+        if not warned:
+            assert messages == []
+            continue
+        assert len(messages) == 1, messages  # once, not every step
+        assert "bucket 0 (1247 elements) has only 20 segments of 64" in messages[0]
+        assert "use segment_size=8 or less" in messages[0]  # 1247 // 150 = 8: 156 segments
 
 
 @settings(max_examples=200, deadline=None)

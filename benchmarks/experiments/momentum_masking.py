@@ -19,7 +19,7 @@ a table of means. Results: benchmarks/results/momentum_masking.txt.
 
 Usage: python benchmarks/experiments/momentum_masking.py [--variants clear,keep,defer,none,prepared]
        [--lrs 0.02,0.05,0.1] [--ranks 2,4] [--seeds 0,1,2] [--ternary F] [--model cnn]
-       [--density 0.08] [--density-warmup STEPS]
+       [--density 0.08] [--density-warmup STEPS] [--segment-size 512] [--hidden H]
        (--model cnn: the digits CNN of recipe_generality.py, 6 epochs; --model gpt: the transformer)
 """
 
@@ -28,6 +28,7 @@ import dataclasses
 import math
 import statistics
 import sys
+from typing import Optional
 
 from hetero_comm.lab.training import TrainConfig, run_training
 
@@ -72,30 +73,51 @@ def _patch_ternary_wire() -> None:
     segment_sparse.INT8_CLIP_RMS = 1.0
 
 
+def _patch_smoothing_fit() -> None:
+    """``smooth``: prepare_optimizer gives back what clearing loses through the optimizer's
+    momentum instead of its rate: momentum ``1 - 1 / factor`` at the user's rate, the same total
+    step as ``prepared`` (``1 / (1 - momentum)`` = factor), spread over the next steps."""
+    from hetero_comm.hooks import segment_sparse
+
+    def fit(state, optimizer):
+        factor = segment_sparse.momentum_correction_lr_scale(state.density, state.momentum)
+        return {"momentum": 1.0 - 1.0 / factor}, 1.0
+
+    segment_sparse.SegmentSparseState._optimizer_fit = fit
+
+
 @dataclasses.dataclass
 class MaskingConfig(TrainConfig):
     variant: str = "clear"
     ternary: bool = False
+    smooth: bool = False
 
     def make_optimizer(self, parameters, total_steps: int):
         _patch_velocity_of_sent_segments(self.variant)  # runs in each rank's process
+        if self.smooth:
+            _patch_smoothing_fit()
         if self.ternary:
             _patch_ternary_wire()
         return super().make_optimizer(parameters, total_steps)
 
 
 def case(variant: str, lr: float, ranks: int, seed: int, ternary: int = 0, model: str = "mlp",
-         density: float = SPARSE["density"], density_warmup: int = 0) -> TrainConfig:
+         density: float = SPARSE["density"], density_warmup: int = 0,
+         segment_size: int = SPARSE["segment_size"], hidden: Optional[int] = None) -> TrainConfig:
     settings, per_rank_batch = MODELS[model]
+    if hidden is not None:
+        settings = dict(settings, hidden=hidden)
     options = dict(DIGITS, **settings, lr=lr, workers=ranks, global_batch=per_rank_batch * ranks, seed=seed)
     if variant == "dense":
         return TrainConfig(hook="dense", **options)
-    sparse = dict(SPARSE, density=density * (ternary or 1), density_warmup_steps=density_warmup)
+    sparse = dict(SPARSE, density=density * (ternary or 1), density_warmup_steps=density_warmup,
+                  segment_size=segment_size)
     if variant == "none":  # no momentum correction: the optimizer's momentum, after the sum
         sparse["momentum"], variant = 0.0, "keep"  # (keep: nothing to clear)
-    prepared = variant == "prepared"
+    prepared = variant in ("prepared", "smooth")
     return MaskingConfig(hook="sparse", hook_settings=sparse, variant="clear" if prepared else variant,
-                         ternary=bool(ternary), prepare_optimizer=prepared, **options)
+                         ternary=bool(ternary), prepare_optimizer=prepared,
+                         smooth=variant == "smooth", **options)
 
 
 def main() -> None:
@@ -110,6 +132,8 @@ def main() -> None:
     parser.add_argument("--density", type=float, default=SPARSE["density"])
     parser.add_argument("--density-warmup", type=int, default=0, metavar="STEPS",
                         help="the hook's density_warmup_steps (density falls from 1 over STEPS)")
+    parser.add_argument("--segment-size", type=int, default=SPARSE["segment_size"])
+    parser.add_argument("--hidden", type=int, help="the model's width instead of its default")
     args = parser.parse_args()
     print("python " + " ".join(sys.argv), flush=True)
     accuracy = {}
@@ -119,7 +143,8 @@ def main() -> None:
                 for seed in (int(x) for x in args.seeds.split(",")):
                     try:
                         record = run_training(case(variant, lr, ranks, seed, args.ternary, args.model,
-                                                   args.density, args.density_warmup),
+                                                   args.density, args.density_warmup,
+                                                   args.segment_size, args.hidden),
                                               timeout=3600)
                         acc, loss = 100 * record["final_accuracy"], record["epochs"]["test_loss"][-1]
                         ratio = record["dense_bytes_per_step"] / record["bytes_per_step"]

@@ -6,6 +6,7 @@ Results: benchmarks/results/recipe_generality.txt.
 
 Usage: python benchmarks/experiments/recipe_generality.py [--wire int8] [--density 0.1]
        [--models mlp,cnn,gpt] [--no-peers] [--workers 2] [--weight-decay 0.01] [--lrs 1.5e-3,...]
+       [--segment-size 512]
 (--wire int8: the recipe at 10% on the int8 wire instead of 5.5% in bfloat16; --no-peers: the
 recipe's rows only, dense and PowerSGD being deterministic and already measured; --workers:
 ranks, the global batch unchanged; --weight-decay 0: Adam without weight decay; --lrs: run each
@@ -47,11 +48,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--weight-decay", type=float, help="instead of each case's 0.01")
     parser.add_argument("--lrs", help="comma-separated learning rates instead of the cases' own")
+    parser.add_argument("--segment-size", type=int, help="the recipe's segment_size (default 512)")
     args = parser.parse_args()
     print("python " + " ".join(sys.argv), flush=True)
     recipe = INT8_RECIPE if args.wire == "int8" else RECIPE
     if args.density is not None:
         recipe = dict(recipe, density=args.density)
+    if args.segment_size is not None:
+        recipe = dict(recipe, segment_size=args.segment_size)
     peers = [] if args.no_peers else [("dense", "dense", {}),
                                       ("PowerSGD rank 4", "powersgd", dict(matrix_approximation_rank=4))]
     cases = CASES
@@ -67,7 +71,8 @@ def main() -> None:
         options = dict(options, workers=args.workers)
         if args.weight_decay is not None:
             options["weight_decay"] = args.weight_decay
-        extra = [] if args.wire == "int8" or args.density is not None else [(name, "sparse", s) for name, s in more]
+        tuned = args.wire == "int8" or args.density is not None or args.segment_size is not None
+        extra = [] if tuned else [(name, "sparse", s) for name, s in more]
         rows = peers + [("recipe", "sparse", recipe)] + extra
         cells = [f"{name}: {measure(hook, settings, options)}" for name, hook, settings in rows]
         print(f"{model} AdamW lr {options['lr']} wd {options['weight_decay']}, {args.workers} ranks: "
