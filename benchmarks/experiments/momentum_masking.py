@@ -19,7 +19,7 @@ a table of means. Results: benchmarks/results/momentum_masking.txt.
 
 Usage: python benchmarks/experiments/momentum_masking.py [--variants clear,keep,defer,none,prepared]
        [--lrs 0.02,0.05,0.1] [--ranks 2,4] [--seeds 0,1,2] [--ternary F] [--model cnn]
-       [--density 0.08] [--density-warmup STEPS] [--segment-size 512] [--hidden H]
+       [--density 0.08] [--density-warmup STEPS] [--segment-size 512] [--hidden H] [--epochs E]
        (--model cnn: the digits CNN of recipe_generality.py, 6 epochs; --model gpt: the transformer)
 """
 
@@ -103,10 +103,11 @@ class MaskingConfig(TrainConfig):
 
 def case(variant: str, lr: float, ranks: int, seed: int, ternary: int = 0, model: str = "mlp",
          density: float = SPARSE["density"], density_warmup: int = 0,
-         segment_size: int = SPARSE["segment_size"], hidden: Optional[int] = None) -> TrainConfig:
+         segment_size: int = SPARSE["segment_size"], hidden: Optional[int] = None,
+         epochs: Optional[int] = None) -> TrainConfig:
     settings, per_rank_batch = MODELS[model]
-    if hidden is not None:
-        settings = dict(settings, hidden=hidden)
+    overrides = dict(hidden=hidden, epochs=epochs)
+    settings = dict(settings, **{k: v for k, v in overrides.items() if v is not None})
     options = dict(DIGITS, **settings, lr=lr, workers=ranks, global_batch=per_rank_batch * ranks, seed=seed)
     if variant == "dense":
         return TrainConfig(hook="dense", **options)
@@ -134,6 +135,7 @@ def main() -> None:
                         help="the hook's density_warmup_steps (density falls from 1 over STEPS)")
     parser.add_argument("--segment-size", type=int, default=SPARSE["segment_size"])
     parser.add_argument("--hidden", type=int, help="the model's width instead of its default")
+    parser.add_argument("--epochs", type=int, help="instead of the model's own")
     args = parser.parse_args()
     print("python " + " ".join(sys.argv), flush=True)
     accuracy = {}
@@ -144,7 +146,7 @@ def main() -> None:
                     try:
                         record = run_training(case(variant, lr, ranks, seed, args.ternary, args.model,
                                                    args.density, args.density_warmup,
-                                                   args.segment_size, args.hidden),
+                                                   args.segment_size, args.hidden, args.epochs),
                                               timeout=3600)
                         acc, loss = 100 * record["final_accuracy"], record["epochs"]["test_loss"][-1]
                         ratio = record["dense_bytes_per_step"] / record["bytes_per_step"]
