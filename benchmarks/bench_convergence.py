@@ -6,7 +6,7 @@ Workloads:
   topics), AdamW with linear warm-up and a cosine schedule, clipping 1.0;
 * ``digits_sgd_<lr>``: the digits MLP with SGD, momentum 0.9, at lr 0.02, 0.05 and 0.1;
 * ``cnn_sgd``: the digits CNN (13.8K parameters), SGD lr 0.05, momentum 0.9, 12 epochs (at 4
-  ranks 132 steps; at 6 the recipe fell 3-5 points behind there, README "SGD at large learning
+  ranks 132 steps; at 6 the recipe fell 3-7 points behind there, README "SGD at large learning
   rates").
 
 Rows ``recipe_*`` are the README's recipes as users run them: the workload's dense optimizer,
@@ -90,7 +90,8 @@ ROWS = {
     # The README's recipes as users run them: the workload's dense optimizer, rate and schedule,
     # handed to state.prepare_optimizer (PREPARED).
     "recipe_adamw": ("AdamW recipe: DCT-sign 10%, int8, segments of 512", "sparse",
-                     dict(density=0.10, basis="dct", output="sign", wire_dtype="int8", segment_size=512)),
+                     dict(density=0.10, basis="dct", output="sign", wire_dtype="int8",
+                          segment_size=512)),
     **{f"recipe_sgd{suffix}": (f"SGD recipe: 8%, int8, segments of {s}, momentum corr.", "sparse",
                                dict(density=0.08, momentum=0.9, wire_dtype="int8", segment_size=s))
        for suffix, s in (("", 512), ("_s64", 64))},
@@ -100,8 +101,8 @@ ADAMW_ONLY = {row for row, (_, _, settings) in ROWS.items() if settings.get("out
 SGD_ONLY = {row for row, (_, _, settings) in ROWS.items() if settings.get("momentum")}
 # Without --rows: the peers and one row per hetero_comm mode (the rest is the density sweep).
 DEFAULT_ROWS = ("dense", "fp16", "powersgd_1", "powersgd_4", "sparse_10", "sparse_3", "sparse_1",
-                "sparse_dct_3", "dct_8", "sparse_dct_sign_5.5_bf16_s512", "recipe_adamw", "recipe_sgd",
-                "recipe_sgd_s64")
+                "sparse_dct_3", "dct_8", "sparse_dct_sign_5.5_bf16_s512", "recipe_adamw",
+                "recipe_sgd", "recipe_sgd_s64")
 
 
 def run(workload: str, ranks: int, row: str, quick: bool, epochs: Optional[int] = None) -> Optional[dict]:
@@ -120,8 +121,8 @@ def run(workload: str, ranks: int, row: str, quick: bool, epochs: Optional[int] 
         # On gloo, torch's powerSGD_hook with several buckets lets ranks issue collectives in
         # different orders (a "collective mismatch" abort, seen at 4 ranks): one bucket.
         options["bucket_cap_mb"] = 64
-    config = TrainConfig(hook=hook, hook_settings=settings, workers=ranks, prepare_optimizer=row in PREPARED,
-                         **options)
+    config = TrainConfig(hook=hook, hook_settings=settings, workers=ranks,
+                         prepare_optimizer=row in PREPARED, **options)
     began = time.perf_counter()
     try:
         record = run_training(config, timeout=3600)

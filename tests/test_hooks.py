@@ -447,8 +447,17 @@ def test_too_few_segments_per_bucket_warns_once_with_a_size_that_fits(settings_,
             assert messages == []
             continue
         assert len(messages) == 1, messages  # once, not every step
-        assert "bucket 0 (1247 elements) has only 20 segments of 64" in messages[0]
+        assert "1247 elements of bucket 0 make only 20 segments of 64" in messages[0]
         assert "use segment_size=8 or less" in messages[0]  # 1247 // 150 = 8: 156 segments
+        assert "min_compress_numel=9600" in messages[0]  # or 150 segments of 64: dense below
+
+
+def test_a_bucket_under_150_elements_is_told_to_go_dense():
+    state = SegmentSparseState(density=0.1, segment_size=64)
+    expected = (r"100 elements of bucket 3 make only 2 segments of 64; .*: "
+                r"send buckets this small dense \(min_compress_numel=9600\)$")
+    with pytest.warns(UserWarning, match=expected):
+        state.warn_coarse_segments(3, 100, 2)  # no segment size gives 150 segments
 
 
 @settings(max_examples=200, deadline=None)

@@ -11,13 +11,14 @@ And ``none``: no momentum correction; error feedback on the gradient, and the op
 momentum applied to the agreed sum (which keeps the whole step too, spread over later steps).
 ``prepared``: the README's recipe as a user runs it: the dense optimizer (momentum 0.9, the
 dense rate) handed to ``state.prepare_optimizer``, i.e. ``clear`` at
-``momentum_correction_lr_scale(density, 0.9)`` times the rate (2.1 at 8%).
+``momentum_correction_lr_scale(density, 0.9)`` times the rate (2.1 at 8%). ``smooth``: the same
+total step given back through the optimizer's momentum (``1 - 1 / factor``) at the dense rate.
 
 The digits MLP of bench_convergence.py (SGD, momentum 0.9, 8 epochs), int8 wire, 8% of segments
 of 512, at lr 0.02 / 0.05 / 0.1 and 2 / 4 ranks, over several seeds. Prints one line per run and
 a table of means. Results: benchmarks/results/momentum_masking.txt.
 
-Usage: python benchmarks/experiments/momentum_masking.py [--variants clear,keep,defer,none,prepared]
+Usage: python benchmarks/experiments/momentum_masking.py [--variants clear,keep,defer,none,prepared,smooth]
        [--lrs 0.02,0.05,0.1] [--ranks 2,4] [--seeds 0,1,2] [--ternary F] [--model cnn]
        [--density 0.08] [--density-warmup STEPS] [--segment-size 512] [--hidden H] [--epochs E]
        (--model cnn: the digits CNN of recipe_generality.py, 6 epochs; --model gpt: the transformer)

@@ -43,7 +43,8 @@ INT8_CLIP_RMS = 4.0
 SIGN_LR_SCALE = 1.5
 # basis="elements": a bucket cut into fewer segments than this gets a warning. Coarse segments
 # mix coordinates that need sending often with ones that can wait (README: "SGD at large learning
-# rates"; measured: 27 and 108 segments failed on a small CNN at its top rates, 166 and more held).
+# rates"; measured: 27 and 108 segments failed on a small CNN at its top rates; 167, 189 and 216
+# held).
 MIN_SEGMENTS_PER_BUCKET = 150
 SELECTIONS = ("current", "lagged")
 BASES = ("elements", "dct")
@@ -153,7 +154,6 @@ class SegmentSparseState(ErrorFeedbackState):
             raise ValueError("momentum correction clears the velocity of the sent elements, which "
                              "basis='dct' does not send one by one: use basis='elements' with momentum")
         self.output = check_choice("output", output, OUTPUTS)
-        self._warned_coarse_segments = False
         self._log_settings()
 
     def settings(self) -> dict:
@@ -211,8 +211,8 @@ class SegmentSparseState(ErrorFeedbackState):
           ``lr_scale`` times the rate, default :func:`momentum_correction_lr_scale` of the
           density and momentum (2.1 at 8% and 0.9: clearing the velocity of sent segments
           loses about half of each step). Measured within a point of dense SGD at 2 ranks on the
-          README's MLP and CNN, at rates up to dense's best, given
-          :data:`MIN_SEGMENTS_PER_BUCKET` segments per bucket.
+          README's MLP and CNN, at rates up to dense's best, with 167 to 216 segments per bucket
+          (27 and 108 were too few; hence :data:`MIN_SEGMENTS_PER_BUCKET`).
         * otherwise (``output="sum"``): any optimizer, unchanged (``lr_scale`` default 1).
         """
         return super().prepare_optimizer(optimizer, lr_scale)
@@ -245,18 +245,25 @@ class SegmentSparseState(ErrorFeedbackState):
                                  f"which the hook's momentum correction does not apply")
         return {"momentum": 0.0}, momentum_correction_lr_scale(self.density, self.momentum)
 
+    _warned_coarse_segments = False  # a class default: states pickled before it existed load
+
     def warn_coarse_segments(self, index: int, numel: int, count: int) -> None:
-        """Warn (once) that bucket ``index`` has ``count`` < MIN_SEGMENTS_PER_BUCKET segments."""
+        """Warn (once per state) that ``numel`` elements of bucket ``index`` (all of it, or the
+        part one plan bucket holds) make ``count`` < MIN_SEGMENTS_PER_BUCKET segments."""
         if self._warned_coarse_segments:
             return
         self._warned_coarse_segments = True
-        fitting = 1 << max(0, (numel // MIN_SEGMENTS_PER_BUCKET).bit_length() - 1)
-        warnings.warn(f"segment_sparse_hook: bucket {index} ({numel} elements) has only {count} "
-                      f"segments of {self.segment_size}; with fewer than "
-                      f"{MIN_SEGMENTS_PER_BUCKET} the selection cannot tell the coordinates that "
-                      f"need sending often from those that can wait, and training can fall behind "
-                      f"or diverge at large learning rates: use segment_size={fitting} or less "
-                      f"for this model", UserWarning, stacklevel=2)
+        dense = (f"send buckets this small dense "
+                 f"(min_compress_numel={MIN_SEGMENTS_PER_BUCKET * self.segment_size})")
+        fix = dense
+        if numel >= MIN_SEGMENTS_PER_BUCKET:  # the largest power of two giving 150 segments
+            fitting = 1 << ((numel // MIN_SEGMENTS_PER_BUCKET).bit_length() - 1)
+            fix = f"use segment_size={fitting} or less, or {dense}"
+        warnings.warn(f"segment_sparse_hook: {numel} elements of bucket {index} make only {count} "
+                      f"segments of {self.segment_size}; with fewer than {MIN_SEGMENTS_PER_BUCKET} "
+                      f"the selection cannot tell the coordinates that need sending often from "
+                      f"those that can wait, and training can fall behind or diverge at large "
+                      f"learning rates: {fix}", UserWarning, stacklevel=2)
 
     def density_at(self, step: int) -> float:
         """The density used at ``step`` (1 during the dense warm-up)."""
