@@ -6,7 +6,7 @@ Workloads:
   topics), AdamW with linear warm-up and a cosine schedule, clipping 1.0;
 * ``digits_sgd_<lr>``: the digits MLP with SGD, momentum 0.9, at lr 0.02, 0.05 and 0.1;
 * ``cnn_sgd``: the digits CNN (13.8K parameters), SGD lr 0.05, momentum 0.9, 12 epochs (at 4
-  ranks 132 steps; at 6 the recipe fell 3-7 points behind there, README "SGD at large learning
+  ranks 132 steps; at 6 the recipe fell 1.4-7 points behind there, README "SGD at large learning
   rates").
 
 Rows ``recipe_*`` are the README's recipes as users run them: the workload's dense optimizer,
