@@ -96,7 +96,7 @@ ROWS = {
                                dict(density=0.08, momentum=0.9, wire_dtype="int8", segment_size=s))
        for suffix, s in (("", 512), ("_s64", 64))},
 }
-PREPARED = {"recipe_adamw", "recipe_sgd", "recipe_sgd_s64"}
+PREPARED = {row for row in ROWS if row.startswith("recipe_")}
 ADAMW_ONLY = {row for row, (_, _, settings) in ROWS.items() if settings.get("output") == "sign"}
 SGD_ONLY = {row for row, (_, _, settings) in ROWS.items() if settings.get("momentum")}
 # Without --rows: the peers and one row per hetero_comm mode (the rest is the density sweep).

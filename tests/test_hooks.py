@@ -457,7 +457,7 @@ def test_a_bucket_under_150_elements_is_told_to_go_dense():
     expected = (r"100 elements of bucket 3 make only 2 segments of 64; .*: "
                 r"send buckets this small dense \(min_compress_numel=9600\)$")
     with pytest.warns(UserWarning, match=expected):
-        state.warn_coarse_segments(3, 100, 2)  # no segment size gives 150 segments
+        state._warn_coarse_segments(3, 100, 2)  # no segment size gives 150 segments
 
 
 @settings(max_examples=200, deadline=None)

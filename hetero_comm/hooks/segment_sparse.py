@@ -247,7 +247,7 @@ class SegmentSparseState(ErrorFeedbackState):
 
     _warned_coarse_segments = False  # a class default: states pickled before it existed load
 
-    def warn_coarse_segments(self, index: int, numel: int, count: int) -> None:
+    def _warn_coarse_segments(self, index: int, numel: int, count: int) -> None:
         """Warn (once per state) that ``numel`` elements of bucket ``index`` (all of it, or the
         part one plan bucket holds) make ``count`` < MIN_SEGMENTS_PER_BUCKET segments."""
         if self._warned_coarse_segments:
@@ -338,7 +338,7 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
     count = num_segments(space.numel, segment)
     k = state.segments_to_send(count, step)
     if k < count and state.basis == "elements" and count < MIN_SEGMENTS_PER_BUCKET:
-        state.warn_coarse_segments(index, space.numel, count)
+        state._warn_coarse_segments(index, space.numel, count)
     # 1. Accumulate.
     importance = pool.acquire(count, torch.float32, grad.device)
     with state.timer("encode_seconds"):
