@@ -138,14 +138,19 @@ def test_dct_basis_segments_are_one_frequency_of_a_group_of_blocks(numel, block,
     torch.testing.assert_close(basis.decode(coefficients, decoded, scratch), x, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("basis", ["elements", "dct"])
-def test_unequal_rank_weights_and_uneven_buckets(basis):
+@pytest.mark.parametrize("variant", [
+    dict(basis="elements"),
+    dict(basis="dct", dct_block_size=4),
+    dict(wire_dtype="int8", segment_size=512, min_segments_per_bucket=150),  # the SGD recipe's wire and cut
+])
+def test_unequal_rank_weights_and_uneven_buckets(variant):
     weights = [0.2, 0.3, 0.5]
     options = dict(weights=weights, bucket_cap_mb=0.002)  # several uneven buckets
-    sparse = dict(SPARSE, basis=basis, dct_block_size=4)
-    for hook, settings_ in (("dense", {}), ("sparse", dict(sparse, density=1.0))):
-        results = run_ranks(3, train, hook, settings_, 4, options)
-        np.testing.assert_allclose(results[0]["applied"], weighted_sum(results), rtol=1e-5, atol=1e-6)
+    sparse = dict(SPARSE, **variant)
+    if "wire_dtype" not in variant:  # at full density the float32 wire is the weighted sum
+        for hook, settings_ in (("dense", {}), ("sparse", dict(sparse, density=1.0))):
+            results = run_ranks(3, train, hook, settings_, 4, options)
+            np.testing.assert_allclose(results[0]["applied"], weighted_sum(results), rtol=1e-5, atol=1e-6)
     results = run_ranks(3, train, "sparse", sparse, 8, options)
     produced = weighted_sum(results).sum(axis=0)
     held = sum(r["held_back"] for r in results)
@@ -178,6 +183,8 @@ def test_no_sync_gradient_accumulation(hook, settings_):
     ("sparse", dict(SPARSE, selection="lagged", momentum=0.9)),
     ("sparse", dict(SPARSE, basis="dct", dct_block_size=8, output="sign")),
     ("sparse", dict(SPARSE, wire_dtype="int8", momentum=0.9)),
+    # each bucket's segment size from its own size (0.002 MB: buckets of a few hundred elements)
+    ("sparse", dict(SPARSE, wire_dtype="int8", momentum=0.9, segment_size=512, min_segments_per_bucket=150)),
     ("dct", DCT),
 ])
 @pytest.mark.parametrize("bucket_cap_mb", [25, 0.002])
@@ -394,6 +401,9 @@ def test_check_optimizer_warns_when_the_step_does_not_suit_the_output(output, op
     (lambda: SegmentSparseState(basis="dct", dct_block_size=48), "dct_block_size must be a power of two"),
     (lambda: SegmentSparseState(basis="dct", momentum=0.9), "use basis='elements' with momentum"),
     (lambda: SegmentSparseState(output="mean"), "output must be one of"),
+    (lambda: SegmentSparseState(min_segments_per_bucket=-1), "min_segments_per_bucket"),
+    (lambda: SegmentSparseState(basis="dct", min_segments_per_bucket=150),
+     "use basis='elements' with it"),
     (lambda: DCTQuantState(block_size=100), "block_size must be a power of two"),
     (lambda: DCTQuantState(block_size=1), "block_size"),
     (lambda: DCTQuantState(keep_ratio=0.0), "keep_ratio"),
@@ -413,6 +423,9 @@ def test_state_pickles_without_process_group_and_checks_checkpoint_settings():
     assert clone.process_group is None and clone.density == 0.02
     with pytest.raises(ValueError, match="saved with density=0.02"):
         SegmentSparseState(density=0.05).load_state_dict(state.state_dict())
+    fitted = SegmentSparseState(process_group=group, density=0.02, min_segments_per_bucket=150)
+    with pytest.raises(ValueError, match="saved with min_segments_per_bucket=150"):
+        SegmentSparseState(density=0.02).load_state_dict(fitted.state_dict())
     with pytest.raises(ValueError, match="saved by 'SegmentSparseState'"):
         DCTQuantState().load_state_dict(state.state_dict())
 
@@ -439,6 +452,7 @@ def test_density_schedule_and_cycling_band():
     (dict(segment_size=8, density=0.1), False),  # 156 segments
     (dict(segment_size=64, density=1.0), False),  # every segment sent: no selection
     (dict(segment_size=64, density=0.1, basis="dct"), False),  # measured not to help the DCT basis
+    (dict(segment_size=64, density=0.1, min_segments_per_bucket=150), False),  # cut into 156 of 8
 ])
 def test_too_few_segments_per_bucket_warns_once_with_a_size_that_fits(settings_, warned):
     results = run_ranks(2, hook_warnings, "sparse", dict(settings_, warmup_steps=1), 4)
@@ -448,8 +462,41 @@ def test_too_few_segments_per_bucket_warns_once_with_a_size_that_fits(settings_,
             continue
         assert len(messages) == 1, messages  # once, not every step
         assert "1247 elements of bucket 0 make only 20 segments of 64" in messages[0]
-        assert "use segment_size=8 or less" in messages[0]  # 1247 // 150 = 8: 156 segments
+        # 1247 // 150 = 8: 156 segments of 8
+        assert "use min_segments_per_bucket=150 (here segments of 8)" in messages[0]
         assert "min_compress_numel=9600" in messages[0]  # or 150 segments of 64: dense below
+
+
+@pytest.mark.parametrize("numel, minimum, expected", [
+    (85_002, 150, 512),  # 167 segments of 512: enough
+    (76_799, 150, 512),  # exactly 150 (the last one short)
+    (76_000, 150, 256),  # 149 of 512 -> 297 of 256
+    (13_834, 150, 64),  # the digits CNN's bucket: 217 segments
+    (1_247, 150, 8),
+    (299, 150, 1),  # single elements, fewer than asked: the warning's case
+    (1_247, 0, 512),  # 0: segment_size everywhere
+])
+def test_min_segments_per_bucket_picks_the_largest_power_of_two_that_gives_them(numel, minimum,
+                                                                                  expected):
+    state = SegmentSparseState(segment_size=512, min_segments_per_bucket=minimum)
+    assert state.segment_size_for(numel) == expected
+    if minimum and 1 < expected < 512:  # enough segments, and the largest size that gives them
+        assert math.ceil(numel / expected) >= minimum > math.ceil(numel / (2 * expected))
+    assert SegmentSparseState(segment_size=512, basis="dct").segment_size_for(numel) == 512
+
+
+def test_min_segments_per_bucket_trains_as_the_fitting_segment_size_does():
+    """The test model's one bucket (1,247 elements) with segments of 512 and at least 150 of
+    them is the same run, bitwise, as segments of 8 (the SGD recipe's settings)."""
+    recipe = dict(density=0.08, momentum=0.9, wire_dtype="int8", warmup_steps=1)
+    fitted = run_ranks(2, train, "sparse", dict(recipe, segment_size=512, min_segments_per_bucket=150), 6)
+    by_hand = run_ranks(2, train, "sparse", dict(recipe, segment_size=8), 6)
+    coarse = run_ranks(2, train, "sparse", dict(recipe, segment_size=512), 6)
+    for a, b, c in zip(fitted, by_hand, coarse):
+        np.testing.assert_array_equal(a["applied"], b["applied"])
+        np.testing.assert_array_equal(a["params"], b["params"])
+        np.testing.assert_array_equal(a["held_back"], b["held_back"])
+        assert not np.array_equal(a["applied"], c["applied"])  # the option did change the cut
 
 
 def test_a_bucket_under_150_elements_is_told_to_go_dense():
@@ -457,7 +504,7 @@ def test_a_bucket_under_150_elements_is_told_to_go_dense():
     expected = (r"100 elements of bucket 3 make only 2 segments of 64; .*: "
                 r"send buckets this small dense \(min_compress_numel=9600\)$")
     with pytest.warns(UserWarning, match=expected):
-        state._warn_coarse_segments(3, 100, 2)  # no segment size gives 150 segments
+        state._warn_coarse_segments(3, 100, 64, 2)  # no segment size gives 150 segments
 
 
 @settings(max_examples=200, deadline=None)

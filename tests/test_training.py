@@ -120,13 +120,21 @@ def test_train_config_rejects_bad_settings(overrides, message):
         TrainConfig(**overrides).validate()
 
 
-@pytest.mark.parametrize("hook", ["dense", "sparse"])
-def test_dynamic_batches_train_the_same_model_as_equal_batches(hook):
+SGD_RECIPE = dict(hook="sparse", prepare_optimizer=True, momentum=0.9,
+                  hook_settings=dict(density=0.08, momentum=0.9, wire_dtype="int8", segment_size=512,
+                                     min_segments_per_bucket=150))
+
+
+@pytest.mark.parametrize("options", [dict(hook="dense"), dict(hook="sparse"), SGD_RECIPE],
+                         ids=["dense", "sparse", "sgd_recipe"])
+def test_dynamic_batches_train_the_same_model_as_equal_batches(options):
     """Whatever split the measured speeds give, the weighted gradient is the global batch's:
     with dense allreduce dynamic batching ends where equal batching does (up to float
-    rounding of the sums); the sparse hook (1%), whose segment choice can flip on such
-    rounding, reaches the same accuracy."""
-    common = dict(hook=hook, epochs=3, model="cnn", hidden=64, global_batch=96)
+    rounding of the sums); the sparse hook (1%), and the README's SGD recipe (its int8 wire,
+    the CNN's bucket cut into 150 segments or more, the optimizer prepared), whose segment
+    choice can flip on such rounding, reach the same accuracy."""
+    hook = options["hook"]
+    common = dict(options, epochs=3, model="cnn", hidden=64, global_batch=96)
     equal = run_training(TrainConfig(batching="equal", **common))
     dynamic = run_training(TrainConfig(batching="dynamic", **common))
     assert dynamic["ranks_identical"]

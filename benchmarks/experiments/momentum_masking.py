@@ -49,16 +49,15 @@ def _patch_velocity_of_sent_segments(variant: str) -> None:
 
     clear = segment_sparse._clear_segments
 
-    def keep(state, velocity, indices):
+    def keep(state, velocity, indices, segment):
         pass
 
-    def defer(state, velocity, indices):
+    def defer(state, velocity, indices, segment):
         bucket = next(b for b in state.plan.buckets if b.tensors.get("momentum") is velocity)
-        sent = ops.pack_segments_(velocity.clone(), indices, state.segment_size)
+        sent = ops.pack_segments_(velocity.clone(), indices, segment)
         sent.mul_(state.momentum / (1.0 - state.momentum))
-        bucket.tensors["residual"].add_(
-            ops.unpack_segments(sent, indices, state.segment_size, velocity.numel()))
-        clear(state, velocity, indices)
+        bucket.tensors["residual"].add_(ops.unpack_segments(sent, indices, segment, velocity.numel()))
+        clear(state, velocity, indices, segment)
 
     segment_sparse._clear_segments = {"clear": clear, "keep": keep, "defer": defer}[variant]
 

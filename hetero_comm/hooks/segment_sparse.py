@@ -63,6 +63,12 @@ def _refuse_coupled_weight_decay(optimizer: torch.optim.Optimizer) -> None:
                              f"with decoupled_weight_decay=True")
 
 
+def fitting_segment_size(numel: int, segments: int) -> int:
+    """The largest power of two that cuts ``numel`` elements into at least ``segments``
+    segments (1 when even single elements are too few)."""
+    return 1 << max(0, (numel // segments).bit_length() - 1)
+
+
 def momentum_correction_lr_scale(density: float, momentum: float) -> float:
     """The learning-rate factor that gives back what momentum correction's clearing loses.
 
@@ -89,7 +95,14 @@ class SegmentSparseState(ErrorFeedbackState):
         density: fraction of segments sent per step, in (0, 1]; ``k = ceil(density * S)``.
         segment_size: elements per segment, in [1, 2**20]. With ``basis="elements"`` keep
             at least :data:`MIN_SEGMENTS_PER_BUCKET` segments per bucket (a warning says when a
-            bucket has fewer): on small models, use smaller segments.
+            bucket has fewer): on small models, use smaller segments, or let
+            ``min_segments_per_bucket`` pick them.
+        min_segments_per_bucket: with ``basis="elements"``, a bucket that ``segment_size`` cuts
+            into fewer segments than this is cut into smaller ones: the largest power of two
+            that gives at least this many (:meth:`segment_size_for`; each bucket's size
+            follows from its own number of elements, so it is the same on every rank and after
+            a resume). 0 (default): ``segment_size`` everywhere. The SGD recipe uses
+            :data:`MIN_SEGMENTS_PER_BUCKET` (150).
         selection: ``"current"`` (default): agree on this step's importance first (a small
             allreduce of S float32 values), then send the top ``k`` segments; or
             ``"lagged"``: send the segments chosen from the previous step's importance and
@@ -123,11 +136,13 @@ class SegmentSparseState(ErrorFeedbackState):
             :class:`~hetero_comm.hooks.ErrorFeedbackState`.
     """
 
-    _checkpoint_settings = ("density", "segment_size", "selection", "momentum",
-                            "density_warmup_steps", "basis", "dct_block_size")
+    _checkpoint_settings = ("density", "segment_size", "min_segments_per_bucket", "selection",
+                            "momentum", "density_warmup_steps", "basis", "dct_block_size")
+    min_segments_per_bucket = 0  # a class default: states pickled before it existed load
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
-                 density: float = 0.01, segment_size: int = 256, selection: str = "current",
+                 density: float = 0.01, segment_size: int = 256,
+                 min_segments_per_bucket: int = 0, selection: str = "current",
                  momentum: float = 0.0, density_warmup_steps: int = 0,
                  wire_dtype: str = "float32", basis: str = "elements", dct_block_size: int = 64,
                  output: str = "sum", rank_weight: Optional[float] = None,
@@ -138,6 +153,8 @@ class SegmentSparseState(ErrorFeedbackState):
                          plan_tensors=("residual", "momentum") if self.momentum else ("residual",))
         self.density = check_float("density", density, 0.0, 1.0, low_open=True)
         self.segment_size = check_int("segment_size", segment_size, 1, 1 << 20)
+        self.min_segments_per_bucket = check_int("min_segments_per_bucket", min_segments_per_bucket,
+                                                 0, 1 << 20)
         self.selection = check_choice("selection", selection, SELECTIONS)
         self.density_warmup_steps = check_int("density_warmup_steps", density_warmup_steps, 0)
         self.wire_dtype = check_choice("wire_dtype", wire_dtype, WIRE_DTYPES)
@@ -153,11 +170,17 @@ class SegmentSparseState(ErrorFeedbackState):
         if self.basis == "dct" and self.momentum:
             raise ValueError("momentum correction clears the velocity of the sent elements, which "
                              "basis='dct' does not send one by one: use basis='elements' with momentum")
+        if self.basis == "dct" and self.min_segments_per_bucket:
+            raise ValueError("min_segments_per_bucket cuts buckets into smaller segments of "
+                             "elements; with basis='dct' a segment is one frequency of "
+                             "segment_size blocks, which it does not change: use "
+                             "basis='elements' with it, or leave it at 0")
         self.output = check_choice("output", output, OUTPUTS)
         self._log_settings()
 
     def settings(self) -> dict:
         return dict(density=self.density, segment_size=self.segment_size,
+                    min_segments_per_bucket=self.min_segments_per_bucket,
                     selection=self.selection, momentum=self.momentum,
                     density_warmup_steps=self.density_warmup_steps, wire_dtype=self.wire_dtype,
                     basis=self.basis, dct_block_size=self.dct_block_size, output=self.output,
@@ -212,7 +235,7 @@ class SegmentSparseState(ErrorFeedbackState):
           density and momentum (2.1 at 8% and 0.9: clearing the velocity of sent segments
           loses about half of each step). Measured within a point of dense SGD at 2 ranks on the
           README's MLP and CNN, at rates up to dense's best, with 167 to 216 segments per bucket
-          (27 and 108 were too few; hence :data:`MIN_SEGMENTS_PER_BUCKET`).
+          (27 and 108 were too few; hence ``min_segments_per_bucket=150`` in the recipe).
         * otherwise (``output="sum"``): any optimizer, unchanged (``lr_scale`` default 1).
         """
         return super().prepare_optimizer(optimizer, lr_scale)
@@ -245,22 +268,33 @@ class SegmentSparseState(ErrorFeedbackState):
                                  f"which the hook's momentum correction does not apply")
         return {"momentum": 0.0}, momentum_correction_lr_scale(self.density, self.momentum)
 
+    def segment_size_for(self, numel: int) -> int:
+        """Elements per segment in a bucket (or the part of one a plan bucket holds) of
+        ``numel`` elements: ``segment_size``, or with ``min_segments_per_bucket`` (and
+        ``basis="elements"``) a power of two small enough to give the bucket that many segments
+        when ``segment_size`` does not (single elements when even they are too few)."""
+        minimum = self.min_segments_per_bucket
+        if self.basis != "elements" or not minimum or num_segments(numel, self.segment_size) >= minimum:
+            return self.segment_size
+        return min(self.segment_size, fitting_segment_size(numel, minimum))
+
     _warned_coarse_segments = False  # a class default: states pickled before it existed load
 
-    def _warn_coarse_segments(self, index: int, numel: int, count: int) -> None:
+    def _warn_coarse_segments(self, index: int, numel: int, segment: int, count: int) -> None:
         """Warn (once per state) that ``numel`` elements of bucket ``index`` (all of it, or the
-        part one plan bucket holds) make ``count`` < MIN_SEGMENTS_PER_BUCKET segments."""
+        part one plan bucket holds) make ``count`` < MIN_SEGMENTS_PER_BUCKET segments of
+        ``segment``."""
         if self._warned_coarse_segments:
             return
         self._warned_coarse_segments = True
         dense = (f"send buckets this small dense "
                  f"(min_compress_numel={MIN_SEGMENTS_PER_BUCKET * self.segment_size})")
         fix = dense
-        if numel >= MIN_SEGMENTS_PER_BUCKET:  # the largest power of two giving 150 segments
-            fitting = 1 << ((numel // MIN_SEGMENTS_PER_BUCKET).bit_length() - 1)
-            fix = f"use segment_size={fitting} or less, or {dense}"
+        if numel >= MIN_SEGMENTS_PER_BUCKET:
+            fix = (f"use min_segments_per_bucket={MIN_SEGMENTS_PER_BUCKET} (here segments of "
+                   f"{fitting_segment_size(numel, MIN_SEGMENTS_PER_BUCKET)}), or {dense}")
         warnings.warn(f"segment_sparse_hook: {numel} elements of bucket {index} make only {count} "
-                      f"segments of {self.segment_size}; with fewer than {MIN_SEGMENTS_PER_BUCKET} "
+                      f"segments of {segment}; with fewer than {MIN_SEGMENTS_PER_BUCKET} "
                       f"the selection cannot tell the coordinates that need sending often from "
                       f"those that can wait, and training can fall behind or diverge at large "
                       f"learning rates: {fix}", UserWarning, stacklevel=2)
@@ -282,9 +316,9 @@ class SegmentSparseState(ErrorFeedbackState):
 def segment_sparse_hook(state: SegmentSparseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     r"""Send the most important segments of each bucket, with error feedback.
 
-    Per bucket (flattened gradient ``g`` of ``n`` elements, ``S = ceil(n / segment_size)``
-    segments, ``k = ceil(density * S)``), after ``warmup_steps`` dense steps (the steps are
-    :func:`_sparse_allreduce`, top to bottom):
+    Per bucket (flattened gradient ``g`` of ``n`` elements, ``S = ceil(n / s)`` segments of
+    ``s = state.segment_size_for(n)`` elements, ``k = ceil(density * S)``), after
+    ``warmup_steps`` dense steps (the steps are :func:`_sparse_allreduce`, top to bottom):
 
     1. ``residual += w * g`` (or the momentum-corrected velocity) and the L2 norm of every
        segment of the residual, in one pass (:func:`hetero_comm.ops.segment_accumulate_`).
@@ -332,13 +366,14 @@ def segment_sparse_hook(state: SegmentSparseState, bucket: dist.GradBucket) -> t
 def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: torch.Tensor,
                       index: int) -> torch.futures.Future[torch.Tensor]:
     """Steps 1-5 of :func:`segment_sparse_hook` for ``grad``, laid out like ``plan_bucket``."""
-    step, segment, pool, lagged = state.step, state.segment_size, state.pool, state.selection == "lagged"
+    step, pool, lagged = state.step, state.pool, state.selection == "lagged"
     levels = int8_levels(state.world_size()) if state.wire_dtype == "int8" else 0  # before any write
     space = _Segmented(state, plan_bucket.tensors["residual"], grad)
+    segment = space.segment
     count = num_segments(space.numel, segment)
     k = state.segments_to_send(count, step)
     if k < count and state.basis == "elements" and count < MIN_SEGMENTS_PER_BUCKET:
-        state._warn_coarse_segments(index, space.numel, count)
+        state._warn_coarse_segments(index, space.numel, segment, count)
     # 1. Accumulate.
     importance = pool.acquire(count, torch.float32, grad.device)
     with state.timer("encode_seconds"):
@@ -352,14 +387,14 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
     # 3. Pack (lagged, from the previous selection: with the importance riding along).
     packed_numel = k * segment
     wire = pool.acquire(packed_numel + (0 if agree_now else count), WIRE_DTYPES[state.wire_dtype], grad.device)
-    integers = _IntegerWire(state, levels, importance, indices, space.numel) if levels else None
+    integers = _IntegerWire(state, levels, importance, indices, space) if levels else None
     with state.timer("encode_seconds"):
         # Lagged: zeroing the sent segments below could hide a NaN; flag it first (on the device).
         local_finite = None if agree_now else torch.isfinite(importance).all()
         _pack_selected(space, indices, wire[:packed_numel], integers)
         space.keep_unsent()
         if state.momentum:  # sent segments' velocity restarts from zero
-            _clear_segments(state, plan_bucket.tensors["momentum"], indices)
+            _clear_segments(state, plan_bucket.tensors["momentum"], indices, segment)
         if lagged:  # sent segments are no longer held back (index_fill_: no host sync on CUDA)
             importance.index_fill_(0, indices, 0.0)
         if not agree_now:
@@ -404,7 +439,7 @@ def _pack_selected(space: "_Segmented", indices: torch.Tensor, wire: torch.Tenso
     """Step 3: the selected segments onto ``wire``; in the residual, zeros or what the wire
     dtype cannot carry."""
     if integers is None:
-        ops.pack_segments_(space.vector, indices, space.state.segment_size, out=wire)
+        ops.pack_segments_(space.vector, indices, space.segment, out=wire)
     else:
         integers.pack_(space, wire)
 
@@ -430,13 +465,13 @@ class _IntegerWire:
     levels (32 ranks: 3 each way, close to ternary); error feedback carries the rest."""
 
     def __init__(self, state: SegmentSparseState, levels: int, importance: torch.Tensor,
-                 indices: torch.Tensor, numel: int) -> None:
-        self.state, self.levels, self.indices, self.k = state, levels, indices, indices.numel()
-        device = importance.device
-        self.values = state.pool.acquire(self.k * state.segment_size, torch.float32, device)
+                 indices: torch.Tensor, space: "_Segmented") -> None:
+        self.levels, self.indices, self.k = levels, indices, indices.numel()
+        self.segment = segment = space.segment
+        numel, count, device = space.numel, importance.numel(), importance.device
+        self.values = state.pool.acquire(self.k * segment, torch.float32, device)
         self.scale = state.pool.acquire(self.k, torch.float32, device)
         torch.index_select(importance, 0, indices, out=self.scale)
-        segment, count = state.segment_size, importance.numel()
         self.scale.mul_(INT8_CLIP_RMS / (state.world_size() * math.sqrt(segment)))
         tail = numel - (count - 1) * segment  # the last segment may be short: its RMS is over tail
         if tail < segment:
@@ -448,12 +483,12 @@ class _IntegerWire:
         """Round the selected segments of ``space.vector`` onto ``wire``; what the integers do
         not carry (rounding, clipping) stays in those segments. A NaN is sent as 0 and stays in
         the residual (CUDA: the caller then zeroes the wire by the agreed importance's flag)."""
-        ops.pack_quantized_segments_(space.vector, self.indices, self.state.segment_size, self.scale,
+        ops.pack_quantized_segments_(space.vector, self.indices, self.segment, self.scale,
                                      self.levels, torch.int8, out=wire)
 
     def decode(self, wire: torch.Tensor) -> torch.Tensor:
         """The summed integers back to float32 values (packed, like the other wires)."""
-        segment = self.state.segment_size
+        segment = self.segment
         ops.dequantize(wire.view(self.k, segment), self.scale, self.levels,
                        out=self.values.view(self.k, segment))
         return self.values
@@ -461,10 +496,11 @@ class _IntegerWire:
 
 class _Segmented:
     """What the segments cut: the residual itself (``basis="elements"``), or its interleaved
-    DCT coefficients (``basis="dct"``, in pooled work buffers)."""
+    DCT coefficients (``basis="dct"``, in pooled work buffers), in segments of ``segment``."""
 
     def __init__(self, state: SegmentSparseState, residual: torch.Tensor, grad: torch.Tensor) -> None:
         self.state, self.residual = state, residual
+        self.segment = state.segment_size_for(residual.numel())
         self.basis = None
         self.vector, self.numel, self.buffers = residual, residual.numel(), ()
         if state.basis == "dct":
@@ -480,11 +516,11 @@ class _Segmented:
     def accumulate(self, contribution: torch.Tensor, importance: torch.Tensor) -> None:
         """``residual += contribution``; the L2 norm of every segment into ``importance``."""
         if self.basis is None:
-            ops.segment_accumulate_(self.residual, contribution, self.state.segment_size, out=importance)
+            ops.segment_accumulate_(self.residual, contribution, self.segment, out=importance)
             return
         self.residual.add_(contribution)
         self.basis.encode(self.residual, self.vector, self.scratch)
-        torch.linalg.vector_norm(self.vector.view(-1, self.state.segment_size), dim=1, out=importance)
+        torch.linalg.vector_norm(self.vector.view(-1, self.segment), dim=1, out=importance)
 
     def keep_unsent(self) -> None:
         """After packing zeroed the sent segments: the residual is what was not sent."""
@@ -493,7 +529,7 @@ class _Segmented:
 
     def deliver(self, packed: torch.Tensor, indices: torch.Tensor, grad: torch.Tensor) -> None:
         """The summed segments into the bucket, zeros elsewhere (``output="sign"``: signs)."""
-        segment = self.state.segment_size
+        segment = self.segment
         if self.basis is None:
             ops.unpack_segments(packed, indices, segment, grad.numel(), out=grad)
         else:
@@ -540,9 +576,10 @@ def _load_importance(out: torch.Tensor, importance: torch.Tensor, finite: torch.
     out.copy_(importance)
 
 
-def _clear_segments(state: SegmentSparseState, flat: torch.Tensor, indices: torch.Tensor) -> None:
-    scratch = state.pool.acquire(indices.numel() * state.segment_size, torch.float32, flat.device)
-    ops.pack_segments_(flat, indices, state.segment_size, out=scratch)
+def _clear_segments(state: SegmentSparseState, flat: torch.Tensor, indices: torch.Tensor,
+                    segment: int) -> None:
+    scratch = state.pool.acquire(indices.numel() * segment, torch.float32, flat.device)
+    ops.pack_segments_(flat, indices, segment, out=scratch)
     state.pool.release(scratch)
 
 
