@@ -14,11 +14,16 @@ rate and schedule, handed to ``state.prepare_optimizer``. ``recipe_sgd`` cuts a 
 segments of 512 would cut into fewer than 150 into smaller segments (``min_segments_per_bucket``:
 64 on the CNN); ``recipe_sgd_s512`` keeps 512 everywhere, ``recipe_sgd_s64`` sets 64 by hand.
 
+Each cell is the mean over seeds (model initialisation and data order): three on the digits
+workloads, where a point of accuracy is a few test images, and one on the transformer (2.5
+minutes a run). A gap to dense is paired by seed, and its range over seeds is printed beside it.
+
 Prints one table (final validation loss, accuracy, their difference to dense, bytes per step,
-compression, wall time) and writes a PNG of validation loss against steps and against bytes.
+compression, wall time) and writes a PNG of validation loss against steps and against bytes
+(the mean curve over seeds).
 
 Usage: python benchmarks/bench_convergence.py [--workloads gpt_adamw,digits_sgd_0.05]
-       [--ranks 2,4] [--rows dense,sparse_1] [--quick] [--out DIR]
+       [--ranks 2,4] [--rows dense,sparse_1] [--seeds N] [--quick] [--out DIR]
 (--rows defaults to DEFAULT_ROWS; ``--help`` lists every row, the density sweep included.)
 """
 
@@ -40,6 +45,8 @@ WORKLOADS = {
     "cnn_sgd": dict(model="cnn", hidden=64, optimizer="sgd", lr=0.05, momentum=0.9, epochs=12,
                     global_batch=64),
 }
+# Seeds per cell when --seeds is not given.
+SEEDS = {workload: 1 if workload == "gpt_adamw" else 3 for workload in WORKLOADS}
 ROWS = {
     "dense": ("dense allreduce", "dense", {}),
     "fp16": ("torch fp16_compress", "fp16", {}),
@@ -113,7 +120,8 @@ DEFAULT_ROWS = ("dense", "fp16", "powersgd_1", "powersgd_4", "sparse_1", "dct_16
                 "recipe_sgd", "recipe_sgd_s512")
 
 
-def run(workload: str, ranks: int, row: str, quick: bool, epochs: Optional[int] = None) -> Optional[dict]:
+def run(workload: str, ranks: int, row: str, quick: bool, epochs: Optional[int] = None,
+        seed: int = 0) -> Optional[dict]:
     title, hook, settings = ROWS[row]
     options = dict(WORKLOADS[workload])
     if row in ADAMW_ONLY and options["optimizer"] != "adamw":
@@ -129,7 +137,7 @@ def run(workload: str, ranks: int, row: str, quick: bool, epochs: Optional[int] 
         # On gloo, torch's powerSGD_hook with several buckets lets ranks issue collectives in
         # different orders (a "collective mismatch" abort, seen at 4 ranks): one bucket.
         options["bucket_cap_mb"] = 64
-    config = TrainConfig(hook=hook, hook_settings=settings, workers=ranks,
+    config = TrainConfig(hook=hook, hook_settings=settings, workers=ranks, seed=seed,
                          prepare_optimizer=row in PREPARED, **options)
     began = time.perf_counter()
     try:
@@ -137,8 +145,8 @@ def run(workload: str, ranks: int, row: str, quick: bool, epochs: Optional[int] 
     except RuntimeError as error:  # a hook that diverges says so (non-finite gradient)
         if "non-finite gradient" not in str(error):
             raise
-        return dict(workload=workload, ranks=ranks, row=row, title=title, diverged=True)
-    return dict(workload=workload, ranks=ranks, row=row, title=title, diverged=False,
+        return dict(workload=workload, ranks=ranks, row=row, title=title, seed=seed, diverged=True)
+    return dict(workload=workload, ranks=ranks, row=row, title=title, seed=seed, diverged=False,
                 loss=record["epochs"]["test_loss"][-1], accuracy=record["final_accuracy"],
                 bytes_per_step=record["bytes_per_step"],
                 compression=record["dense_bytes_per_step"] / record["bytes_per_step"],
@@ -146,20 +154,61 @@ def run(workload: str, ranks: int, row: str, quick: bool, epochs: Optional[int] 
                 ranks_identical=record["ranks_identical"])
 
 
-def table(results: list) -> str:
-    dense = {(r["workload"], r["ranks"]): r for r in results if r["row"] == "dense"}
-    lines = ["| workload | ranks | hook | val loss | vs dense | val acc | vs dense | bytes/step | "
-             "compression | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def cells(results: list) -> list:
+    """One cell per workload, ranks and row, over its seeds: the means of the seeds that finished,
+    each seed's loss and accuracy (to pair with dense's), and the mean validation curve."""
+    grouped = {}
     for r in results:
-        if r["diverged"]:
-            lines.append(f"| {r['workload']} | {r['ranks']} | {r['title']} | diverged | | | | | | |")
+        grouped.setdefault((r["workload"], r["ranks"], r["row"]), []).append(r)
+    out = []
+    for (workload, ranks, row), runs in grouped.items():
+        finished = [r for r in runs if not r["diverged"]]
+        cell = dict(workload=workload, ranks=ranks, row=row, title=runs[0]["title"], seeds=len(runs),
+                    diverged=len(runs) - len(finished), by_seed={r["seed"]: r for r in finished})
+        if finished:
+            for key in ("loss", "accuracy", "bytes_per_step", "compression", "wall_seconds"):
+                cell[key] = mean(r[key] for r in finished)
+            first = finished[0]["curve"]
+            cell["curve"] = dict(step=first["step"], bytes=first["bytes"],
+                                 test_loss=[mean(values) for values in
+                                            zip(*(r["curve"]["test_loss"] for r in finished))])
+        out.append(cell)
+    return out
+
+
+def paired_gap(cell: dict, dense: Optional[dict], gap) -> str:
+    """The mean over seeds of gap(run, dense run of the same seed), with its range over seeds."""
+    if dense is None:
+        return ""
+    gaps = [gap(run, dense["by_seed"][seed]) for seed, run in cell["by_seed"].items()
+            if seed in dense["by_seed"]]
+    if not gaps:
+        return ""
+    text = f"{mean(gaps):+.1f}"
+    return text if len(gaps) == 1 else f"{text} ({min(gaps):+.1f}..{max(gaps):+.1f})"
+
+
+def table(results: list) -> str:
+    all_cells = cells(results)
+    dense = {(c["workload"], c["ranks"]): c for c in all_cells if c["row"] == "dense"}
+    lines = ["| workload | ranks | hook | seeds | val loss | vs dense, % | val acc | vs dense, points | "
+             "bytes/step | compression | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in all_cells:
+        seeds = str(c["seeds"]) if not c["diverged"] else f"{c['seeds']}, {c['diverged']} diverged"
+        prefix = f"| {c['workload']} | {c['ranks']} | {c['title']} | {seeds} |"
+        if c["diverged"] == c["seeds"]:
+            lines.append(f"{prefix} diverged | | | | | | |")
             continue
-        base = dense.get((r["workload"], r["ranks"]))
-        loss_gap = f"{100 * (r['loss'] / base['loss'] - 1):+.1f}%" if base else ""
-        acc_gap = f"{100 * (r['accuracy'] - base['accuracy']):+.1f}" if base else ""
-        lines.append(f"| {r['workload']} | {r['ranks']} | {r['title']} | {r['loss']:.3f} | {loss_gap} | "
-                     f"{100 * r['accuracy']:.1f}% | {acc_gap} | {r['bytes_per_step']:,.0f} | "
-                     f"{r['compression']:.1f}x | {r['wall_seconds']:.0f} |")
+        base = dense.get((c["workload"], c["ranks"]))
+        loss_gap = paired_gap(c, base, lambda run, ref: 100 * (run["loss"] / ref["loss"] - 1))
+        acc_gap = paired_gap(c, base, lambda run, ref: 100 * (run["accuracy"] - ref["accuracy"]))
+        lines.append(f"{prefix} {c['loss']:.3f} | {loss_gap} | {100 * c['accuracy']:.1f}% | {acc_gap} | "
+                     f"{c['bytes_per_step']:,.0f} | {c['compression']:.1f}x | {c['wall_seconds']:.0f} |")
     return "\n".join(lines)
 
 
@@ -168,26 +217,27 @@ def plot(results: list, path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["workload"], r["ranks"]) for r in results})
-    rows = list(dict.fromkeys(r["row"] for r in results))  # a row keeps its colour in every panel
+    all_cells = [c for c in cells(results) if "curve" in c]
+    panels = sorted({(c["workload"], c["ranks"]) for c in all_cells})
+    rows = list(dict.fromkeys(c["row"] for c in all_cells))  # a row keeps its colour in every panel
     figure, axes = plt.subplots(2, len(panels), figsize=(4.5 * len(panels), 7.5), squeeze=False)
     labels = {}
     for column, (workload, ranks) in enumerate(panels):
         top = 0.0
-        for r in results:
-            if (r["workload"], r["ranks"]) != (workload, ranks) or r["diverged"]:
+        for c in all_cells:
+            if (c["workload"], c["ranks"]) != (workload, ranks):
                 continue
-            curve, colour = r["curve"], f"C{rows.index(r['row']) % 10}"
+            curve, colour = c["curve"], f"C{rows.index(c['row']) % 10}"
             line, = axes[0][column].plot(curve["step"], curve["test_loss"], marker="o", color=colour)
             axes[1][column].plot([b / 1e6 for b in curve["bytes"]], curve["test_loss"], marker="o", color=colour)
-            labels.setdefault(r["title"], line)
-            if r["row"] == "dense":
+            labels.setdefault(c["title"], line)
+            if c["row"] == "dense":
                 top = 1.5 * max(curve["test_loss"])
         for axis in axes[:, column]:
             if top:  # a run that blows up would flatten the others
                 axis.set_ylim(0.0, top)
-        axes[0][column].set(title=f"{workload}, {ranks} ranks", xlabel="step", ylabel="val loss")
-        axes[1][column].set(xlabel="MB sent by rank 0", ylabel="val loss", xscale="log")
+        axes[0][column].set(title=f"{workload}, {ranks} ranks", xlabel="step", ylabel="val loss (mean over seeds)")
+        axes[1][column].set(xlabel="MB sent by rank 0", ylabel="val loss (mean over seeds)", xscale="log")
     figure.legend(list(labels.values()), list(labels), loc="lower center", ncol=4, fontsize=8)
     figure.tight_layout(rect=(0, 0.08, 1, 1))
     figure.savefig(path, dpi=100)
@@ -202,6 +252,8 @@ def main() -> int:
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"of: {', '.join(ROWS)}")
     parser.add_argument("--quick", action="store_true", help="one epoch per run")
     parser.add_argument("--epochs", type=int, default=None, help="override every workload's epochs")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="seeds 0..N-1 per cell (default: SEEDS, 1 for the transformer, 3 elsewhere)")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -209,10 +261,11 @@ def main() -> int:
     for workload in args.workloads.split(","):
         for ranks in (int(r) for r in args.ranks.split(",")):
             for row in args.rows.split(","):
-                result = run(workload, ranks, row, args.quick, args.epochs)
-                if result is not None:
-                    results.append(result)
-                print(f"  done: {workload}, {ranks} ranks, {row}", file=sys.stderr, flush=True)
+                for seed in range(args.seeds or SEEDS[workload]):
+                    result = run(workload, ranks, row, args.quick, args.epochs, seed)
+                    if result is not None:
+                        results.append(result)
+                    print(f"  done: {workload}, {ranks} ranks, {row}, seed {seed}", file=sys.stderr, flush=True)
     print(table(results))
     with open(os.path.join(args.out, "bench_convergence.json"), "w") as f:
         json.dump(results, f, indent=1)
