@@ -14,7 +14,7 @@ rate and schedule, handed to ``state.prepare_optimizer``. ``recipe_sgd`` cuts a 
 segments of 512 would cut into fewer than 150 into smaller segments (``min_segments_per_bucket``:
 64 on the CNN); ``recipe_sgd_s512`` keeps 512 everywhere, ``recipe_sgd_s64`` sets 64 by hand.
 
-Each cell is the mean over seeds (model initialisation and data order): three on the digits
+Each cell is the mean over seeds (initialisation, data order, and on digits the train/test split): three on the digits
 workloads, where a point of accuracy is a few test images, and one on the transformer (2.5
 minutes a run). A gap to dense is paired by seed, and its range over seeds is printed beside it.
 
@@ -181,6 +181,11 @@ def cells(results: list) -> list:
     return out
 
 
+def compact(value: float, spec: str) -> str:
+    """value in spec, or in two significant digits where a blown-up run would print a dozen."""
+    return format(value, spec if abs(value) < 1e4 else spec[0] * spec.startswith("+") + ".1e")
+
+
 def paired_gap(cell: dict, dense: Optional[dict], gap) -> str:
     """The mean over seeds of gap(run, dense run of the same seed), with its range over seeds."""
     if dense is None:
@@ -189,8 +194,8 @@ def paired_gap(cell: dict, dense: Optional[dict], gap) -> str:
             if seed in dense["by_seed"]]
     if not gaps:
         return ""
-    text = f"{mean(gaps):+.1f}"
-    return text if len(gaps) == 1 else f"{text} ({min(gaps):+.1f}..{max(gaps):+.1f})"
+    text = compact(mean(gaps), "+.1f")
+    return text if len(gaps) == 1 else f"{text} ({compact(min(gaps), '+.1f')}..{compact(max(gaps), '+.1f')})"
 
 
 def table(results: list) -> str:
@@ -207,7 +212,7 @@ def table(results: list) -> str:
         base = dense.get((c["workload"], c["ranks"]))
         loss_gap = paired_gap(c, base, lambda run, ref: 100 * (run["loss"] / ref["loss"] - 1))
         acc_gap = paired_gap(c, base, lambda run, ref: 100 * (run["accuracy"] - ref["accuracy"]))
-        lines.append(f"{prefix} {c['loss']:.3f} | {loss_gap} | {100 * c['accuracy']:.1f}% | {acc_gap} | "
+        lines.append(f"{prefix} {compact(c['loss'], '.3f')} | {loss_gap} | {100 * c['accuracy']:.1f}% | {acc_gap} | "
                      f"{c['bytes_per_step']:,.0f} | {c['compression']:.1f}x | {c['wall_seconds']:.0f} |")
     return "\n".join(lines)
 
