@@ -125,22 +125,25 @@ SGD_RECIPE = dict(hook="sparse", prepare_optimizer=True, momentum=0.9,
                                      min_segments_per_bucket=150))
 
 
-@pytest.mark.parametrize("options", [dict(hook="dense"), dict(hook="sparse"), SGD_RECIPE],
+@pytest.mark.parametrize("options,epochs", [(dict(hook="dense"), 3), (dict(hook="sparse"), 3), (SGD_RECIPE, 6)],
                          ids=["dense", "sparse", "sgd_recipe"])
-def test_dynamic_batches_train_the_same_model_as_equal_batches(options):
+def test_dynamic_batches_train_the_same_model_as_equal_batches(options, epochs):
     """Whatever split the measured speeds give, the weighted gradient is the global batch's:
     with dense allreduce dynamic batching ends where equal batching does (up to float
     rounding of the sums); the sparse hook (1%), and the README's SGD recipe (its int8 wire,
     the CNN's bucket cut into 150 segments or more, the optimizer prepared), whose segment
-    choice can flip on such rounding, reach the same accuracy."""
+    choice can flip on such rounding, reach the same accuracy. The recipe runs 6 epochs: after
+    3 the CNN is at about 77%, where runs that differ only in rounding spread by more than the
+    bound (67.8% against 76.7% in one CI run); after 6 it is at 94-96% for splits from 48/48 to
+    95/1 (measured with a CPU quota on one rank)."""
     hook = options["hook"]
-    common = dict(options, epochs=3, model="cnn", hidden=64, global_batch=96)
+    common = dict(options, epochs=epochs, model="cnn", hidden=64, global_batch=96)
     equal = run_training(TrainConfig(batching="equal", **common))
     dynamic = run_training(TrainConfig(batching="dynamic", **common))
     assert dynamic["ranks_identical"]
     sizes = dynamic["epochs"]["batch_sizes"]
     assert sizes[0] == [48, 48] and all(sum(s) == 96 and min(s) >= 1 for s in sizes)
-    assert len(dynamic["speed_history"]) == 3  # one plan an epoch, the last for the record
+    assert len(dynamic["speed_history"]) == epochs  # one plan an epoch, the last for the record
     if hook == "dense":
         np.testing.assert_allclose(dynamic["final_parameters"], equal["final_parameters"],
                                    rtol=1e-4, atol=1e-5)
