@@ -134,7 +134,7 @@ def test_dynamic_batches_train_the_same_model_as_equal_batches(options, epochs):
     the CNN's bucket cut into 150 segments or more, the optimizer prepared), whose segment
     choice can flip on such rounding, reach the same accuracy. The recipe runs 6 epochs: after
     3 the CNN is at about 77%, where runs that differ only in rounding spread by more than the
-    bound (67.8% against 76.7% in one CI run); after 6 it is at 94-96% for splits from 48/48 to
+    bound (67.8% against 76.7% in one CI run); after 6 it is at 95-96% for splits from 50/46 to
     95/1 (measured with a CPU quota on one rank)."""
     hook = options["hook"]
     common = dict(options, epochs=epochs, model="cnn", hidden=64, global_batch=96)
