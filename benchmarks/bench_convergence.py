@@ -32,6 +32,7 @@ import json
 import os
 import sys
 import time
+from statistics import mean
 from typing import Optional
 
 from hetero_comm.lab.training import TrainConfig, run_training
@@ -154,11 +155,6 @@ def run(workload: str, ranks: int, row: str, quick: bool, epochs: Optional[int] 
                 ranks_identical=record["ranks_identical"])
 
 
-def mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
-
-
 def cells(results: list) -> list:
     """One cell per workload, ranks and row, over its seeds: the means of the seeds that finished,
     each seed's loss and accuracy (to pair with dense's), and the mean validation curve."""
@@ -174,6 +170,8 @@ def cells(results: list) -> list:
             for key in ("loss", "accuracy", "bytes_per_step", "compression", "wall_seconds"):
                 cell[key] = mean(r[key] for r in finished)
             first = finished[0]["curve"]
+            # Every seed evaluates at the same steps (the split's sizes do not depend on the seed).
+            assert all(r["curve"]["step"] == first["step"] for r in finished), (workload, row)
             cell["curve"] = dict(step=first["step"], bytes=first["bytes"],
                                  test_loss=[mean(values) for values in
                                             zip(*(r["curve"]["test_loss"] for r in finished))])
@@ -183,7 +181,9 @@ def cells(results: list) -> list:
 
 def compact(value: float, spec: str) -> str:
     """value in spec, or in two significant digits where a blown-up run would print a dozen."""
-    return format(value, spec if abs(value) < 1e4 else spec[0] * spec.startswith("+") + ".1e")
+    if abs(value) < 1e4:
+        return format(value, spec)
+    return format(value, "+.1e" if spec.startswith("+") else ".1e")
 
 
 def paired_gap(cell: dict, dense: Optional[dict], gap) -> str:
