@@ -1,6 +1,6 @@
 # Entry points, each self-contained on a fresh machine (Python 3.11 + a C++ compiler):
 #   make demo    the main job: build, then `hetero-comm demo` (every hook on 2 local workers)
-#   make test    build, then run the full test suite
+#   make test    build, then build the docs (mkdocs --strict) and run the full test suite
 #   make bench   the kernel, hook and heterogeneous-rank benchmarks
 # Both create .venv, install torch 2.13.0 (CPU) and build hetero_comm from source into it.
 
@@ -22,7 +22,9 @@ $(VENV)/.installed: $(BIN)/python $(SOURCES)
 
 # pytest (not `python -m pytest`) from the repo root keeps the source tree off sys.path, so the
 # installed package with its compiled _C is the one under test.
+# The documentation first: mkdocs --strict fails on a stale link or a page missing from the nav.
 test: $(VENV)/.installed
+	$(BIN)/mkdocs build --strict --quiet
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest tests
 
 demo: $(VENV)/.installed
