@@ -9,10 +9,11 @@ Workloads:
   ranks 132 steps; at 6 the recipe fell 1.4-7 points behind there, README "SGD at large learning
   rates").
 
-Rows ``recipe_*`` are the README's recipes as users run them: the workload's dense optimizer,
-rate and schedule, handed to ``state.prepare_optimizer``. ``recipe_sgd`` cuts a bucket that
-segments of 512 would cut into fewer than 150 into smaller segments (``min_segments_per_bucket``:
-64 on the CNN); ``recipe_sgd_s512`` keeps 512 everywhere, ``recipe_sgd_s64`` sets 64 by hand.
+Rows ``recipe_adamw`` and ``recipe_sgd`` are the recipes as users run them: one call,
+``hetero_comm.compress``, on the workload's DDP model and dense optimizer (rate and schedule
+unchanged). ``recipe_sgd`` cuts a bucket that segments of 512 would cut into fewer than 150
+into smaller segments (``min_segments_per_bucket``: 64 on the CNN); ``recipe_sgd_s512`` keeps
+512 everywhere and ``recipe_sgd_s64`` sets 64 by hand (the lower-level state, prepared).
 
 Each cell is the mean over seeds (initialisation, data order, and on digits the train/test split): three on the digits
 workloads, where a point of accuracy is a few test images, and one on the transformer (2.5
@@ -97,23 +98,21 @@ ROWS = {
     **{f"sparse_dct_{p}_int8_s512": (f"segment_sparse {p}% DCT basis, int8, segments of 512", "sparse",
                                      dict(density=p / 100, basis="dct", wire_dtype="int8", segment_size=512))
        for p in (8,)},
-    # The README's recipes as users run them: the workload's dense optimizer, rate and schedule,
-    # handed to state.prepare_optimizer (PREPARED).
-    "recipe_adamw": ("AdamW recipe: DCT-sign 10%, int8, segments of 512", "sparse",
-                     dict(density=0.10, basis="dct", output="sign", wire_dtype="int8",
-                          segment_size=512)),
-    "recipe_sgd": ("SGD recipe: 8%, int8, segments of 512 or 150 per bucket, momentum corr.", "sparse",
-                   dict(density=0.08, momentum=0.9, wire_dtype="int8", segment_size=512,
-                        min_segments_per_bucket=150)),
-    # Without min_segments_per_bucket, and segments of 64 given by hand (the size it picks for
-    # the CNN's one bucket).
+    # The recipes as users run them: hetero_comm.compress on the workload's DDP model and dense
+    # optimizer (rate and schedule unchanged), which picks the recipe from the optimizer.
+    "recipe_adamw": ("AdamW recipe: DCT-sign 10%, int8, segments of 512", "recipe", {}),
+    "recipe_sgd": ("SGD recipe: 8%, int8, segments of 512 or 150 per bucket, momentum corr.",
+                   "recipe", {}),
+    # The SGD recipe written out without min_segments_per_bucket, and with segments of 64 given
+    # by hand (the size it picks for the CNN's one bucket), the dense optimizer handed to
+    # state.prepare_optimizer (PREPARED).
     **{f"recipe_sgd_s{s}": (f"SGD recipe with segments of {s} everywhere", "sparse",
                             dict(density=0.08, momentum=0.9, wire_dtype="int8", segment_size=s))
        for s in (512, 64)},
 }
-PREPARED = {row for row in ROWS if row.startswith("recipe_")}
-ADAMW_ONLY = {row for row, (_, _, settings) in ROWS.items() if settings.get("output") == "sign"}
-SGD_ONLY = {row for row, (_, _, settings) in ROWS.items() if settings.get("momentum")}
+PREPARED = {row for row, (_, hook, _) in ROWS.items() if row.startswith("recipe_") and hook != "recipe"}
+ADAMW_ONLY = {row for row, (_, _, settings) in ROWS.items() if settings.get("output") == "sign"} | {"recipe_adamw"}
+SGD_ONLY = {row for row, (_, _, settings) in ROWS.items() if settings.get("momentum")} | {"recipe_sgd"}
 # Without --rows: the peers, and every hetero_comm mode at 30x or more (the plain sparse hook,
 # the DCT hook, the two recipes, and the SGD recipe without its minimum of segments); the rest
 # is the density sweep.

@@ -1,11 +1,14 @@
 """hetero_comm with plain PyTorch DDP, launched by torchrun:
 
-    torchrun --nproc_per_node 2 examples/torchrun_example.py
+    torchrun --nproc_per_node 2 examples/torchrun_example.py --optimizer adamw
+    torchrun --nproc_per_node 2 examples/torchrun_example.py --optimizer sgd
 
-Trains a small model with the sparse hook (1% of the segments), saves a checkpoint (the hook
-state's dict is gathered on every rank and written by rank 0) and resumes from it.
+Trains a small network on a synthetic task with the optimizer set up as for dense training;
+``hetero_comm.compress`` picks the recipe for it. Halfway, it saves a checkpoint (the hook
+state's dict, gathered on every rank and written by rank 0) and resumes from it in new objects.
 """
 
+import argparse
 import os
 import tempfile
 
@@ -14,28 +17,43 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hetero_comm.hooks import SegmentSparseState, segment_sparse_hook
+import hetero_comm
 
 
-def train(ddp, optimizer, steps, rank):
-    for step in range(steps):
+def make_optimizer(name, parameters):
+    if name == "adamw":
+        return torch.optim.AdamW(parameters, lr=1e-3, weight_decay=0.01)
+    return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
+
+
+def train(ddp, optimizer, steps, first, rank):
+    teacher = torch.Generator().manual_seed(7)
+    target = torch.randn(64, 8, generator=teacher)  # a fixed linear map to learn
+    for step in range(first, first + steps):
         generator = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(32, 64, generator=generator), torch.randn(32, 8, generator=generator)
+        x = torch.randn(32, 64, generator=generator)
         optimizer.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
+        loss = nn.functional.mse_loss(ddp(x), x @ target)
+        loss.backward()
         optimizer.step()
+    return loss.item()
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 8))
     ddp = DistributedDataParallel(model)
-    state = SegmentSparseState(density=0.01)
-    ddp.register_comm_hook(state, segment_sparse_hook)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    train(ddp, optimizer, 20, rank)
+    optimizer = make_optimizer(args.optimizer, ddp.parameters())
+    state = hetero_comm.compress(ddp, optimizer)
+    half = args.steps // 2
+    first_loss = train(ddp, optimizer, 1, 0, rank)
+    train(ddp, optimizer, half - 1, 1, rank)
 
     checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                   "hook": state.state_dict()}  # state_dict() on every rank: it gathers
@@ -44,18 +62,18 @@ def main():
         torch.save(checkpoint, path)
     dist.barrier()
 
-    # Resume: a new model, DDP and hook state, every rank loading rank 0's file.
+    # Resume: new DDP model, optimizer and state, every rank loading rank 0's file.
     restored = torch.load(path, weights_only=False)
     model.load_state_dict(restored["model"])
     ddp = DistributedDataParallel(model)
-    state = SegmentSparseState(density=0.01)
-    state.load_state_dict(restored["hook"])
-    ddp.register_comm_hook(state, segment_sparse_hook)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    optimizer = make_optimizer(args.optimizer, ddp.parameters())
+    state = hetero_comm.compress(ddp, optimizer)  # first: it reads the optimizer as you set it up
     optimizer.load_state_dict(restored["optimizer"])
-    train(ddp, optimizer, 10, rank)
+    state.load_state_dict(restored["hook"])
+    last_loss = train(ddp, optimizer, args.steps - half, half, rank)
     stats = state.stats()
     if rank == 0:
+        print(f"{args.optimizer}: loss {first_loss:.3f} -> {last_loss:.3f}")
         print(f"steps {stats['steps']}, compression {stats['compression_ratio']:.1f}x")
     dist.destroy_process_group()
 

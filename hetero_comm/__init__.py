@@ -1,12 +1,15 @@
 """hetero_comm: compressed DDP communication for slow networks and unequal machines.
 
-Kernels: :mod:`hetero_comm.ops` (compiled, with :mod:`hetero_comm.reference` as the
-pure-PyTorch definition and fallback); :class:`BufferPool` for allocation-free steady state.
+:func:`compress` sets up compressed gradient sync for a DDP model in one call, the recipe
+chosen from its optimizer. Kernels: :mod:`hetero_comm.ops` (compiled, with
+:mod:`hetero_comm.reference` as the pure-PyTorch definition and fallback); :class:`BufferPool`
+for allocation-free steady state.
 """
 
 from . import ops, reference
 from ._backend import extension_loaded, kernel_backend
 from .buffer_pool import BufferPool
+from .recipes import compress
 
-__all__ = ["ops", "reference", "kernel_backend", "extension_loaded", "BufferPool"]
+__all__ = ["compress", "ops", "reference", "kernel_backend", "extension_loaded", "BufferPool"]
 __version__ = "0.1.0"

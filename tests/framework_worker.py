@@ -4,7 +4,7 @@
 
 For FRAMEWORK in ``lightning`` / ``accelerate`` and HOOK a key of ``CASES`` (``dct_sign*``: the
 sparse hook's AdamW recipe, in bfloat16 or on the int8 wire; ``sparse_mc``: its SGD recipe,
-momentum correction; the others with SGD): an uninterrupted run, the same run stopped
+momentum correction; the others with SGD) or of ``ONE_CALL`` (the framework's one call): an uninterrupted run, the same run stopped
 half-way, saved through the framework's own checkpoint and resumed in fresh objects, and a run
 with gradient accumulation. These runs keep the dense optimizer (AdamW's default betas, SGD's
 momentum, the dense rate) and let the hook state prepare it (``prepare_optimizers=True``, or
@@ -30,11 +30,17 @@ CASES = {"sparse": ("sparse", dict(density=0.05, segment_size=16, warmup_steps=2
          "dct_sign_int8": ("sparse", dict(density=0.1, segment_size=4, basis="dct", dct_block_size=8,
                                           wire_dtype="int8", output="sign", warmup_steps=2)),
          "sparse_mc": ("sparse", dict(density=0.05, segment_size=16, momentum=0.9, warmup_steps=2))}
-RECIPES = ("dct_sign", "dct_sign_int8", "sparse_mc")
+# The one call (hetero_comm.compress; Lightning's CompressCallback, Accelerate's compress),
+# and its recipes written out as docs/recipes.md gives them: what its by_hand runs set up.
+ONE_CALL = {"compress_adamw": dict(density=0.10, segment_size=512, wire_dtype="int8",
+                                   basis="dct", output="sign"),
+            "compress_sgd": dict(density=0.08, segment_size=512, wire_dtype="int8", momentum=0.9,
+                                 min_segments_per_bucket=150)}
+RECIPES = ("dct_sign", "dct_sign_int8", "sparse_mc", *ONE_CALL)
 
 
 def make_hook_state(case):
-    hook, settings = CASES[case]
+    hook, settings = ("sparse", ONE_CALL[case]) if case in ONE_CALL else CASES[case]
     spec = HOOKS[hook]
     return spec.make_state(settings), spec.hook
 
@@ -42,12 +48,13 @@ def make_hook_state(case):
 def make_optimizer(parameters, case, by_hand=False):
     """The dense optimizer, or (``by_hand``) the README's recipe for the case's hook written
     out: what ``prepare_optimizer`` must turn the dense one into."""
-    if case.startswith("dct_sign"):
+    if case.startswith("dct_sign") or case == "compress_adamw":
         if by_hand:
             return torch.optim.AdamW(parameters, lr=1.5e-3, betas=(0.0, 0.0), weight_decay=0.01)
         return torch.optim.AdamW(parameters, lr=1e-3, weight_decay=0.01)
-    if by_hand and case == "sparse_mc":
-        return torch.optim.SGD(parameters, lr=0.05 * momentum_correction_lr_scale(0.05, 0.9),
+    if by_hand and case in ("sparse_mc", "compress_sgd"):
+        density = 0.08 if case == "compress_sgd" else 0.05
+        return torch.optim.SGD(parameters, lr=0.05 * momentum_correction_lr_scale(density, 0.9),
                                momentum=0.0)
     return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
 SAMPLES, BATCH = 256, 8  # per rank: 16 steps an epoch
@@ -79,7 +86,7 @@ def lightning_fit(hook, epochs, ckpt_path=None, save_to=None, accumulate=1, opti
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    from hetero_comm.integrations.lightning import HeteroCommCallback
+    from hetero_comm.integrations.lightning import CompressCallback, HeteroCommCallback
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -93,11 +100,14 @@ def lightning_fit(hook, epochs, ckpt_path=None, save_to=None, accumulate=1, opti
         def configure_optimizers(self):
             return make_optimizer(self.parameters(), optimizer_of or hook, by_hand)
 
-    state, hook_function = make_hook_state(hook)
+    if hook in ONE_CALL and not by_hand:
+        callback = CompressCallback()
+    else:
+        state, hook_function = make_hook_state(hook)
+        callback = HeteroCommCallback(state, hook_function,
+                                      prepare_optimizers=not (by_hand or optimizer_of))
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=epochs,
-                         accumulate_grad_batches=accumulate,
-                         callbacks=[HeteroCommCallback(state, hook_function, prepare_optimizers=
-                                                       not (by_hand or optimizer_of))], logger=False,
+                         accumulate_grad_batches=accumulate, callbacks=[callback], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
     module = Module()
@@ -107,7 +117,7 @@ def lightning_fit(hook, epochs, ckpt_path=None, save_to=None, accumulate=1, opti
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     groups = trainer.optimizers[0].param_groups
-    return dict(summary(state, module.net), learning_rate=groups[0]["lr"], optimizer_warnings=[
+    return dict(summary(callback.state, module.net), learning_rate=groups[0]["lr"], optimizer_warnings=[
         str(w.message) for w in caught if "SegmentSparseState(" in str(w.message)])
 
 
@@ -119,7 +129,7 @@ def run_lightning(hook, directory):
             "accumulated": lightning_fit(hook, 1, accumulate=2)}
     if hook in RECIPES:
         runs["by_hand"] = lightning_fit(hook, 2, by_hand=True)
-    if hook in RECIPES:  # unprepared, SGD with momentum 0.9: the callback must warn
+    if hook in RECIPES and hook not in ONE_CALL:  # unprepared, SGD with momentum 0.9: the callback must warn
         runs["mismatched"] = lightning_fit(hook, 1, optimizer_of="sparse")
     return runs
 
@@ -129,16 +139,19 @@ def accelerate_run(hook, steps, save_at=None, load_from=None, accumulate=1, dire
                    by_hand=False):
     from accelerate import Accelerator
 
-    from hetero_comm.integrations.accelerate import register_comm_hook
+    from hetero_comm.integrations.accelerate import compress, register_comm_hook
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
     net = make_net()
     optimizer = make_optimizer(net.parameters(), hook, by_hand)
     model, optimizer = accelerator.prepare(net, optimizer)
-    state, hook_function = make_hook_state(hook)
-    register_comm_hook(accelerator, model, state, hook_function)
-    if not by_hand:
-        state.prepare_optimizer(optimizer)  # Accelerate's wrapper: the optimizer inside is fitted
+    if hook in ONE_CALL and not by_hand:
+        state = compress(accelerator, model, optimizer)
+    else:
+        state, hook_function = make_hook_state(hook)
+        register_comm_hook(accelerator, model, state, hook_function)
+        if not by_hand:
+            state.prepare_optimizer(optimizer)  # Accelerate's wrapper: the optimizer inside is fitted
     first = 0
     if load_from is not None:
         accelerator.load_state(load_from)

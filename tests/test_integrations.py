@@ -37,13 +37,15 @@ def torchrun(*args, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("hook", ["sparse", "dct", "dct_sign", "dct_sign_int8", "sparse_mc"])
+@pytest.mark.parametrize("hook", ["sparse", "dct", "dct_sign", "dct_sign_int8", "sparse_mc",
+                                  "compress_adamw", "compress_sgd"])
 @pytest.mark.parametrize("framework", ["lightning", "accelerate"])
 def test_hook_runs_and_resumes_exactly_through_the_frameworks_checkpoint(framework, hook, tmp_path):
     """Rank 0 writes the framework's checkpoint and every rank loads it: the resumed run ends
     bitwise where the uninterrupted one does (each rank's error feedback is in rank 0's
     file). Gradient accumulation syncs every second batch. The dense optimizer prepared by
-    the hook state ends bitwise where the recipe written by hand does."""
+    the hook state ends bitwise where the recipe written by hand does; so does the one call
+    (``compress_*``: Lightning's ``CompressCallback``, Accelerate's ``compress``)."""
     result = torchrun(ROOT / "tests" / "framework_worker.py", framework, hook, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
@@ -61,7 +63,8 @@ def test_hook_runs_and_resumes_exactly_through_the_frameworks_checkpoint(framewo
         for rank in ranks:
             assert all(rank[run]["optimizer_warnings"] == [] for run in ("uninterrupted", "resumed"))
             # the user's rate, not the step's, between steps and in the checkpoint
-            assert rank["resumed"]["learning_rate"] == (1e-3 if hook.startswith("dct_sign") else 0.05)
+            adamw = hook.startswith("dct_sign") or hook == "compress_adamw"
+            assert rank["resumed"]["learning_rate"] == (1e-3 if adamw else 0.05)
             if hook in ("dct_sign", "dct_sign_int8"):
                 assert any("found SGD" in message and "prepare_optimizers=True" in message
                            for message in rank["mismatched"]["optimizer_warnings"])
@@ -70,20 +73,26 @@ def test_hook_runs_and_resumes_exactly_through_the_frameworks_checkpoint(framewo
                            for message in rank["mismatched"]["optimizer_warnings"])
 
 
-@pytest.mark.parametrize("example,launch", [
-    ("torchrun_example.py", "torchrun"),
-    ("accelerate_example.py", "torchrun"),
-    ("lightning_example.py", "python"),  # Lightning starts its second process itself
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("example,launch,brief", [
+    ("torchrun_example.py", "torchrun", ("--steps", "20")),
+    ("accelerate_example.py", "torchrun", ("--steps", "20")),
+    ("lightning_example.py", "python", ("--epochs", "2")),  # Lightning starts its second process
 ])
-def test_examples_run_as_written(example, launch):
-    path = ROOT / "examples" / example
+def test_examples_run_as_written(example, launch, brief, optimizer):
+    """Each example, briefly, with both optimizers: the one call picks the recipe, trains,
+    checkpoints and resumes."""
+    command = [ROOT / "examples" / example, "--optimizer", optimizer, *brief]
     if launch == "torchrun":
-        result = torchrun(path)
+        result = torchrun(*command)
     else:
-        result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
-                                timeout=300, env=dict(os.environ, MASTER_PORT=str(free_port())))
+        result = subprocess.run([sys.executable, *map(str, command)], capture_output=True,
+                                text=True, timeout=300,
+                                env=dict(os.environ, MASTER_PORT=str(free_port())))
     out = check_finished(result, "compression")
-    assert re.search(r"steps \d+, compression \d+\.\dx", out), out
+    assert re.search(rf"^{optimizer}: .*\d\.\d{{3}}$", out, re.MULTILINE), out
+    ratio = float(re.search(r"steps \d+, compression (\d+\.\d)x", out).group(1))
+    assert ratio > 20, out  # the recipe compressed (about 37x for AdamW, 45x for SGD nominal)
 
 
 def test_integrations_import_without_the_frameworks():
@@ -93,10 +102,14 @@ def test_integrations_import_without_the_frameworks():
 
 
 def test_integrations_refuse_misuse():
-    from hetero_comm.integrations.accelerate import register_comm_hook
-    from hetero_comm.integrations.lightning import HeteroCommCallback
+    from hetero_comm.integrations.accelerate import compress, register_comm_hook
+    from hetero_comm.integrations.lightning import CompressCallback, HeteroCommCallback
 
     with pytest.raises(TypeError, match="hetero_comm hook state"):
         HeteroCommCallback(object(), segment_sparse_hook)
     with pytest.raises(ValueError, match=r"not DistributedDataParallel.*--multi_gpu"):
         register_comm_hook(None, nn.Linear(2, 2), SegmentSparseState(), segment_sparse_hook)
+    with pytest.raises(ValueError, match=r"not DistributedDataParallel.*--multi_gpu"):
+        compress(None, nn.Linear(2, 2), torch.optim.AdamW(nn.Linear(2, 2).parameters()))
+    with pytest.raises(ValueError, match=r"ratio must be a number in \[4.0, 256.0\]"):
+        CompressCallback(ratio=1000)

@@ -37,13 +37,30 @@ def test_compressed_hooks_reach_dense_accuracy(dense_accuracy, overrides, min_co
 
 
 def test_demo_writes_table_json_and_plot(tmp_path, capsys):
-    assert main(["demo", "--hooks", "dense,sparse", "--epochs", "1", "--out", str(tmp_path)]) == 0
+    assert main(["demo", "--workloads", "mlp_sgd", "--hooks", "dense,sparse", "--epochs", "1",
+                 "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "segment_sparse_hook" in out and "compression" in out
     numbers = json.loads((tmp_path / "demo.json").read_text())
     assert set(numbers) == {"dense", "sparse"}
     assert numbers["sparse"]["bytes_per_step"] < numbers["dense"]["bytes_per_step"]
     assert (tmp_path / "demo.png").stat().st_size > 10_000
+
+
+def test_demo_default_hooks_on_two_workloads(tmp_path, capsys):
+    """The demo's default hooks (dense, the one call's recipe, PowerSGD) on two workloads, one
+    epoch each: a row per workload and hook, the recipe at about its nominal ratio."""
+    assert main(["demo", "--workloads", "mlp_sgd,mlp_adamw", "--epochs", "1", "--out",
+                 str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    numbers = json.loads((tmp_path / "demo.json").read_text())
+    assert set(numbers) == {f"{w}/{h}" for w in ("mlp_sgd", "mlp_adamw")
+                            for h in ("dense", "recipe", "powersgd")}
+    for workload in ("mlp_sgd", "mlp_adamw"):
+        assert numbers[f"{workload}/recipe"]["hook_stats"]["compression_ratio"] > 25
+        assert numbers[f"{workload}/recipe"]["ranks_identical"]
+        assert f"| {workload}" in out
+    assert "hetero_comm.compress" in out and "torch powerSGD_hook" in out
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -53,12 +70,13 @@ def test_demo_writes_table_json_and_plot(tmp_path, capsys):
     (["--segment-size", "0"], "segment_size must be an integer in [1, 1048576]; got 0"),
     (["--epochs", "two"], "expected an integer"),
     (["--bits", "12"], "invalid choice"),
-    (["--momentum", "1.0"], "momentum must be a number in [0.0, 0.999]; got 1.0"),
+    (["--ratio", "2"], "ratio must be a number in [4.0, 256.0]; got 2.0"),
+    (["--powersgd-rank", "x"], "expected an integer"),
     (["--lr", "-1"], "lr must be a number in (0.0, inf]; got -1.0"),
     (["--batching", "dynamic", "--hooks", "dense,fp16"], "'fp16' averages them equally: drop it"),
     (["--batching", "sometimes"], "invalid choice"),
     (["--slow-worker-cores", "0"], "slow_worker_cores must be a number in (0.0"),
-    (["--model", "rnn"], "invalid choice"),
+    (["--workloads", "rnn_sgd"], "unknown workload(s) ['rnn_sgd']"),
 ])
 def test_demo_rejects_bad_flags(flags, message):
     result = subprocess.run([sys.executable, "-m", "hetero_comm", "demo", *flags],
@@ -156,7 +174,7 @@ def test_dynamic_batches_train_the_same_model_as_equal_batches(options, epochs):
 def test_demo_with_a_slow_worker_gives_it_a_smaller_batch(tmp_path, capsys):
     """The last worker gets 0.2 cores against a whole core for the other: measured, it is
     several times slower, so the plan gives it well under half of the global batch."""
-    assert main(["demo", "--hooks", "dense", "--model", "cnn", "--epochs", "2", "--batching",
+    assert main(["demo", "--hooks", "dense", "--workloads", "cnn_sgd", "--epochs", "2", "--batching",
                  "both", "--slow-worker-cores", "0.2", "--no-plot", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "epoch time (s)" in out and "batch per worker" in out

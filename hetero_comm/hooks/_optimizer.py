@@ -23,7 +23,7 @@ def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
     inner = optimizer
     # A torch optimizer sets up its own attributes in __init__; Accelerate's wrapper subclasses
     # Optimizer without running it (its param_groups is a property reading the inner one).
-    while "param_groups" not in vars(inner):
+    while "param_groups" not in getattr(inner, "__dict__", {}):
         inner = getattr(inner, "optimizer", None)
         if inner is None or not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer (or a wrapper holding one "

@@ -1,12 +1,43 @@
-"""Register a hetero_comm hook on a model prepared by Hugging Face Accelerate."""
+"""hetero_comm on a model prepared by Hugging Face Accelerate: :func:`compress` (the one
+call, the recipe from the optimizer) or :func:`register_comm_hook` (a hook and state of your
+choice), each with the state in ``accelerator.save_state`` / ``load_state``."""
 
-from typing import Callable
+from typing import Callable, Optional
 
 from torch.nn.parallel import DistributedDataParallel
 
-from ..hooks import HookState
+from .. import recipes
+from ..hooks import HookState, SegmentSparseState
 
-__all__ = ["register_comm_hook"]
+__all__ = ["compress", "register_comm_hook"]
+
+
+def compress(accelerator, model, optimizer, *, ratio: Optional[float] = None) -> SegmentSparseState:
+    """:func:`hetero_comm.compress` on ``model`` and ``optimizer`` as returned by
+    ``accelerator.prepare``, with the state registered for ``accelerator.save_state`` /
+    ``load_state`` (which then resume exactly; call both on every process).
+
+    Raises:
+        ValueError: ``model`` is not a DistributedDataParallel (see :func:`register_comm_hook`);
+            and whatever :func:`hetero_comm.compress` raises. Nothing is registered then.
+
+    Example::
+
+        >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        >>> state = compress(accelerator, model, optimizer)
+    """
+    _check_ddp(model)
+    state = recipes.compress(model, optimizer, ratio=ratio)
+    accelerator.register_for_checkpointing(state)
+    return state
+
+
+def _check_ddp(model) -> None:
+    if not isinstance(model, DistributedDataParallel):
+        raise ValueError(f"model is a {type(model).__name__}, not DistributedDataParallel: "
+                         f"Accelerate prepared it for a single process (accelerate launch "
+                         f"--cpu starts one; use --multi_gpu --num_processes N, or torchrun), "
+                         f"or for another wrapper (FSDP, DeepSpeed), which DDP hooks do not serve")
 
 
 def register_comm_hook(accelerator, model, state: HookState, hook: Callable) -> None:
@@ -27,10 +58,6 @@ def register_comm_hook(accelerator, model, state: HookState, hook: Callable) -> 
     """
     if not isinstance(state, HookState):
         raise TypeError(f"state must be a hetero_comm hook state; got {type(state).__name__}")
-    if not isinstance(model, DistributedDataParallel):
-        raise ValueError(f"model is a {type(model).__name__}, not DistributedDataParallel: "
-                         f"Accelerate prepared it for a single process (accelerate launch "
-                         f"--cpu starts one; use --multi_gpu --num_processes N, or torchrun), "
-                         f"or for another wrapper (FSDP, DeepSpeed), which DDP hooks do not serve")
+    _check_ddp(model)
     model.register_comm_hook(state, hook)
     accelerator.register_for_checkpointing(state)

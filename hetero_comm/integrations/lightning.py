@@ -1,14 +1,30 @@
-"""A Lightning callback that runs a hetero_comm hook on any device and checkpoints its state."""
+"""Lightning callbacks that run hetero_comm on any device and checkpoint its state:
+:class:`CompressCallback` (the one call, the recipe from the optimizer) and
+:class:`HeteroCommCallback` (a hook and state of your choice)."""
 
 import warnings
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
-from ..hooks import HookState
+from ..hooks import HookState, SegmentSparseState
+from ..recipes import compress, density_for_ratio
 
-__all__ = ["HeteroCommCallback"]
+__all__ = ["CompressCallback", "HeteroCommCallback"]
+
+
+def _ddp_model(strategy) -> DistributedDataParallel:
+    """The strategy's DDP model, which must not have a hook of Lightning's own."""
+    model = strategy.model
+    if not isinstance(model, DistributedDataParallel):
+        raise ValueError(f"hetero_comm's callbacks need a DistributedDataParallel model (Lightning's "
+                         f"'ddp' strategy with several processes); the strategy is "
+                         f"{type(strategy).__name__} and its model a {type(model).__name__}")
+    if getattr(strategy, "_ddp_comm_hook", None) is not None:
+        raise ValueError("the DDP strategy has a ddp_comm_hook of its own (Lightning registers "
+                         "it on CUDA only): give the hook to hetero_comm's callback alone")
+    return model
 
 
 class HeteroCommCallback(Callback):
@@ -45,15 +61,7 @@ class HeteroCommCallback(Callback):
         return f"HeteroCommCallback[{type(self.state).__name__}]"
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        strategy = trainer.strategy
-        model = strategy.model
-        if not isinstance(model, DistributedDataParallel):
-            raise ValueError(f"HeteroCommCallback needs a DistributedDataParallel model (Lightning's "
-                             f"'ddp' strategy with several processes); the strategy is "
-                             f"{type(strategy).__name__} and its model a {type(model).__name__}")
-        if getattr(strategy, "_ddp_comm_hook", None) is not None:
-            raise ValueError("the DDP strategy has a ddp_comm_hook of its own (Lightning registers "
-                             "it on CUDA only): give the hook to HeteroCommCallback alone")
+        model = _ddp_model(trainer.strategy)
         model.register_comm_hook(self.state, self.hook)
         for optimizer in trainer.optimizers:  # configured by now (Lightning's setup precedes this)
             if self.prepare_optimizers:
@@ -75,3 +83,50 @@ class HeteroCommCallback(Callback):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.state.load_state_dict(state_dict)
+
+
+class CompressCallback(Callback):
+    """:func:`hetero_comm.compress` on Lightning's DDP model and its optimizer at the start of
+    ``fit``: the recipe for the optimizer of ``configure_optimizers`` (kept as for dense
+    training), and the hook state in Lightning's checkpoints (``trainer.fit(ckpt_path=)``
+    resumes it exactly). ``ratio``: as :func:`hetero_comm.compress`'s. The state is
+    :attr:`state` once ``fit`` has started.
+
+    Example::
+
+        >>> trainer = Trainer(strategy="ddp", devices=2, accelerator="cpu",
+        ...                   callbacks=[CompressCallback()])
+    """
+
+    def __init__(self, ratio: Optional[float] = None) -> None:
+        if ratio is not None:
+            density_for_ratio(ratio)  # a clear error now rather than at fit
+        self.ratio = ratio
+        self.state: Optional[SegmentSparseState] = None
+        self._saved: Optional[Dict[str, Any]] = None  # a checkpoint loaded before fit started
+
+    @property
+    def state_key(self) -> str:
+        return "hetero_comm.CompressCallback"
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        model = _ddp_model(trainer.strategy)
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"CompressCallback fits one optimizer; configure_optimizers returned "
+                             f"{len(trainer.optimizers)}: use HeteroCommCallback with a state "
+                             f"of your own")
+        self.state = compress(model, trainer.optimizers[0], ratio=self.ratio)
+        if self._saved is not None:
+            self.state.load_state_dict(self._saved)
+            self._saved = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {} if self.state is None else self.state.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if self.state is None:  # Lightning restores callbacks before on_fit_start
+            self._saved = state_dict
+        else:
+            self.state.load_state_dict(state_dict)

@@ -5,6 +5,7 @@ import dataclasses
 from typing import Callable, Dict, Optional, Tuple
 
 from .._checks import check_choice
+from ..recipes import density_for_ratio
 from ..hooks import (AllreduceState, DCTQuantState, HookState, SegmentSparseState,
                      allreduce_hook, dct_quant_hook, segment_sparse_hook)
 
@@ -17,7 +18,8 @@ class HookSpec:
 
     ``state_class(**defaults, **settings)`` builds the state (``None``: the hook takes no
     state and no settings); ``weighted``: the state takes a ``rank_weight``, so ranks with
-    unequal batches can be weighted exactly.
+    unequal batches can be weighted exactly; ``one_call``: :func:`hetero_comm.compress` builds
+    the state and registers the hook from the model and its optimizer (settings: ``ratio``).
     """
 
     name: str
@@ -26,14 +28,25 @@ class HookSpec:
     state_class: Optional[type]
     weighted: bool
     defaults: Tuple[Tuple[str, object], ...] = ()
+    one_call: bool = False
 
     @property
     def is_hetero_comm(self) -> bool:
         """Whether the state is a hetero_comm one (else the hook is torch's)."""
-        return isinstance(self.state_class, type) and issubclass(self.state_class, HookState)
+        return self.one_call or (isinstance(self.state_class, type)
+                                 and issubclass(self.state_class, HookState))
 
     def make_state(self, settings: Optional[dict] = None):
+        """The hook's state from ``settings`` (``None`` for a hook without one; a one-call
+        hook's settings are only checked: its state needs the model and optimizer)."""
         settings = dict(settings or {})
+        if self.one_call:
+            unknown = sorted(set(settings) - {"ratio"})
+            if unknown:
+                raise ValueError(f"hook {self.name!r} takes only 'ratio'; got {unknown}")
+            if settings.get("ratio") is not None:
+                density_for_ratio(settings["ratio"])
+            return None
         if self.state_class is None:
             if settings:
                 raise ValueError(f"hook {self.name!r} takes no settings; got {sorted(settings)}")
@@ -56,6 +69,8 @@ def _torch_hooks() -> Tuple[HookSpec, ...]:
 
 HOOKS: Dict[str, HookSpec] = {spec.name: spec for spec in (
     HookSpec("dense", "dense allreduce", allreduce_hook, AllreduceState, weighted=True),
+    HookSpec("recipe", "hetero_comm.compress (the optimizer's recipe)", segment_sparse_hook,
+             None, weighted=False, one_call=True),
     HookSpec("sparse", "segment_sparse_hook", segment_sparse_hook, SegmentSparseState, weighted=True),
     HookSpec("dct", "dct_quant_hook", dct_quant_hook, DCTQuantState, weighted=True),
     *_torch_hooks(),

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .._checks import check_choice, check_float, check_int, check_optional
 from ..hetero import DynamicBatchController, HeteroSampler
 from ..nn import convert_dropout
+from ..recipes import compress
 from .byte_count import count_collective_bytes
 from .data import MODELS, make_workload
 from .launch import report_progress, run_ranks
@@ -128,6 +129,9 @@ class TrainConfig:
                              "steps: use output='sum'")
         if self.prepare_optimizer and not HOOKS[self.hook].is_hetero_comm:
             raise ValueError(f"prepare_optimizer needs a hetero_comm hook; {self.hook!r} is torch's")
+        if HOOKS[self.hook].one_call and (self.prepare_optimizer or self.skip_dropped):
+            raise ValueError(f"hook {self.hook!r} prepares the optimizer itself and sends every "
+                             f"unit: leave prepare_optimizer and skip_dropped False")
         if self.batching == "dynamic" and self.hook not in WEIGHTED_HOOKS:
             raise ValueError(f"batching='dynamic' needs a hook that weights ranks "
                              f"({', '.join(WEIGHTED_HOOKS)}); {self.hook!r} averages them "
@@ -259,27 +263,21 @@ class _Run:
             self.units = convert_dropout(self.model, seed=config.seed,
                                          skip_compute=config.dropout_kind == "sliced")
         self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=config.bucket_cap_mb)
-        self.state, hook = make_hook(config.hook, config.hook_settings)
-        if config.skip_dropped:
-            self.state.skip_dropped_units(self.units)
         # Full global batches only, each shuffled once per epoch with a seed every rank shares.
         self.sampler = HeteroSampler(len(self.x_train), config.global_batch, rank, config.workers,
                                      seed=config.seed * 1000, drop_last=True)
-        self.controller = None
-        if config.measures_speed():
-            self.controller = DynamicBatchController(
-                self.sampler, self.state, replan_every=config.replan_every,
-                smoothing=config.smoothing, max_change=config.max_change,
-                adapt=config.batching == "dynamic")
-            self.controller.register_comm_hook(self.ddp, hook)
-        else:
-            self.ddp.register_comm_hook(self.state, hook)
         total_steps = config.epochs * self.sampler.num_steps()
         if config.max_steps is not None:
             total_steps = min(total_steps, config.max_steps)
-        self.optimizer, self.schedule = config.make_optimizer(self.ddp.parameters(), total_steps)
-        if config.prepare_optimizer:
-            self.state.prepare_optimizer(self.optimizer)
+        self.controller = None
+        if HOOKS[config.hook].one_call:  # compress() reads the optimizer and registers the hook
+            self.optimizer, self.schedule = config.make_optimizer(self.ddp.parameters(), total_steps)
+            self.state = compress(self.ddp, self.optimizer, **config.hook_settings)
+        else:
+            self._register_hook(config)
+            self.optimizer, self.schedule = config.make_optimizer(self.ddp.parameters(), total_steps)
+            if config.prepare_optimizer:
+                self.state.prepare_optimizer(self.optimizer)
         if self.units is not None:
             self.units.attach(self.optimizer)
         self.step = 0
@@ -288,6 +286,19 @@ class _Run:
         self.epochs: Dict[str, list] = {"epoch": [], "step": [], "test_accuracy": [],
                                         "test_loss": [], "bytes": [], "seconds": [],
                                         "batch_sizes": []}
+
+    def _register_hook(self, config: TrainConfig) -> None:
+        self.state, hook = make_hook(config.hook, config.hook_settings)
+        if config.skip_dropped:
+            self.state.skip_dropped_units(self.units)
+        if config.measures_speed():
+            self.controller = DynamicBatchController(
+                self.sampler, self.state, replan_every=config.replan_every,
+                smoothing=config.smoothing, max_change=config.max_change,
+                adapt=config.batching == "dynamic")
+            self.controller.register_comm_hook(self.ddp, hook)
+        else:
+            self.ddp.register_comm_hook(self.state, hook)
 
     def out_of_steps(self) -> bool:
         return self.config.max_steps is not None and self.step >= self.config.max_steps

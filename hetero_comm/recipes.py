@@ -1,0 +1,201 @@
+"""One call for compressed gradient sync: the recipe is chosen from the user's optimizer.
+
+:func:`compress` takes a ``DistributedDataParallel`` model and the optimizer set up as for
+dense training, and does what the recipes ask by hand: it builds a
+:class:`~hetero_comm.hooks.SegmentSparseState` with the recipe for that optimizer, registers
+:func:`~hetero_comm.hooks.segment_sparse_hook` and fits the optimizer
+(:meth:`~hetero_comm.hooks.HookState.prepare_optimizer`). The lower-level states stay for
+anyone who wants other settings.
+"""
+
+import dataclasses
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ._checks import check_float
+from .hooks import SegmentSparseState, segment_sparse_hook
+from .hooks._optimizer import unwrap_optimizer
+
+__all__ = ["Recipe", "recipe_for", "compress", "MIN_RATIO", "MAX_RATIO"]
+
+# Both recipes send one int8 byte per selected value and one float32 importance per segment of
+# 512 elements (a dense float32 gradient is 4 bytes per element).
+SEGMENT_SIZE = 512
+WIRE_BYTES_PER_VALUE = 1
+DENSE_BYTES_PER_VALUE = 4
+ADAMW_DENSITY = 0.10
+SGD_DENSITY = 0.08
+SGD_MIN_SEGMENTS_PER_BUCKET = 150
+# ratio: 4x is every value on the int8 wire; 256x leaves about 0.8% of the segments.
+MIN_RATIO, MAX_RATIO = 4.0, 256.0
+# The recipes were measured at 29x to 37x; above this the call warns.
+MEASURED_RATIO = 40.0
+
+_SUPPORTED = ("torch.optim.AdamW, torch.optim.Adam (no weight decay, or "
+              "decoupled_weight_decay=True), torch.optim.SGD (with or without momentum; "
+              "no Nesterov, no dampening)")
+_LOWER_LEVEL = ("for other optimizers build a hetero_comm.hooks.SegmentSparseState (output='sum') "
+                "and register hetero_comm.hooks.segment_sparse_hook yourself")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What :func:`compress` sets up for an optimizer.
+
+    Attributes:
+        name: ``"adamw"`` (sign steps on DCT segments) or ``"sgd"`` (sparse sum, with momentum
+            correction when the optimizer has momentum).
+        settings: the keyword arguments of :class:`~hetero_comm.hooks.SegmentSparseState`.
+    """
+
+    name: str
+    settings: dict
+
+    @property
+    def nominal_ratio(self) -> float:
+        """Dense bytes over sent bytes for a bucket cut into segments of 512 (the dense
+        warm-up step and smaller segments in small buckets lower what ``stats()`` reports)."""
+        return _ratio(self.settings["density"])
+
+
+def _ratio(density: float) -> float:
+    sent = WIRE_BYTES_PER_VALUE * density + DENSE_BYTES_PER_VALUE / SEGMENT_SIZE
+    return DENSE_BYTES_PER_VALUE / sent
+
+
+def density_for_ratio(ratio: float) -> float:
+    """The density at which a recipe sends ``1 / ratio`` of the dense bytes (segments of 512
+    on the int8 wire); ``ratio`` in [:data:`MIN_RATIO`, :data:`MAX_RATIO`]."""
+    check_float("ratio", ratio, MIN_RATIO, MAX_RATIO)
+    density = (DENSE_BYTES_PER_VALUE / ratio - DENSE_BYTES_PER_VALUE / SEGMENT_SIZE) / WIRE_BYTES_PER_VALUE
+    return min(1.0, density)
+
+
+def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
+    """The recipe for ``optimizer`` (a torch optimizer, or a framework wrapper holding one in
+    ``.optimizer``).
+
+    * AdamW, or Adam without coupled weight decay: DCT segments, the sign of the agreed sum,
+      10% density (about 37x).
+    * SGD with momentum ``m``: momentum correction with ``m``, 8% density, segments of 512 or
+      smaller so that every bucket has 150 (about 29-35x measured).
+    * SGD without momentum: the same, without momentum correction.
+
+    Args:
+        optimizer: the optimizer, set up as for dense training.
+        ratio: target compression of the gradient bytes in [4, 256]; ``None``: the recipe's own.
+
+    Raises:
+        TypeError: an optimizer no recipe serves (the message lists the supported ones).
+        ValueError: a ``ratio`` out of range, SGD groups with different momenta, Nesterov,
+            dampening, or Adam's coupled weight decay.
+    """
+    inner = unwrap_optimizer(optimizer)
+    density = None if ratio is None else density_for_ratio(ratio)
+    if isinstance(inner, torch.optim.Adam):  # AdamW subclasses Adam
+        return Recipe("adamw", dict(density=ADAMW_DENSITY if density is None else density,
+                                    segment_size=SEGMENT_SIZE, wire_dtype="int8", basis="dct",
+                                    output="sign"))
+    if isinstance(inner, torch.optim.SGD):
+        momenta = sorted({float(group["momentum"]) for group in inner.param_groups})
+        if len(momenta) > 1:
+            raise ValueError(f"the SGD recipe applies one momentum in the hook; the optimizer's "
+                             f"parameter groups have {momenta}: give them one momentum")
+        settings = dict(density=SGD_DENSITY if density is None else density,
+                        segment_size=SEGMENT_SIZE, wire_dtype="int8",
+                        min_segments_per_bucket=SGD_MIN_SEGMENTS_PER_BUCKET)
+        if momenta[0]:
+            settings["momentum"] = momenta[0]
+        return Recipe("sgd", settings)
+    raise TypeError(f"hetero_comm.compress has no recipe for {type(inner).__name__}; supported: "
+                    f"{_SUPPORTED}. {_LOWER_LEVEL}")
+
+
+def compress(ddp_model: DistributedDataParallel, optimizer, *, ratio: Optional[float] = None,
+             process_group: Optional[dist.ProcessGroup] = None) -> SegmentSparseState:
+    """Send a small fraction of the gradient bytes, with the recipe for ``optimizer``.
+
+    Keep the optimizer, learning rate and schedule you use for dense training: the recipe
+    sets the optimizer hyperparameters it needs and scales the rate inside each step only
+    (AdamW: ``betas=(0, 0)`` and 1.5x; SGD with momentum: momentum 0, moved into the hook,
+    and about 2.1x; see :func:`recipe_for`). Call it on every rank, after creating both and
+    before the first step. Nothing is registered or changed when it raises.
+
+    Args:
+        ddp_model: a ``DistributedDataParallel`` model without a communication hook.
+        optimizer: its optimizer (or a framework wrapper holding one in ``.optimizer``); its
+            parameters must be the model's.
+        ratio: target compression of the gradient bytes, in [4, 256] (``None``: the
+            recipe's own, about 37x for AdamW and 29-35x for SGD). ``state.stats()`` reports
+            what was achieved.
+        process_group: the group to reduce in (``None``: the DDP model's own).
+
+    Returns:
+        The hook's :class:`~hetero_comm.hooks.SegmentSparseState`: ``stats()``, and
+        ``state_dict()`` / ``load_state_dict()`` for checkpoints (call both on every rank; to
+        resume, call ``compress`` on the new model and optimizer, then ``load_state_dict``).
+
+    Raises:
+        TypeError: ``ddp_model`` is not ``DistributedDataParallel``, or no recipe serves the
+            optimizer.
+        ValueError: the optimizer holds parameters that are not the model's, the model already
+            has a communication hook, ``ratio`` is out of range, or the optimizer has a
+            setting the recipe cannot take over.
+
+    Example::
+
+        >>> ddp_model = DistributedDataParallel(model)
+        >>> optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-4)
+        >>> state = hetero_comm.compress(ddp_model, optimizer)
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"compress needs a torch.nn.parallel.DistributedDataParallel model; got "
+                        f"{type(ddp_model).__name__} (wrap it: DistributedDataParallel(model))")
+    inner = unwrap_optimizer(optimizer)
+    _check_parameters_are_the_models(ddp_model, inner)
+    if getattr(ddp_model, "_comm_hooks", None):
+        raise ValueError("this DistributedDataParallel model already has a communication hook "
+                         "(DDP takes one): call compress once per model, on a model without a hook")
+    recipe = recipe_for(inner, ratio)
+    state = SegmentSparseState(process_group=process_group or ddp_model.process_group,
+                               **recipe.settings)
+    state._optimizer_fit(inner)  # raises for a setting the recipe cannot take over, before any change
+    _warn_where_unmeasured(ddp_model, recipe, ratio)
+    ddp_model.register_comm_hook(state, segment_sparse_hook)
+    state.prepare_optimizer(inner)
+    return state
+
+
+def _check_parameters_are_the_models(ddp_model: DistributedDataParallel,
+                                     optimizer: torch.optim.Optimizer) -> None:
+    model_parameters = {id(p) for p in ddp_model.module.parameters()}
+    foreign = [(index, position) for index, group in enumerate(optimizer.param_groups)
+               for position, p in enumerate(group["params"]) if id(p) not in model_parameters]
+    if foreign:
+        index, position = foreign[0]
+        raise ValueError(f"the optimizer holds {len(foreign)} parameter(s) that are not the DDP "
+                         f"model's (first: parameter {position} of group {index}): create it "
+                         f"from ddp_model.parameters()")
+
+
+def _warn_where_unmeasured(ddp_model: DistributedDataParallel, recipe: Recipe,
+                           ratio: Optional[float]) -> None:
+    """Warn about the cases the recipes are known not to serve well."""
+    if ratio is not None and ratio > MEASURED_RATIO:
+        warnings.warn(f"hetero_comm.compress(ratio={ratio}): the recipes were measured up to "
+                      f"{MEASURED_RATIO:.0f}x; expect a larger gap to dense training beyond it",
+                      UserWarning, stacklevel=3)
+    if recipe.name == "sgd" and _has_attention(ddp_model.module):
+        warnings.warn("hetero_comm.compress: the SGD recipe ended 6-10% above dense validation "
+                      "loss on a transformer (docs/recipes.md, 'Not yet'); with attention "
+                      "layers, train with AdamW, whose recipe matched dense there",
+                      UserWarning, stacklevel=3)
+
+
+def _has_attention(module: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.MultiheadAttention) or "attention" in type(m).__name__.lower()
+               for m in module.modules())

@@ -1,0 +1,93 @@
+"""Rank functions for tests/test_compress.py, run on real gloo ranks by
+:func:`hetero_comm.lab.launch.run_ranks` (spawned processes import them from here)."""
+
+import copy
+import warnings
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+import hetero_comm
+
+
+def make_ddp(seed: int = 0) -> DistributedDataParallel:
+    torch.manual_seed(seed)
+    return DistributedDataParallel(nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 5)))
+
+
+def _untouched(ddp, optimizer, groups_before) -> bool:
+    """Nothing registered on ``ddp``, ``optimizer``'s step not wrapped, its groups as before."""
+    return (not ddp._comm_hooks and "step" not in vars(optimizer)
+            and _groups(optimizer) == groups_before)
+
+
+def _groups(optimizer):
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+BAD_CALLS = {
+    "not DDP": lambda ddp: (ddp.module, torch.optim.AdamW(ddp.parameters()), {}),
+    "foreign parameters": lambda ddp: (ddp, torch.optim.AdamW(
+        list(ddp.parameters()) + [nn.Parameter(torch.zeros(3))]), {}),
+    "unsupported optimizer": lambda ddp: (ddp, torch.optim.RMSprop(ddp.parameters()), {}),
+    "ratio too small": lambda ddp: (ddp, torch.optim.AdamW(ddp.parameters()), dict(ratio=2)),
+    "ratio too large": lambda ddp: (ddp, torch.optim.AdamW(ddp.parameters()), dict(ratio=1000)),
+    "ratio not a number": lambda ddp: (ddp, torch.optim.AdamW(ddp.parameters()), dict(ratio="32")),
+    "ratio nan": lambda ddp: (ddp, torch.optim.AdamW(ddp.parameters()), dict(ratio=float("nan"))),
+    "adam coupled decay": lambda ddp: (ddp, torch.optim.Adam(ddp.parameters(), weight_decay=0.01), {}),
+    "sgd nesterov": lambda ddp: (ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9,
+                                                      nesterov=True), {}),
+    "sgd dampening": lambda ddp: (ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9,
+                                                       dampening=0.5), {}),
+    "sgd momenta differ": lambda ddp: (ddp, torch.optim.SGD(
+        [{"params": ddp.module[0].parameters(), "momentum": 0.9},
+         {"params": ddp.module[2].parameters(), "momentum": 0.5}], lr=0.1), {}),
+}
+
+
+def bad_calls(rank, world_size):
+    """Each bad call: the exception's type and message, and whether nothing was changed; then
+    whether a good call on the same model still works, and what a second call raises."""
+    results = {}
+    for name, make in BAD_CALLS.items():
+        ddp = make_ddp()
+        model, optimizer, kwargs = make(ddp)
+        before = copy.deepcopy(_groups(optimizer))
+        try:
+            hetero_comm.compress(model, optimizer, **kwargs)
+            results[name] = ("no error", "", False)
+        except (TypeError, ValueError) as error:
+            results[name] = (type(error).__name__, str(error), _untouched(ddp, optimizer, before))
+        # the same model then takes a good call
+        state = hetero_comm.compress(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3))
+        assert isinstance(state, hetero_comm.hooks.SegmentSparseState)
+    ddp = make_ddp()
+    first = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    hetero_comm.compress(ddp, first)
+    second = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    before = copy.deepcopy(_groups(second))
+    try:
+        hetero_comm.compress(ddp, second)
+        results["second call"] = ("no error", "", False)
+    except ValueError as error:
+        results["second call"] = ("ValueError", str(error),
+                                  len(ddp._comm_hooks) == 1 and "step" not in vars(second)
+                                  and _groups(second) == before)
+    return results
+
+
+def call_warnings(rank, world_size, model_kind, optimizer_kind, ratio):
+    """The warnings ``compress`` gives for a model with or without attention."""
+    torch.manual_seed(0)
+    if model_kind == "attention":
+        module = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    else:
+        module = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    ddp = DistributedDataParallel(module)
+    optimizer = (torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9) if optimizer_kind == "sgd"
+                 else torch.optim.AdamW(ddp.parameters(), lr=1e-3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hetero_comm.compress(ddp, optimizer, ratio=ratio)
+    return [str(w.message) for w in caught if "hetero_comm.compress" in str(w.message)]

@@ -1,0 +1,152 @@
+"""``hetero_comm.compress``, the one call: the recipe it picks for each optimizer, that it
+trains exactly as the recipe written out with the lower-level API, its compression knob, its
+warnings, and that every bad call is refused before anything is registered or changed."""
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import compress_workers
+from hetero_comm.lab.launch import run_ranks
+from hetero_comm.lab.training import TrainConfig, run_training
+from hetero_comm.recipes import MAX_RATIO, MIN_RATIO, Recipe, density_for_ratio, recipe_for
+
+
+def params():
+    return [torch.nn.Parameter(torch.zeros(4))]
+
+
+@pytest.mark.parametrize("make,name,expected", [
+    (lambda: torch.optim.AdamW(params(), lr=1e-3), "adamw",
+     dict(density=0.10, segment_size=512, wire_dtype="int8", basis="dct", output="sign")),
+    (lambda: torch.optim.Adam(params(), lr=1e-3), "adamw",
+     dict(density=0.10, segment_size=512, wire_dtype="int8", basis="dct", output="sign")),
+    (lambda: torch.optim.SGD(params(), lr=0.1, momentum=0.9), "sgd",
+     dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150,
+          momentum=0.9)),
+    (lambda: torch.optim.SGD(params(), lr=0.1, momentum=0.5), "sgd",
+     dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150,
+          momentum=0.5)),
+    (lambda: torch.optim.SGD(params(), lr=0.1), "sgd",
+     dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150)),
+])
+def test_recipe_for_each_supported_optimizer(make, name, expected):
+    recipe = recipe_for(make())
+    assert recipe == Recipe(name, expected)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.optim.RMSprop(params()),
+    lambda: torch.optim.Adagrad(params()),
+    lambda: torch.optim.LBFGS(params()),
+])
+def test_recipe_for_other_optimizers_names_what_is_supported(make):
+    with pytest.raises(TypeError, match=r"AdamW.*SGD.*SegmentSparseState"):
+        recipe_for(make())
+
+
+@pytest.mark.parametrize("optimizer", [object(), None, "adamw"])
+def test_recipe_for_a_non_optimizer_says_what_it_needs(optimizer):
+    with pytest.raises(TypeError, match=r"optimizer must be a torch.optim.Optimizer"):
+        recipe_for(optimizer)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(MIN_RATIO, MAX_RATIO))
+def test_ratio_knob_round_trips_through_the_density(ratio):
+    density = density_for_ratio(ratio)
+    assert 0.0 < density <= 1.0
+    recipe = Recipe("adamw", dict(density=density))
+    assert math.isclose(recipe.nominal_ratio, ratio, rel_tol=1e-9) or density == 1.0
+    if ratio < MAX_RATIO / 1.1:
+        assert density_for_ratio(ratio * 1.1) < density  # harder: fewer values sent
+
+
+@pytest.mark.parametrize("ratio", [0, 3.99, 256.5, float("inf"), float("nan"), "32", True, None])
+def test_ratio_out_of_range_is_refused(ratio):
+    if ratio is None:
+        assert recipe_for(torch.optim.AdamW(params())).settings["density"] == 0.10
+        return
+    with pytest.raises(ValueError, match=r"ratio must be a number in \[4.0, 256.0\]"):
+        density_for_ratio(ratio)
+
+
+def test_bad_calls_raise_clear_errors_and_change_nothing():
+    results = run_ranks(2, compress_workers.bad_calls)
+    expected = {
+        "not DDP": ("TypeError", "needs a torch.nn.parallel.DistributedDataParallel model"),
+        "foreign parameters": ("ValueError", "1 parameter\\(s\\) that are not the DDP model's"),
+        "unsupported optimizer": ("TypeError", "no recipe for RMSprop; supported: torch.optim.AdamW"),
+        "ratio too small": ("ValueError", "ratio must be a number in"),
+        "ratio too large": ("ValueError", "ratio must be a number in"),
+        "ratio not a number": ("ValueError", "ratio must be a number in"),
+        "ratio nan": ("ValueError", "ratio must be a number in"),
+        "adam coupled decay": ("ValueError", "Use AdamW"),
+        "sgd nesterov": ("ValueError", "Nesterov"),
+        "sgd dampening": ("ValueError", "dampening 0.5"),
+        "sgd momenta differ": ("ValueError", r"one momentum.*\[0.5, 0.9\]"),
+        "second call": ("ValueError", "already has a communication hook"),
+    }
+    for rank_results in results:
+        assert set(rank_results) == set(expected)
+        for name, (kind, pattern) in expected.items():
+            got_kind, message, untouched = rank_results[name]
+            assert got_kind == kind, (name, message)
+            assert re.search(pattern, message), (name, message)
+            assert untouched, name
+
+
+@pytest.mark.parametrize("model,optimizer,ratio,expected", [
+    ("attention", "sgd", None, ["SGD recipe ended 6-10% above dense"]),
+    ("attention", "adamw", None, []),
+    ("mlp", "sgd", None, []),
+    ("mlp", "adamw", 64, ["measured up to 40x"]),
+    ("mlp", "adamw", 32, []),
+])
+def test_call_warns_where_the_recipes_do_not_hold(model, optimizer, ratio, expected):
+    messages = run_ranks(2, compress_workers.call_warnings, model, optimizer, ratio)[0]
+    assert len(messages) == len(expected), messages
+    for message, part in zip(messages, expected):
+        assert part in message
+
+
+# The recipes as the lower-level API writes them (docs/recipes.md).
+WRITTEN_OUT = {
+    "adamw": dict(density=0.10, segment_size=512, wire_dtype="int8", basis="dct", output="sign"),
+    "sgd": dict(density=0.08, segment_size=512, wire_dtype="int8", momentum=0.9,
+                min_segments_per_bucket=150),
+}
+RUN = dict(model="mlp", hidden=256, epochs=1, max_steps=6, global_batch=64, workers=2)
+
+
+@pytest.mark.parametrize("optimizer,lr", [("adamw", 1e-3), ("sgd", 0.05)])
+def test_one_call_trains_bitwise_as_the_recipe_written_out(optimizer, lr):
+    """hook="recipe" (``compress`` on the lab's DDP model and dense optimizer) against the
+    state built by hand with the recipe's settings and ``prepare_optimizer``: the recipe rows
+    of benchmarks/bench_convergence.py run the former."""
+    common = dict(RUN, optimizer=optimizer, lr=lr, momentum=0.9, weight_decay=0.01)
+    one_call = run_training(TrainConfig(hook="recipe", **common))
+    by_hand = run_training(TrainConfig(hook="sparse", hook_settings=WRITTEN_OUT[optimizer],
+                                       prepare_optimizer=True, **common))
+    assert one_call["steps"] == by_hand["steps"] == 6
+    np.testing.assert_array_equal(one_call["final_parameters"], by_hand["final_parameters"])
+    assert one_call["bytes_total"] == by_hand["bytes_total"]
+    assert one_call["hook_stats"]["compression_ratio"] > 25  # it compressed
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("ratio", [8, 24])
+def test_ratio_knob_reaches_about_the_asked_compression(optimizer, ratio):
+    """On the 85K-parameter MLP the achieved ratio after the warm-up is the asked one within
+    20% (measured: 6.9x for 8x with AdamW, whose DCT segments pad this small bucket's last
+    group of blocks; SGD within 5%)."""
+    record = run_training(TrainConfig(hook="recipe", hook_settings=dict(ratio=ratio),
+                                      optimizer=optimizer, lr=1e-3 if optimizer == "adamw" else 0.05,
+                                      **dict(RUN, max_steps=4)))
+    achieved = record["hook_stats"]["compression_ratio"]
+    assert abs(achieved / ratio - 1) < 0.20, achieved
