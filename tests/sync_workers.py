@@ -158,6 +158,9 @@ def checkpoint_run(rank, world_size, groups, directory, first_steps, second_step
 def stalled_group(rank, world_size):
     """Group 1 stops after its first step (it waits on a barrier that group 0 joins only after
     its error); group 0 must raise GroupFailedError within the stall timeout."""
+    # DDP's first construction imports torch._dynamo, seconds on a loaded machine: import it
+    # before the 3 s stall clock starts, so that only the stalled group stalls.
+    import torch._dynamo  # noqa: F401
     model = make_model()
     sync = GroupSync(model, Grouping(((0,), (1,))), max_staleness=1, stall_timeout_s=3.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
