@@ -1,6 +1,7 @@
 """Rank functions for the group synchronisation tests (:mod:`hetero_comm.sync`), run on real
 gloo ranks by :func:`hetero_comm.lab.launch.run_ranks`."""
 
+import dataclasses
 import os
 
 import torch
@@ -157,6 +158,9 @@ def checkpoint_run(rank, world_size, groups, directory, first_steps, second_step
 def stalled_group(rank, world_size):
     """Group 1 stops after its first step (it waits on a barrier that group 0 joins only after
     its error); group 0 must raise GroupFailedError within the stall timeout."""
+    # DDP's first construction imports torch._dynamo, seconds on a loaded machine: import it
+    # before the 3 s stall clock starts, so that only the stalled group stalls.
+    import torch._dynamo  # noqa: F401
     model = make_model()
     sync = GroupSync(model, Grouping(((0,), (1,))), max_staleness=1, stall_timeout_s=3.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -249,3 +253,45 @@ def with_dynamic_batches(rank, world_size, steps):
         reference_optimizer.step()
         reference_optimizer.zero_grad()
     return result, parameters_to_vector(reference.parameters()).detach(), sizes
+
+
+def link_messages():
+    """Group 0's messages in :func:`link_exchange`: a contribution in two parts, a flush's
+    contribution, then a close."""
+    from hetero_comm.sync.link import Message, MessageKind
+    payloads = [torch.arange(6, dtype=torch.uint8), torch.arange(10, 13, dtype=torch.uint8)]
+    for version, kind in enumerate((MessageKind.CONTRIBUTION, MessageKind.FLUSH)):
+        for part, payload in enumerate(payloads):
+            yield Message(kind, 0, version, part, (version, 0), payload + version)
+    yield Message(MessageKind.CLOSE, 0, 2, 0, (2, 0), torch.empty(0, dtype=torch.uint8))
+
+
+def link_exchange(rank, world_size):
+    """Two groups of one rank: group 0's leader sends :func:`link_messages` on a LeaderLink, then
+    (on a second link) a frame of an unknown kind. Group 1 returns what it received, in order:
+    the messages (payloads as copies), then the error the bad frame caused."""
+    from hetero_comm.sync.link import Framing, GroupFailedError, LeaderLink, Message, MessageKind
+    grouping = Grouping(((0,), (1,)))
+    links = [LeaderLink(grouping, rank, Framing(2, (6, 3)), timeout_s=30.0) for _ in range(2)]
+    close = Message(MessageKind.CLOSE, rank, 0, 0, (0, 0), torch.empty(0, dtype=torch.uint8))
+    if rank == 0:
+        *messages, last = link_messages()
+        for message in messages:
+            links[0].send(message)
+        links[0].close(last)  # returns once group 1's close is in
+        bad = torch.zeros(links[1].framing.frame_bytes(0), dtype=torch.uint8)
+        bad[:8] = torch.tensor([7], dtype=torch.int64).view(torch.uint8)
+        dist.send(bad, 1, group=links[1].process_group)
+        assert links[1].receive(timeout=30.0).kind is MessageKind.CLOSE
+        return None
+    received = []
+    while not received or received[-1].kind is not MessageKind.CLOSE:
+        message = links[0].receive(timeout=30.0)
+        received.append(dataclasses.replace(message, payload=message.payload.clone()))
+    links[0].close(close)
+    try:
+        links[1].receive(timeout=30.0)
+    except GroupFailedError as error:
+        received.append(str(error))
+    links[1].close(close)  # its receiver has stopped at the bad frame
+    return received

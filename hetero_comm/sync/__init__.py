@@ -1,5 +1,5 @@
-"""Group synchronisation across sites (CN107018184, CN111027671): synchronous data parallelism
-inside groups of similar ranks, asynchronous between the groups, stale contributions scaled down.
+"""Group synchronisation across sites: synchronous data parallelism inside groups of similar
+ranks, asynchronous between the groups, stale contributions scaled down.
 
 * :class:`Grouping`, :func:`groups_from_sites`, :func:`groups_from_speeds`: which ranks
   synchronise together, and each group's share of the samples; :func:`periods_for_speeds`:
@@ -8,6 +8,10 @@ inside groups of similar ranks, asynchronous between the groups, stale contribut
   on torch.distributed, in the background; float32, bfloat16 or int8 on the wire), the staleness
   bound and rule, the layer-wise soft deadline, flush, checkpoints;
 * :class:`VersionBook`, :func:`inverse_staleness`: versions and staleness, without transport.
+
+Inside: :mod:`.link` carries typed messages between the groups' leaders (framing, receiver
+threads), :mod:`.arrivals` holds what has arrived and the rounds' waits, :mod:`.wire` the number
+formats, :mod:`.parts` a contribution's parts and the forward clock of the layer-wise deadline.
 """
 
 from .group_sync import GroupFailedError, GroupSync

@@ -80,8 +80,7 @@ def groups_from_sites(sites: Sequence, batch_sizes: Optional[Sequence[int]] = No
 def groups_from_speeds(speeds: Sequence[float], *, num_groups: Optional[int] = None,
                        max_spread: float = 1.5,
                        batch_sizes: Optional[Sequence[int]] = None) -> Grouping:
-    r"""Group ranks of similar speed (CN107018184's first step), so that waiting inside a group
-    is cheap.
+    r"""Group ranks of similar speed, so that waiting inside a group is cheap.
 
     The ranks are sorted by speed (for example :attr:`DynamicBatchController.speeds`, samples
     per second). With ``num_groups``, the sorted list is cut at the ``num_groups - 1`` largest

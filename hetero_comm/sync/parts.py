@@ -1,5 +1,5 @@
 """Layers of a model as the parts of a contribution, and the forward time before each part:
-what the layer-wise soft deadline of :class:`~hetero_comm.sync.GroupSync` (CN111027671) needs."""
+what the layer-wise soft deadline of :class:`~hetero_comm.sync.GroupSync` needs."""
 
 import time
 from dataclasses import dataclass

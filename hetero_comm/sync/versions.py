@@ -13,8 +13,7 @@ __all__ = ["inverse_staleness", "Contribution", "VersionBook"]
 
 def inverse_staleness(staleness: int) -> float:
     r"""The default staleness rule: a contribution ``tau`` versions behind is scaled by
-    ``1 / (1 + tau)`` (CN111027671 scales stale gradients down by their staleness; this is the
-    usual form of that rule, as in staleness-aware asynchronous SGD). ``tau = 0`` keeps it whole."""
+    ``1 / (1 + tau)``, in (0, 1] for ``tau >= 0``; ``tau = 0`` keeps it whole."""
     return 1.0 / (1.0 + staleness)
 
 
