@@ -6,8 +6,7 @@ Workloads:
   topics), AdamW with linear warm-up and a cosine schedule, clipping 1.0;
 * ``digits_sgd_<lr>``: the digits MLP with SGD, momentum 0.9, at lr 0.02, 0.05 and 0.1;
 * ``cnn_sgd``: the digits CNN (13.8K parameters), SGD lr 0.05, momentum 0.9, 12 epochs (at 4
-  ranks 132 steps; at 6 the recipe fell 1.4-7 points behind there, README "SGD at large learning
-  rates").
+  ranks 132 steps; at 6 the recipe fell 1.4-7 points behind there, docs/recipes.md "Not yet").
 
 Rows ``recipe_adamw`` and ``recipe_sgd`` are the recipes as users run them: one call,
 ``hetero_comm.compress``, on the workload's DDP model and dense optimizer (rate and schedule

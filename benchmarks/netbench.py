@@ -41,13 +41,16 @@ HOOK_RUNS = [
     ("torch fp16_compress", dict(hook="fp16")),
     ("torch PowerSGD rank 1", dict(hook="powersgd", hook_settings=dict(matrix_approximation_rank=1))),
     ("torch PowerSGD rank 4", dict(hook="powersgd", hook_settings=dict(matrix_approximation_rank=4))),
+    # hetero_comm.compress on the workload's SGD (momentum 0.9): the SGD recipe.
+    ("hetero_comm.compress", dict(hook="recipe")),
     ("sparse 10%", dict(hook="sparse", hook_settings=dict(density=0.1))),
     ("sparse 1%", dict(hook="sparse", hook_settings=dict(density=0.01))),
     ("sparse 0.1%", dict(hook="sparse", hook_settings=dict(density=0.001))),
     ("dct keep 1/8, 8 bit", dict(hook="dct", hook_settings=dict(keep_ratio=0.125, bits=8))),
     ("dct keep 1/4, 16 bit", dict(hook="dct", hook_settings=dict(keep_ratio=0.25, bits=16))),
 ]
-QUICK_HOOKS = ("float32 allreduce", "torch fp16_compress", "torch PowerSGD rank 4", "sparse 1%",
+QUICK_HOOKS = ("float32 allreduce", "torch fp16_compress", "torch PowerSGD rank 4",
+               "hetero_comm.compress", "sparse 1%",
                "dct keep 1/8, 8 bit")
 WORKLOADS = {"cnn_wide": dict(model="cnn_wide", hidden=1024), "mlp": dict(model="mlp", hidden=256)}
 # Steps per step-time run: the MLP's steps take milliseconds, so more of them.

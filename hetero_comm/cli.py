@@ -19,7 +19,7 @@ import time
 from typing import Dict, List, Optional
 
 from .lab.data import DIGITS_MODELS
-from .lab.registry import HOOKS, WEIGHTED_HOOKS
+from .lab.registry import HOOKS, WEIGHTED_HOOKS, make_hook
 from .lab.throttle import cpu_quota_unavailable
 from .lab.training import BATCHING, TrainConfig, run_training
 
@@ -134,6 +134,8 @@ def demo_runs(args) -> Dict[str, TrainConfig]:
     runs more than one), each validated."""
     batchings = list(BATCHING) if args.batching == "both" else [args.batching]
     hooks = args.hooks or list(WEIGHTED_HOOKS if "dynamic" in batchings else DEFAULT_HOOKS)
+    for hook in HOOK_FLAGS:  # every hook's flags, also of hooks this run leaves out
+        make_hook(hook, _hook_settings(args, hook))
     runs = {}
     for workload, hook, batching in itertools.product(args.workloads, hooks, batchings):
         settings = dict(WORKLOADS[workload])
@@ -146,13 +148,18 @@ def demo_runs(args) -> Dict[str, TrainConfig]:
                              slow_worker_cores=args.slow_worker_cores,
                              # torch's PowerSGD on gloo: one bucket (benchmarks/NOTES.md)
                              bucket_cap_mb=64 if hook == "powersgd" else None,
-                             hook_settings={flag: getattr(args, flag) for flag in HOOK_FLAGS.get(hook, ())
-                                            if getattr(args, flag) is not None},
+                             hook_settings=_hook_settings(args, hook),
                              **settings)
         config.validate()
         parts = [(workload, len(args.workloads)), (hook, 2), (batching, len(batchings))]
         runs["/".join(part for part, count in parts if count > 1)] = config
     return runs
+
+
+def _hook_settings(args, hook: str) -> dict:
+    """The settings ``hook``'s flags give (flags left at ``None`` give none)."""
+    return {flag: getattr(args, flag) for flag in HOOK_FLAGS.get(hook, ())
+            if getattr(args, flag) is not None}
 
 
 def demo(args, runs: Dict[str, TrainConfig]) -> int:

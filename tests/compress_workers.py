@@ -78,10 +78,12 @@ def bad_calls(rank, world_size):
 
 
 def call_warnings(rank, world_size, model_kind, optimizer_kind, ratio):
-    """The warnings ``compress`` gives for a model with or without attention."""
+    """The warnings ``compress`` gives for a model with attention, normalization, or neither."""
     torch.manual_seed(0)
     if model_kind == "attention":
         module = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    elif model_kind == "groupnorm":
+        module = nn.Sequential(nn.Conv2d(1, 8, 3), nn.GroupNorm(2, 8), nn.ReLU(), nn.Flatten())
     else:
         module = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     ddp = DistributedDataParallel(module)

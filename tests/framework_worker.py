@@ -46,7 +46,7 @@ def make_hook_state(case):
 
 
 def make_optimizer(parameters, case, by_hand=False):
-    """The dense optimizer, or (``by_hand``) the README's recipe for the case's hook written
+    """The dense optimizer, or (``by_hand``) the recipe (docs/recipes.md) for the case's hook written
     out: what ``prepare_optimizer`` must turn the dense one into."""
     if case.startswith("dct_sign") or case == "compress_adamw":
         if by_hand:

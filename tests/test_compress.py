@@ -102,8 +102,10 @@ def test_bad_calls_raise_clear_errors_and_change_nothing():
 
 
 @pytest.mark.parametrize("model,optimizer,ratio,expected", [
-    ("attention", "sgd", None, ["SGD recipe ended 6-10% above dense"]),
+    ("attention", "sgd", None, ["SGD recipe fell behind dense"]),
     ("attention", "adamw", None, []),
+    ("groupnorm", "sgd", None, ["normalization or attention layers"]),
+    ("groupnorm", "adamw", None, []),
     ("mlp", "sgd", None, []),
     ("mlp", "adamw", 64, ["measured up to 40x"]),
     ("mlp", "adamw", 32, []),

@@ -1,5 +1,5 @@
-"""``state.prepare_optimizer``: a dense optimizer, prepared, steps exactly as the README's recipe
-written by hand, keeps the user's learning rate between steps (for schedulers and checkpoints),
+"""``state.prepare_optimizer``: a dense optimizer, prepared, steps exactly as the recipe
+(docs/recipes.md) written by hand, keeps the user's learning rate between steps (for schedulers and checkpoints),
 and is refused, untouched, when it does not suit the hook."""
 
 import copy
@@ -58,7 +58,7 @@ def parameters(optimizer):
     return [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
 
 
-# (state settings, dense optimizer, the README's recipe written by hand)
+# (state settings, dense optimizer, the recipe written by hand as docs/recipes.md gives it)
 RECIPES = {
     "adamw sign": (SIGN, ("AdamW", 2e-3, dict(weight_decay=0.01)),
                    ("AdamW", 3e-3, dict(weight_decay=0.01, betas=(0.0, 0.0)))),

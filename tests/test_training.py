@@ -25,7 +25,7 @@ def dense_accuracy():
     (dict(hook="sparse", hook_settings=dict(density=0.01)), 40.0, 0.01),  # the default selection
     (dict(hook="dct", hook_settings=dict(keep_ratio=0.125, bits=8)), 8.0, 0.01),
     # The lagged selection trains (as first written it sat at chance level), but not to
-    # within one point: see the README's table.
+    # within one point: see docs/recipes.md.
     (dict(hook="sparse", hook_settings=dict(density=0.01, selection="lagged")), 40.0, 0.03),
 ])
 def test_compressed_hooks_reach_dense_accuracy(dense_accuracy, overrides, min_compression,
@@ -72,6 +72,8 @@ def test_demo_default_hooks_on_two_workloads(tmp_path, capsys):
     (["--bits", "12"], "invalid choice"),
     (["--ratio", "2"], "ratio must be a number in [4.0, 256.0]; got 2.0"),
     (["--powersgd-rank", "x"], "expected an integer"),
+    (["--powersgd-rank", "0"], "matrix_approximation_rank must be an integer >= 1; got 0"),
+    (["--hooks", "dense", "--density", "0"], "density must be a number in (0.0, 1.0]; got 0.0"),
     (["--lr", "-1"], "lr must be a number in (0.0, inf]; got -1.0"),
     (["--batching", "dynamic", "--hooks", "dense,fp16"], "'fp16' averages them equally: drop it"),
     (["--batching", "sometimes"], "invalid choice"),
@@ -148,7 +150,7 @@ SGD_RECIPE = dict(hook="sparse", prepare_optimizer=True, momentum=0.9,
 def test_dynamic_batches_train_the_same_model_as_equal_batches(options, epochs):
     """Whatever split the measured speeds give, the weighted gradient is the global batch's:
     with dense allreduce dynamic batching ends where equal batching does (up to float
-    rounding of the sums); the sparse hook (1%), and the README's SGD recipe (its int8 wire,
+    rounding of the sums); the sparse hook (1%), and the SGD recipe (its int8 wire,
     the CNN's bucket cut into 150 segments or more, the optimizer prepared), whose segment
     choice can flip on such rounding, reach the same accuracy. The recipe runs 6 epochs: after
     3 the CNN is at about 77%, where runs that differ only in rounding spread by more than the

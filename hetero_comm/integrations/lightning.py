@@ -36,7 +36,7 @@ class HeteroCommCallback(Callback):
 
     ``prepare_optimizers=True`` hands every optimizer to ``state.prepare_optimizer`` at the
     start of ``fit``, so ``configure_optimizers`` keeps the dense learning rate and schedule
-    (the README's recipes); otherwise each is only checked (``state.check_optimizer``, which
+    (the recipes of docs/recipes.md); otherwise each is only checked (``state.check_optimizer``, which
     warns if it does not suit the hook).
 
     Example::

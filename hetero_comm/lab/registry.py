@@ -4,7 +4,7 @@ its state, and whether it can weight ranks unequally."""
 import dataclasses
 from typing import Callable, Dict, Optional, Tuple
 
-from .._checks import check_choice
+from .._checks import check_choice, check_int
 from ..recipes import density_for_ratio
 from ..hooks import (AllreduceState, DCTQuantState, HookState, SegmentSparseState,
                      allreduce_hook, dct_quant_hook, segment_sparse_hook)
@@ -58,6 +58,8 @@ def _torch_hooks() -> Tuple[HookSpec, ...]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     def powersgd_state(**settings):
+        if "matrix_approximation_rank" in settings:  # torch's state does not check it
+            check_int("matrix_approximation_rank", settings["matrix_approximation_rank"], 1)
         return powerSGD_hook.PowerSGDState(process_group=None, **settings)
 
     return (HookSpec("fp16", "torch fp16_compress_hook", default_hooks.fp16_compress_hook,
