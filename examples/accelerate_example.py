@@ -34,7 +34,7 @@ def main():
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)
     state = compress(accelerator, model, optimizer)
-    target = torch.randn(64, 8, generator=torch.Generator().manual_seed(7))
+    target = torch.randn(64, 8, generator=torch.Generator().manual_seed(7)) / 8  # unit-variance targets
     rank = accelerator.process_index
     for step in range(args.steps):
         generator = torch.Generator().manual_seed(1000 * step + rank)

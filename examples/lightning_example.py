@@ -41,7 +41,7 @@ class Regression(pl.LightningModule):
 def fit(optimizer, epochs, ckpt_path=None):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(1024, 64, generator=generator)
-    data = TensorDataset(x, x @ torch.randn(64, 8, generator=generator))
+    data = TensorDataset(x, x @ torch.randn(64, 8, generator=generator) / 8)  # unit-variance targets
     callback = CompressCallback()
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=epochs,
                          callbacks=[callback], logger=False, enable_checkpointing=False,

@@ -28,7 +28,7 @@ def make_optimizer(name, parameters):
 
 def train(ddp, optimizer, steps, first, rank):
     teacher = torch.Generator().manual_seed(7)
-    target = torch.randn(64, 8, generator=teacher)  # a fixed linear map to learn
+    target = torch.randn(64, 8, generator=teacher) / 8  # a fixed linear map, unit-variance targets
     for step in range(first, first + steps):
         generator = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(32, 64, generator=generator)
