@@ -6,8 +6,9 @@ byte-level GRU language model on the transformer's text (``gru``), with AdamW an
 Each case trains the model twice from the same seed: dense allreduce, and the recipe for its
 optimizer as a user would run it (the dense optimizer, rate and schedule, handed to the hook
 state's ``prepare_optimizer``). The global batch grows with the ranks (the same per-rank
-batch). The digits run at a constant rate; the text at a warm-up, a cosine schedule and
-clipping 1.0 (as ``bench_convergence.py``'s transformer). One seed per case.
+batch). The ResNet (38K parameters) trains 20 epochs at a constant rate; the GRU (165K
+parameters) 4 epochs with a warm-up of 30 steps, a cosine schedule and clipping 1.0 (as
+``bench_convergence.py``'s transformer). One seed per case.
 
 Prints one table: final validation loss and accuracy of both, the recipe's loss gap (%) and
 accuracy gap (points) to dense, its compression (dense bytes per step / bytes per step), and
@@ -48,7 +49,7 @@ OPTIMIZERS = {  # the dense optimizer's settings, as the user has them
 # Per model: its workload at 2 ranks (global_batch scales with the ranks) and its default rates.
 MODELS = {
     "resnet": dict(model="resnet", hidden=256, epochs=20, global_batch=64),  # 38K parameters
-    "gru": dict(model="gru", hidden=128, epochs=2, global_batch=32, lr_warmup_steps=30,
+    "gru": dict(model="gru", hidden=128, epochs=4, global_batch=32, lr_warmup_steps=30,
                 lr_schedule="cosine", clip_norm=1.0),  # 165K parameters
 }
 LRS = {
@@ -118,7 +119,8 @@ def judge(dense: dict, recipe: dict) -> Dict[str, object]:
 
 
 def key(case: dict) -> tuple:
-    return case["model"], case["optimizer"], float(case["lr"]), int(case["ranks"])
+    return (case["model"], case["optimizer"], float(case["lr"]), int(case["ranks"]),
+            int(case["options"]["epochs"]))
 
 
 def cell(run: dict) -> str:
@@ -128,16 +130,17 @@ def cell(run: dict) -> str:
 
 
 def table(cases: List[dict]) -> str:
-    lines = ["| model | optimizer | lr | ranks | dense val loss | dense val acc | recipe val loss | "
+    lines = ["| model | optimizer | lr | ranks | epochs | dense val loss | dense val acc | recipe val loss | "
              "recipe val acc | loss gap % | acc gap, points | compression | verdict | wall s (dense, recipe) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in sorted(cases, key=key):
         dense, recipe = c["dense"], c["recipe_run"]
         c = dict(c, **judge(dense, recipe))  # by this script's thresholds, not the file's
         gaps = ("|" if c["loss_gap_percent"] is None else
                 f"{c['loss_gap_percent']:+.1f} | {c['accuracy_gap_points']:+.1f}")
         compression = "" if recipe["diverged"] else f"{recipe['compression']:.1f}x"
-        lines.append(f"| {c['model']} | {c['optimizer']} | {c['lr']:g} | {c['ranks']} | {cell(dense)} | "
+        lines.append(f"| {c['model']} | {c['optimizer']} | {c['lr']:g} | {c['ranks']} | {c['options']['epochs']} | "
+                     f"{cell(dense)} | "
                      f"{cell(recipe)} | {gaps} | {compression} | {c['verdict']} | "
                      f"{dense['wall_seconds']:.0f}, {recipe['wall_seconds']:.0f} |")
     return "\n".join(lines)
@@ -184,7 +187,8 @@ def main() -> int:
             lrs = [float(lr) for lr in args.lrs.split(",")] if args.lrs else LRS[model, optimizer]
             for lr in lrs:
                 for ranks in (int(r) for r in args.ranks.split(",")):
-                    if (model, optimizer, float(lr), ranks) in done:
+                    epochs = 1 if args.quick else args.epochs or MODELS[model]["epochs"]
+                    if (model, optimizer, float(lr), ranks, epochs) in done:
                         print(f"  kept: {model}, {optimizer}, lr {lr:g}, {ranks} ranks", file=sys.stderr)
                         continue
                     case = run_case(model, optimizer, lr, ranks, args.epochs, args.quick)
