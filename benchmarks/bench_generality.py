@@ -20,6 +20,7 @@ sweep can be run in parts and the table printed over all of them (``--fresh`` ig
 
 Usage: python benchmarks/bench_generality.py [--models resnet,gru] [--optimizers adamw,sgd]
        [--lrs 1e-3,3e-3] [--ranks 2,4] [--epochs N] [--json PATH] [--fresh] [--quick]
+       python benchmarks/bench_generality.py --json PATH --table   (the table only)
 """
 
 import argparse
@@ -169,6 +170,7 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="records of every case (read first, then extended)")
     parser.add_argument("--fresh", action="store_true", help="ignore cases already in --json")
     parser.add_argument("--quick", action="store_true", help="10 steps per run (a smoke test)")
+    parser.add_argument("--table", action="store_true", help="run nothing: the table of --json's cases")
     args = parser.parse_args()
     for name, chosen, known in (("models", args.models, MODELS), ("optimizers", args.optimizers, OPTIMIZERS)):
         unknown = set(chosen.split(",")) - set(known)
@@ -179,10 +181,12 @@ def main() -> int:
         with open(args.json) as f:
             cases = json.load(f)
     done = {key(c) for c in cases}
+    if args.table and not cases:
+        parser.error("--table needs --json with cases in it")
     print("python " + " ".join(sys.argv))
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; CPU: {cpu_model()}; "
           f"{os.cpu_count()} logical CPUs", flush=True)
-    for model in args.models.split(","):
+    for model in [] if args.table else args.models.split(","):
         for optimizer in args.optimizers.split(","):
             lrs = [float(lr) for lr in args.lrs.split(",")] if args.lrs else LRS[model, optimizer]
             for lr in lrs:
@@ -200,10 +204,12 @@ def main() -> int:
                         with open(args.json, "w") as f:
                             json.dump(cases, f, indent=1)
     measured = sorted({c["date"][:16] for c in cases})
+    if args.table:
+        print("cases measured by: " + "; ".join(dict.fromkeys(c["command"] for c in cases)))
     if measured:
         print(f"cases measured {measured[0]} .. {measured[-1]} UTC, one seed each; ok = within "
               f"{MAX_LOSS_GAP_PERCENT:g}% loss and {MAX_ACCURACY_DROP_POINTS:g} point accuracy of "
-              f"dense at >= {MIN_COMPRESSION:g}x")
+              f"dense at >= {MIN_COMPRESSION:g}x (a recipe below dense loss or above its accuracy is within)")
     print(table(cases))
     return 0
 
