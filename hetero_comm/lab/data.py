@@ -1,27 +1,30 @@
 """The workloads the demo, benchmarks and tests train: the digits data set (scikit-learn's:
-1,797 8x8 images, 10 classes, shipped with the package) with small MLPs and CNNs, and bytes of
-real text with a small transformer (:mod:`~hetero_comm.lab.text`). Nothing is downloaded."""
+1,797 8x8 images, 10 classes, shipped with the package) with small MLPs, CNNs and a residual
+CNN, and bytes of real text with a small transformer or a GRU (:mod:`~hetero_comm.lab.text`).
+Nothing is downloaded."""
 
 from typing import Tuple
 
 import torch
 import torch.nn as nn
 
-from .text import TinyGPT, load_text_split
+from .text import TEXT_MODELS, load_text_split
 
-__all__ = ["MODELS", "DIGITS_MODELS", "load_digits_split", "make_model", "make_workload"]
+__all__ = ["MODELS", "DIGITS_MODELS", "DigitsResNet", "load_digits_split", "make_model", "make_workload"]
 
-DIGITS_MODELS = ("mlp", "cnn", "cnn_wide")
-MODELS = DIGITS_MODELS + ("gpt",)  # gpt: the text workload
+DIGITS_MODELS = ("mlp", "cnn", "cnn_wide", "resnet")
+MODELS = DIGITS_MODELS + tuple(TEXT_MODELS)  # the text workload's models
 
 
 def make_workload(model: str, hidden: int, seed: int, dropout: float = 0.0):
     """``(x_train, y_train, x_test, y_test, module)`` for ``model``: the digits for the digit
-    models, text windows for ``"gpt"`` (``hidden`` is its width). Targets are class or byte
-    indices: the loss is the cross-entropy of the logits' last dimension either way.
-    ``dropout``: see :func:`make_model`."""
-    if model == "gpt":
-        return (*load_text_split(), TinyGPT(width=hidden))
+    models, text windows for the text models (``"gpt"``, ``"gru"``: ``hidden`` is their
+    width). Targets are class or byte indices: the loss is the cross-entropy of the logits'
+    last dimension either way. ``dropout``: see :func:`make_model`."""
+    if model in TEXT_MODELS:
+        if dropout:
+            raise ValueError(f"dropout is for the 'mlp' model; got model={model!r}")
+        return (*load_text_split(), TEXT_MODELS[model](width=hidden))
     return (*load_digits_split(seed), make_model(hidden, model, dropout))
 
 
@@ -47,7 +50,8 @@ def make_model(hidden: int = 256, kind: str = "mlp", dropout: float = 0.0) -> nn
     and a linear classifier; many more operations per parameter, so its steps are bound by
     compute, not by the gradient exchange. ``"cnn_wide"``: two 3x3 convolutions (32, 64
     channels) and a fully connected layer of ``hidden`` units (4.2M parameters at 1024, nearly
-    all in that layer), for slow links, where its steps are bound by the gradient exchange."""
+    all in that layer), for slow links, where its steps are bound by the gradient exchange.
+    ``"resnet"``: :class:`DigitsResNet` with ``width=hidden // 16`` (38K parameters at 256)."""
     if dropout and kind != "mlp":
         raise ValueError(f"dropout is for the 'mlp' model; got kind={kind!r}")
     if kind == "mlp":
@@ -67,4 +71,51 @@ def make_model(hidden: int = 256, kind: str = "mlp", dropout: float = 0.0) -> nn
                              nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(),
                              nn.Conv2d(c2, c2, 3, padding=1), nn.ReLU(),
                              nn.Flatten(), nn.Linear(c2 * 64, 10))
+    if kind == "resnet":
+        return DigitsResNet(width=max(1, hidden // 16))
     raise ValueError(f"kind must be one of {DIGITS_MODELS}; got {kind!r}")
+
+
+def _norm(channels: int) -> nn.GroupNorm:
+    # GroupNorm, not BatchNorm: no running statistics, so DDP has no buffers to broadcast and
+    # every byte counted is the gradient's.
+    return nn.GroupNorm(4 if channels % 4 == 0 else 1, channels)
+
+
+class ResidualBlock(nn.Module):
+    """Two 3x3 convolutions, each normalised, added to the input (through a strided 1x1
+    convolution when the block changes the channels or the resolution), then ReLU."""
+
+    def __init__(self, channels_in: int, channels_out: int, stride: int = 1) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(channels_in, channels_out, 3, stride=stride, padding=1, bias=False),
+            _norm(channels_out), nn.ReLU(),
+            nn.Conv2d(channels_out, channels_out, 3, padding=1, bias=False), _norm(channels_out))
+        self.shortcut = nn.Identity()
+        if stride != 1 or channels_in != channels_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(channels_in, channels_out, 1, stride=stride, bias=False),
+                _norm(channels_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+class DigitsResNet(nn.Module):
+    """A small residual CNN on the 8x8 digits: a 3x3 stem of ``width`` channels, a residual
+    block at 8x8, one to ``2 * width`` channels at 4x4 and another there, global average
+    pooling and a linear classifier (38K parameters at width 16). Takes the flat 64 pixels."""
+
+    def __init__(self, width: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, width, 3, padding=1, bias=False), _norm(width),
+                                  nn.ReLU())
+        self.blocks = nn.Sequential(ResidualBlock(width, width),
+                                    ResidualBlock(width, 2 * width, stride=2),
+                                    ResidualBlock(2 * width, 2 * width))
+        self.head = nn.Linear(2 * width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(self.stem(x.view(-1, 1, 8, 8)))
+        return self.head(h.mean(dim=(2, 3)))

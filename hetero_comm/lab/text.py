@@ -1,13 +1,14 @@
 """A byte-level language-model workload on real English text that ships with Python itself:
 the reference topics of the ``pydoc`` help system (``pydoc_data.topics``, about 470 KB), so
-nothing is downloaded. The model is a small causal transformer (GPT-style, pre-norm)."""
+nothing is downloaded. The models: a small causal transformer (GPT-style, pre-norm) and a GRU
+(:data:`TEXT_MODELS`)."""
 
-from typing import Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 import torch.nn as nn
 
-__all__ = ["load_text_split", "TinyGPT"]
+__all__ = ["load_text_split", "TinyGPT", "GRULanguageModel", "TEXT_MODELS"]
 
 VOCAB = 256  # bytes
 
@@ -60,3 +61,23 @@ class TinyGPT(nn.Module):
         h = self.embed(tokens) + self.position[:length]
         h = self.blocks(h, mask=self.causal[:length, :length], is_causal=True)
         return self.norm(h) @ self.embed.weight.t()
+
+
+class GRULanguageModel(nn.Module):
+    """Recurrent byte-level language model: ``width``-wide byte embeddings, ``layers`` layers
+    of :class:`torch.nn.GRU` of ``width`` units, and a linear layer to the 256 bytes' logits.
+    Returns logits [batch, context, 256]."""
+
+    def __init__(self, width: int = 128, layers: int = 1) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.rnn = nn.GRU(width, width, layers, batch_first=True)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h, _ = self.rnn(self.embed(tokens))
+        return self.head(h)
+
+
+# The text workload's models by name, each built from its width.
+TEXT_MODELS: Dict[str, Callable[..., nn.Module]] = {"gpt": TinyGPT, "gru": GRULanguageModel}

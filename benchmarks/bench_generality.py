@@ -1,0 +1,218 @@
+"""Do the recipes hold on models they were not tuned on? Dense against the one-call recipe
+(issue 34, "Proof: Generality") on a small residual CNN on the digits (``resnet``) and a
+byte-level GRU language model on the transformer's text (``gru``), with AdamW and with SGD
+(momentum 0.9), at several learning rates and at 2 and 4 gloo ranks.
+
+Each case trains the model twice from the same seed: dense allreduce, and the recipe for its
+optimizer as a user would run it (the dense optimizer, rate and schedule, handed to the hook
+state's ``prepare_optimizer``). The global batch grows with the ranks (the same per-rank
+batch). The ResNet (38K parameters) trains 20 epochs at a constant rate; the GRU (165K
+parameters) 4 epochs with a warm-up of 30 steps, a cosine schedule and clipping 1.0 (as
+``bench_convergence.py``'s transformer). One seed per case.
+
+Prints one table: final validation loss and accuracy of both, the recipe's loss gap (%) and
+accuracy gap (points) to dense, its compression (dense bytes per step / bytes per step), and
+a verdict: "ok" within 2% loss and 1 point accuracy of dense at 25x or more, else "not yet"
+with what it missed.
+
+``--json PATH`` keeps every case's record; cases already in that file are not run again, so a
+sweep can be run in parts and the table printed over all of them (``--fresh`` ignores the file).
+
+Usage: python benchmarks/bench_generality.py [--models resnet,gru] [--optimizers adamw,sgd]
+       [--lrs 1e-3,3e-3] [--ranks 2,4] [--epochs N] [--json PATH] [--fresh] [--quick]
+       python benchmarks/bench_generality.py --json PATH --table   (the table only)
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Dict, List, Optional
+
+from hetero_comm.lab.training import TrainConfig, run_training
+
+# hetero_comm.compress's recipes, by optimizer: the hook settings the one call picks (run with
+# TrainConfig(hook="sparse", hook_settings=..., prepare_optimizer=True)). To be replaced by the
+# call itself.
+RECIPES = {
+    "adamw": dict(density=0.10, basis="dct", output="sign", wire_dtype="int8", segment_size=512),
+    "sgd": dict(density=0.08, momentum=0.9, wire_dtype="int8", segment_size=512,
+                min_segments_per_bucket=150),
+}
+OPTIMIZERS = {  # the dense optimizer's settings, as the user has them
+    "adamw": dict(optimizer="adamw", weight_decay=0.01),
+    "sgd": dict(optimizer="sgd", momentum=0.9),
+}
+# Per model: its workload at 2 ranks (global_batch scales with the ranks) and its default rates.
+MODELS = {
+    "resnet": dict(model="resnet", hidden=256, epochs=20, global_batch=64),  # 38K parameters
+    "gru": dict(model="gru", hidden=128, epochs=4, global_batch=32, lr_warmup_steps=30,
+                lr_schedule="cosine", clip_norm=1.0),  # 165K parameters
+}
+LRS = {
+    ("resnet", "adamw"): (1e-3, 3e-3, 1e-2),
+    ("resnet", "sgd"): (0.02, 0.05, 0.1),
+    ("gru", "adamw"): (1e-3, 3e-3, 1e-2),
+    ("gru", "sgd"): (0.3, 1.0, 3.0),
+}
+MAX_LOSS_GAP_PERCENT = 2.0
+MAX_ACCURACY_DROP_POINTS = 1.0
+MIN_COMPRESSION = 25.0
+
+
+def train(options: dict, recipe: Optional[dict]) -> dict:
+    """One run: dense when ``recipe`` is None. A run whose gradient or final loss is not finite
+    is recorded as diverged."""
+    config = TrainConfig(**options) if recipe is None else TrainConfig(
+        hook="sparse", hook_settings=recipe, prepare_optimizer=True, **options)
+    began = time.perf_counter()
+    try:
+        record = run_training(config, timeout=3600)
+    except RuntimeError as error:  # the sparse hook refuses a non-finite gradient
+        if "non-finite" not in str(error):
+            raise
+        return dict(diverged=True, error=str(error).splitlines()[0],
+                    wall_seconds=time.perf_counter() - began)
+    loss = record["epochs"]["test_loss"][-1]
+    return dict(diverged=not math.isfinite(loss), loss=loss, accuracy=record["final_accuracy"],
+                steps=record["steps"], bytes_per_step=record["bytes_per_step"],
+                dense_bytes_per_step=record["dense_bytes_per_step"],
+                compression=record["dense_bytes_per_step"] / record["bytes_per_step"],
+                ranks_identical=record["ranks_identical"], curve=record["epochs"],
+                wall_seconds=time.perf_counter() - began)
+
+
+def run_case(model: str, optimizer: str, lr: float, ranks: int, epochs: Optional[int],
+             quick: bool) -> dict:
+    options = dict(MODELS[model], **OPTIMIZERS[optimizer], lr=lr, workers=ranks)
+    options["global_batch"] = options["global_batch"] // 2 * ranks
+    if epochs is not None:
+        options["epochs"] = epochs
+    if quick:
+        options.update(epochs=1, max_steps=10, lr_warmup_steps=0)
+    case = dict(model=model, optimizer=optimizer, lr=lr, ranks=ranks, options=options,
+                recipe=RECIPES[optimizer], command="python " + " ".join(sys.argv),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    case["dense"] = train(options, None)
+    case["recipe_run"] = train(options, RECIPES[optimizer])
+    case.update(judge(case["dense"], case["recipe_run"]))
+    return case
+
+
+def judge(dense: dict, recipe: dict) -> Dict[str, object]:
+    if dense["diverged"] or recipe["diverged"]:
+        which = " and ".join(name for name, run in (("dense", dense), ("recipe", recipe))
+                             if run["diverged"])
+        return dict(loss_gap_percent=None, accuracy_gap_points=None,
+                    verdict=f"not yet ({which} diverged)")
+    loss_gap = 100 * (recipe["loss"] / dense["loss"] - 1)
+    accuracy_gap = 100 * (recipe["accuracy"] - dense["accuracy"])
+    misses = [what for what, missed in (("loss", loss_gap > MAX_LOSS_GAP_PERCENT),
+                                        ("accuracy", accuracy_gap < -MAX_ACCURACY_DROP_POINTS),
+                                        ("compression", recipe["compression"] < MIN_COMPRESSION))
+              if missed]
+    return dict(loss_gap_percent=loss_gap, accuracy_gap_points=accuracy_gap,
+                verdict=f"not yet ({', '.join(misses)})" if misses else "ok")
+
+
+def key(case: dict) -> tuple:
+    return (case["model"], case["optimizer"], float(case["lr"]), int(case["ranks"]),
+            int(case["options"]["epochs"]))
+
+
+def cell(run: dict) -> str:
+    if run["diverged"]:
+        return "diverged | "
+    return f"{run['loss']:.3f} | {100 * run['accuracy']:.1f}%"
+
+
+def table(cases: List[dict]) -> str:
+    lines = ["| model | optimizer | lr | ranks | epochs | dense val loss | dense val acc | recipe val loss | "
+             "recipe val acc | loss gap % | acc gap, points | compression | verdict | wall s (dense, recipe) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in sorted(cases, key=key):
+        dense, recipe = c["dense"], c["recipe_run"]
+        c = dict(c, **judge(dense, recipe))  # by this script's thresholds, not the file's
+        gaps = ("|" if c["loss_gap_percent"] is None else
+                f"{c['loss_gap_percent']:+.1f} | {c['accuracy_gap_points']:+.1f}")
+        compression = "" if recipe["diverged"] else f"{recipe['compression']:.1f}x"
+        lines.append(f"| {c['model']} | {c['optimizer']} | {c['lr']:g} | {c['ranks']} | {c['options']['epochs']} | "
+                     f"{cell(dense)} | "
+                     f"{cell(recipe)} | {gaps} | {compression} | {c['verdict']} | "
+                     f"{dense['wall_seconds']:.0f}, {recipe['wall_seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS), help=f"of: {', '.join(MODELS)}")
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help=f"of: {', '.join(OPTIMIZERS)}")
+    parser.add_argument("--lrs", default=None,
+                        help="comma-separated learning rates for every model and optimizer "
+                             "(default: LRS, per model and optimizer)")
+    parser.add_argument("--ranks", default="2")
+    parser.add_argument("--epochs", type=int, default=None, help="override every model's epochs")
+    parser.add_argument("--json", default=None, help="records of every case (read first, then extended)")
+    parser.add_argument("--fresh", action="store_true", help="ignore cases already in --json")
+    parser.add_argument("--quick", action="store_true", help="10 steps per run (a smoke test)")
+    parser.add_argument("--table", action="store_true", help="run nothing: the table of --json's cases")
+    args = parser.parse_args()
+    for name, chosen, known in (("models", args.models, MODELS), ("optimizers", args.optimizers, OPTIMIZERS)):
+        unknown = set(chosen.split(",")) - set(known)
+        if unknown:
+            parser.error(f"--{name}: unknown {', '.join(sorted(unknown))}; known: {', '.join(known)}")
+    cases: List[dict] = []
+    if args.json and os.path.exists(args.json) and not args.fresh:
+        with open(args.json) as f:
+            cases = json.load(f)
+    done = {key(c) for c in cases}
+    if args.table and not cases:
+        parser.error("--table needs --json with cases in it")
+    print("python " + " ".join(sys.argv))
+    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; CPU: {cpu_model()}; "
+          f"{os.cpu_count()} logical CPUs", flush=True)
+    for model in [] if args.table else args.models.split(","):
+        for optimizer in args.optimizers.split(","):
+            lrs = [float(lr) for lr in args.lrs.split(",")] if args.lrs else LRS[model, optimizer]
+            for lr in lrs:
+                for ranks in (int(r) for r in args.ranks.split(",")):
+                    epochs = 1 if args.quick else args.epochs or MODELS[model]["epochs"]
+                    if (model, optimizer, float(lr), ranks, epochs) in done:
+                        print(f"  kept: {model}, {optimizer}, lr {lr:g}, {ranks} ranks", file=sys.stderr)
+                        continue
+                    case = run_case(model, optimizer, lr, ranks, args.epochs, args.quick)
+                    cases.append(case)
+                    print(f"  done: {model}, {optimizer}, lr {lr:g}, {ranks} ranks: {case['verdict']} "
+                          f"({case['dense']['wall_seconds']:.0f} s + {case['recipe_run']['wall_seconds']:.0f} s)",
+                          file=sys.stderr, flush=True)
+                    if args.json:  # after every case: a sweep cut short keeps what it measured
+                        with open(args.json, "w") as f:
+                            json.dump(cases, f, indent=1)
+    measured = sorted({c["date"][:16] for c in cases})
+    if args.table:
+        print("cases measured by: " + "; ".join(dict.fromkeys(c["command"] for c in cases)))
+    if measured:
+        print(f"cases measured {measured[0]} .. {measured[-1]} UTC, one seed each; ok = within "
+              f"{MAX_LOSS_GAP_PERCENT:g}% loss and {MAX_ACCURACY_DROP_POINTS:g} point accuracy of "
+              f"dense at >= {MIN_COMPRESSION:g}x (a recipe below dense loss or above its accuracy is within)")
+    print(table(cases))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
