@@ -192,20 +192,20 @@ def _warn_where_unmeasured(ddp_model: DistributedDataParallel, recipe: Recipe,
         warnings.warn(f"hetero_comm.compress(ratio={ratio}): the recipes were measured up to "
                       f"{MEASURED_RATIO:.0f}x; expect a larger gap to dense training beyond it",
                       UserWarning, stacklevel=3)
-    if recipe.name == "sgd" and _has_normalization_or_attention(ddp_model.module):
-        warnings.warn("hetero_comm.compress: the SGD recipe fell behind dense training on the "
-                      "measured models with normalization or attention layers (a transformer: "
-                      "+6.4% validation loss; a residual CNN with GroupNorm: up to 4.7 points of "
-                      "accuracy at 2 ranks and 16.7 at 4; docs/recipes.md, 'Not yet'), while it "
-                      "held on an MLP and a CNN without them: with such layers, prefer AdamW "
-                      "(its recipe held on them), or compare with a dense run",
+    if recipe.name == "sgd" and _has_layers_the_sgd_recipe_failed_on(ddp_model.module):
+        warnings.warn("hetero_comm.compress: the SGD recipe fell behind dense training on every "
+                      "measured model with normalization, attention or recurrent layers (a "
+                      "transformer: +6.4% validation loss; a residual CNN with GroupNorm: up to "
+                      "16.7 points of accuracy; a GRU: +7% loss at two of three rates; "
+                      "docs/recipes.md, 'Not yet'), and held on an MLP and a CNN without them: "
+                      "with such layers prefer AdamW, or compare with a dense run",
                       UserWarning, stacklevel=3)
 
 
-def _has_normalization_or_attention(module: torch.nn.Module) -> bool:
+def _has_layers_the_sgd_recipe_failed_on(module: torch.nn.Module) -> bool:
     nn = torch.nn
     layers = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d,
               nn.InstanceNorm2d, nn.InstanceNorm3d, nn.GroupNorm, nn.LayerNorm,
-              nn.MultiheadAttention)
+              nn.MultiheadAttention, nn.RNNBase)
     return any(isinstance(m, layers) or "attention" in type(m).__name__.lower()
                or type(m).__name__.lower().endswith("norm") for m in module.modules())

@@ -78,10 +78,13 @@ def bad_calls(rank, world_size):
 
 
 def call_warnings(rank, world_size, model_kind, optimizer_kind, ratio):
-    """The warnings ``compress`` gives for a model with attention, normalization, or neither."""
+    """The warnings ``compress`` gives for a model with attention, normalization or recurrent
+    layers, or none of them."""
     torch.manual_seed(0)
     if model_kind == "attention":
         module = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    elif model_kind == "gru":
+        module = nn.GRU(16, 16)
     elif model_kind == "groupnorm":
         module = nn.Sequential(nn.Conv2d(1, 8, 3), nn.GroupNorm(2, 8), nn.ReLU(), nn.Flatten())
     else:

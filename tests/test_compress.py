@@ -104,7 +104,9 @@ def test_bad_calls_raise_clear_errors_and_change_nothing():
 @pytest.mark.parametrize("model,optimizer,ratio,expected", [
     ("attention", "sgd", None, ["SGD recipe fell behind dense"]),
     ("attention", "adamw", None, []),
-    ("groupnorm", "sgd", None, ["normalization or attention layers"]),
+    ("groupnorm", "sgd", None, ["normalization, attention or recurrent layers"]),
+    ("gru", "sgd", None, ["SGD recipe fell behind dense"]),
+    ("gru", "adamw", None, []),
     ("groupnorm", "adamw", None, []),
     ("mlp", "sgd", None, []),
     ("mlp", "adamw", 64, ["measured up to 40x"]),
