@@ -34,6 +34,10 @@ SGD_MIN_SEGMENTS_PER_BUCKET = 150
 MIN_RATIO, MAX_RATIO = 4.0, 256.0
 # The recipes were measured at 29x to 37x; above this the call warns.
 MEASURED_RATIO = 40.0
+# The SGD recipe sets the optimizer's momentum to 0 (the hook applies it); the momentum the user
+# gave is kept in each parameter group under this key, so it travels in optimizer.state_dict()
+# and a resumed run's compress() finds it whichever it loads first.
+USER_MOMENTUM_KEY = "hetero_comm_momentum"
 
 _SUPPORTED = ("torch.optim.AdamW, torch.optim.Adam (no weight decay, or "
               "decoupled_weight_decay=True), torch.optim.SGD (with or without momentum; "
@@ -101,7 +105,8 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
                                     segment_size=SEGMENT_SIZE, wire_dtype="int8", basis="dct",
                                     output="sign"))
     if isinstance(inner, torch.optim.SGD):
-        momenta = sorted({float(group["momentum"]) for group in inner.param_groups})
+        momenta = sorted({float(group.get(USER_MOMENTUM_KEY, group["momentum"]))
+                          for group in inner.param_groups})
         if len(momenta) > 1:
             raise ValueError(f"the SGD recipe applies one momentum in the hook; the optimizer's "
                              f"parameter groups have {momenta}: give them one momentum")
@@ -137,9 +142,8 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *, ratio: Optional[f
     Returns:
         The hook's :class:`~hetero_comm.hooks.SegmentSparseState`: ``stats()``, and
         ``state_dict()`` / ``load_state_dict()`` for checkpoints (call both on every rank; to
-        resume, call ``compress`` on the new model and the optimizer as created, then load
-        the optimizer's dict and the state's: a loaded optimizer dict holds the momentum the
-        recipe set, 0).
+        resume, call ``compress`` on the new model and optimizer, before or after loading the
+        optimizer's dict, then ``state.load_state_dict``).
 
     Raises:
         TypeError: ``ddp_model`` is not ``DistributedDataParallel``, or no recipe serves the
@@ -169,6 +173,9 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *, ratio: Optional[f
     state._optimizer_fit(inner)  # raises for a setting the recipe cannot take over, before any change
     _warn_where_unmeasured(ddp_model, recipe, ratio)
     ddp_model.register_comm_hook(state, segment_sparse_hook)
+    if recipe.name == "sgd":
+        for group in inner.param_groups:
+            group.setdefault(USER_MOMENTUM_KEY, float(group["momentum"]))
     state.prepare_optimizer(inner)
     return state
 

@@ -96,3 +96,38 @@ def call_warnings(rank, world_size, model_kind, optimizer_kind, ratio):
         warnings.simplefilter("always")
         hetero_comm.compress(ddp, optimizer, ratio=ratio)
     return [str(w.message) for w in caught if "hetero_comm.compress" in str(w.message)]
+
+
+def resume_either_order(rank, world_size, load_optimizer_first):
+    """Train 3 steps with SGD (momentum 0.9) under compress, save, and resume into new objects,
+    loading the optimizer's dict before or after compress; then 2 more steps. Returns the
+    resumed state's momentum and the parameters after each run's last step."""
+    def steps(ddp, optimizer, first, count):
+        for step in range(first, first + count):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(ddp(torch.randn(8, 20, generator=g)),
+                                   torch.randn(8, 5, generator=g)).backward()
+            optimizer.step()
+
+    ddp = make_ddp()
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    state = hetero_comm.compress(ddp, optimizer)
+    steps(ddp, optimizer, 0, 3)
+    saved = copy.deepcopy(dict(model=ddp.module.state_dict(), optimizer=optimizer.state_dict(),
+                               hook=state.state_dict()))
+    steps(ddp, optimizer, 3, 2)
+    straight = [p.detach().clone() for p in ddp.parameters()]
+
+    ddp = make_ddp(seed=1)
+    ddp.module.load_state_dict(saved["model"])
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if load_optimizer_first:
+        optimizer.load_state_dict(saved["optimizer"])
+    state = hetero_comm.compress(ddp, optimizer)
+    if not load_optimizer_first:
+        optimizer.load_state_dict(saved["optimizer"])
+    state.load_state_dict(saved["hook"])
+    steps(ddp, optimizer, 3, 2)
+    resumed = [p.detach().clone() for p in ddp.parameters()]
+    return state.momentum, all(torch.equal(a, b) for a, b in zip(straight, resumed))

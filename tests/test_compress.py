@@ -153,3 +153,12 @@ def test_ratio_knob_reaches_about_the_asked_compression(optimizer, ratio):
                                       **dict(RUN, max_steps=4)))
     achieved = record["hook_stats"]["compression_ratio"]
     assert abs(achieved / ratio - 1) < 0.20, achieved
+
+
+@pytest.mark.parametrize("load_optimizer_first", [True, False])
+def test_resume_loads_the_optimizer_before_or_after_the_call(load_optimizer_first):
+    """The SGD recipe sets the optimizer's momentum to 0; its saved dict keeps the user's, so a
+    resumed run picks the same recipe and continues bitwise, whichever it loads first."""
+    for momentum, identical in run_ranks(2, compress_workers.resume_either_order, load_optimizer_first):
+        assert momentum == 0.9
+        assert identical
