@@ -21,7 +21,8 @@ step), and the demo's MLP (85K parameters). Output: one table per workload and r
 break-even bandwidth of every hook against float32 allreduce, a PNG and a JSON of every number.
 
 Usage: python benchmarks/netbench.py [--quick] [--ranks 2,3] [--links loopback,10gbit,1gbit,100mbit]
-       [--epochs 8] [--target 0.9] [--out netbench_out]
+       [--epochs 8] [--target 0.9] [--workloads cnn_wide,mlp] [--hooks "sparse 1%,..."]
+       [--out netbench_out]
 """
 
 import argparse
@@ -205,7 +206,13 @@ def main() -> int:
     parser.add_argument("--links", default="loopback,10gbit,1gbit,100mbit")
     parser.add_argument("--steps", type=int, default=12,
                         help="steps per step-time run (3x for the MLP)")
-    parser.add_argument("--epochs", type=int, default=8, help="epochs per accuracy run")
+    parser.add_argument("--epochs", type=int, default=8,
+                        help="epochs per accuracy run (0: no accuracy runs)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated, of: {','.join(WORKLOADS)}")
+    parser.add_argument("--hooks", default=None,
+                        help="comma-separated hook names of the table (default: all; "
+                             "'float32 allreduce' is always run, as the baseline)")
     parser.add_argument("--target", type=float, default=0.9, help="target test accuracy")
     parser.add_argument("--quick", action="store_true",
                         help="2 ranks, loopback/1gbit/100mbit, 5 hooks, 8 steps, 2 epochs")
@@ -221,8 +228,13 @@ def main() -> int:
               f"a slow link is never faked.")
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: delete the namespaces
-    hooks = [(name, overrides) for name, overrides in HOOK_RUNS
-             if not args.quick or name in QUICK_HOOKS]
+    chosen = QUICK_HOOKS if args.quick else (
+        None if args.hooks is None else {"float32 allreduce", *args.hooks.split(",")})
+    unknown = sorted(set(chosen or ()) - {name for name, _ in HOOK_RUNS})
+    workloads = args.workloads.split(",")
+    if unknown or not set(workloads) <= set(WORKLOADS):
+        parser.error(f"unknown hook(s) {unknown} or workload(s) in {workloads}")
+    hooks = [(name, overrides) for name, overrides in HOOK_RUNS if chosen is None or name in chosen]
     ranks = [2] if args.quick else [int(r) for r in args.ranks.split(",")]
     links = (["loopback", "1gbit", "100mbit"] if args.quick else args.links.split(","))
     steps, epochs = (8, 2) if args.quick else (args.steps, args.epochs)
@@ -237,7 +249,7 @@ def main() -> int:
                 max_steps=steps * STEP_SCALE[workload], bucket_cap_mb=BUCKET_CAP_MB,
                 **WORKLOADS[workload],
                 **overrides))
-                for workload in WORKLOADS for name, overrides in hooks]
+                for workload in workloads for name, overrides in hooks]
             records = run_workers(num_ranks, link, entries)
             for key, record in records.items():
                 workload, name = key.split("|")
@@ -249,8 +261,8 @@ def main() -> int:
     entries = [dict(key=f"{workload}|{name}", config=dict(
         workers=2, global_batch=GLOBAL_BATCH_PER_RANK * 2, epochs=epochs,
         bucket_cap_mb=BUCKET_CAP_MB, **WORKLOADS[workload], **overrides))
-        for workload in WORKLOADS for name, overrides in hooks]
-    for key, record in run_workers(2, accuracy_link, entries).items():
+        for workload in workloads for name, overrides in hooks] if epochs else []
+    for key, record in (run_workers(2, accuracy_link, entries) if entries else {}).items():
         workload, name = key.split("|")
         results["accuracy"].setdefault(workload, {})[name] = dict(
             final_accuracy=record["final_accuracy"], epochs=record["epochs"],

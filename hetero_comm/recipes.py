@@ -20,7 +20,7 @@ from ._checks import check_float
 from .hooks import SegmentSparseState, segment_sparse_hook
 from .hooks._optimizer import unwrap_optimizer
 
-__all__ = ["Recipe", "recipe_for", "compress", "MIN_RATIO", "MAX_RATIO"]
+__all__ = ["Recipe", "recipe_for", "compress", "density_for_ratio", "MIN_RATIO", "MAX_RATIO"]
 
 # Both recipes send one int8 byte per selected value and one float32 importance per segment of
 # 512 elements (a dense float32 gradient is 4 bytes per element).
