@@ -18,7 +18,6 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from .lab.data import DIGITS_MODELS
 from .lab.registry import HOOKS, WEIGHTED_HOOKS, make_hook
 from .lab.throttle import cpu_quota_unavailable
 from .lab.training import BATCHING, TrainConfig, run_training

@@ -75,8 +75,7 @@ def density_for_ratio(ratio: float) -> float:
     """The density at which a recipe sends ``1 / ratio`` of the dense bytes (segments of 512
     on the int8 wire); ``ratio`` in [:data:`MIN_RATIO`, :data:`MAX_RATIO`]."""
     check_float("ratio", ratio, MIN_RATIO, MAX_RATIO)
-    density = (DENSE_BYTES_PER_VALUE / ratio - DENSE_BYTES_PER_VALUE / SEGMENT_SIZE) / WIRE_BYTES_PER_VALUE
-    return min(1.0, density)
+    return (DENSE_BYTES_PER_VALUE / ratio - DENSE_BYTES_PER_VALUE / SEGMENT_SIZE) / WIRE_BYTES_PER_VALUE
 
 
 def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
