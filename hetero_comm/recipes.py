@@ -169,7 +169,7 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *, ratio: Optional[f
     if process_group is None:
         process_group = ddp_model.process_group
     state = SegmentSparseState(process_group=process_group, **recipe.settings)
-    state._optimizer_fit(inner)  # raises for a setting the recipe cannot take over, before any change
+    state.handed_step().fit(inner)  # raises for a setting the recipe cannot take over, before any change
     _warn_where_unmeasured(ddp_model, recipe, ratio)
     ddp_model.register_comm_hook(state, segment_sparse_hook)
     if recipe.name == "sgd":

@@ -67,7 +67,7 @@ def train(rank, world_size, hook, settings, steps, options=None):
             state.load_state_dict(checkpoint)
         ddp.register_comm_hook(state, spec.hook)
         if options.get("device_side_checks"):
-            state.finite_checks.force = True
+            state.finite_checks.on_every_device = True
         return ddp, state
 
     ddp, state = build(model)

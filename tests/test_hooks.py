@@ -357,14 +357,14 @@ def _optimizer(kind, **settings):
 @pytest.mark.parametrize("output,optimizer,warns", [
     ("momentum correction", lambda: _optimizer("SGD", momentum=0.0), None),
     ("momentum correction", lambda: _optimizer("SGD", momentum=0.0, second={"momentum": 0.9}),
-     r"momentum=0 in every parameter group \(or call state.prepare_optimizer\(optimizer\)\); "
-     r"found momentum \[0.9\]"),
+     r"momentum=0.0 in every parameter group \(or call state.prepare_optimizer\(optimizer\)\); "
+     r"found momentum \[0.0, 0.9\]"),
     ("sign", lambda: _optimizer("AdamW", betas=(0.0, 0.0)), None),
     ("sign", lambda: _optimizer("Adam", betas=(0.0, 0.0)), None),
     ("sign", lambda: _optimizer("AdamW"), r"betas=\(0.0, 0.0\).*found betas \[\(0.9, 0.999\)\]"),
     ("sign", lambda: _optimizer("AdamW", betas=(0.0, 0.0), second={"betas": (0.9, 0.999)}),
      r"found betas \[\(0.0, 0.0\), \(0.9, 0.999\)\]"),  # one group left at the defaults
-    ("sign", lambda: _optimizer("SGD", momentum=0.9), "found SGD, which has no betas"),
+    ("sign", lambda: _optimizer("SGD", momentum=0.9), "Adam or AdamW take with betas.*got SGD"),
     ("sign", lambda: _optimizer("Adam", betas=(0.0, 0.0), weight_decay=0.01),
      "Adam's weight_decay 0.01, added to the gradient"),
     ("sum", lambda: _optimizer("AdamW"), None),
@@ -504,7 +504,7 @@ def test_a_bucket_under_150_elements_is_told_to_go_dense():
     expected = (r"100 elements of bucket 3 make only 2 segments of 64; .*: "
                 r"send buckets this small dense \(min_compress_numel=9600\)$")
     with pytest.warns(UserWarning, match=expected):
-        state._warn_coarse_segments(3, 100, 64, 2)  # no segment size gives 150 segments
+        state.warn_coarse_segments(3, 100, 64, 2)  # no segment size gives 150 segments
 
 
 @settings(max_examples=200, deadline=None)

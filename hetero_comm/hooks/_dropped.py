@@ -20,8 +20,9 @@ from typing import List, Optional, Sequence
 import torch
 
 from .._layout import Piece
+from ._plan import PlanBucket
 
-__all__ = ["KeptLayout", "kept_layout"]
+__all__ = ["KeptLayout", "kept_layout", "send_kept_part"]
 
 
 class KeptLayout:
@@ -87,3 +88,40 @@ def kept_layout(units, parameters: Sequence[torch.Tensor]) -> Optional[KeptLayou
         start += parameter.numel()
     layout = KeptLayout(pieces)
     return layout if layout.dropped else None
+
+
+def send_kept_part(send, units):
+    """``send`` (a compressing hook's send function: ``send(state, plan_bucket, grad, index)``)
+    on the part of each plan bucket that ``units`` keep at this step: the bucket's
+    error-feedback state and gradient gathered into compact pooled buffers, the state
+    scattered back once ``send`` has updated it, the result expanded with zeros."""
+
+    def send_kept(state, part: PlanBucket, grad: torch.Tensor, index: int) -> torch.futures.Future:
+        layout = kept_layout(units, state.plan.parameters_of(part))
+        if layout is None:
+            return send(state, part, grad, index)
+        pool = state.pool
+        compact = PlanBucket(("kept",), (layout.numel,))
+        for name, tensor in part.tensors.items():
+            compact.tensors[name] = layout.gather(tensor, pool.acquire(layout.numel, tensor.dtype, grad.device))
+        compact_grad = layout.gather(grad, pool.acquire(layout.numel, grad.dtype, grad.device))
+        buffers = [compact_grad, *compact.tensors.values()]
+        state.count_bytes(layout.dropped * grad.element_size(), 0, True)
+        try:
+            future = send(state, compact, compact_grad, index)
+        except FloatingPointError:  # send reset the compact state: reset the part's too
+            part.reset()
+            for buffer in buffers:
+                pool.release(buffer)
+            raise
+        for name, tensor in part.tensors.items():  # send has updated them on this thread
+            layout.scatter(compact.tensors[name], tensor)
+
+        def expand(fut) -> torch.Tensor:
+            layout.expand(fut.value(), grad)
+            state.callbacks.release(buffers, grad.device)
+            return grad
+
+        return future.then(expand)
+
+    return send_kept

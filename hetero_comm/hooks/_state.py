@@ -18,8 +18,8 @@ import torch.distributed as dist
 from .._checks import check_float, check_int, check_optional
 from .._layout import GRADIENT_DTYPES
 from ..buffer_pool import BufferPool
-from ._dropped import KeptLayout, kept_layout
-from ._optimizer import OptimizerFit, unwrap_optimizer
+from ._dropped import KeptLayout, kept_layout, send_kept_part
+from ._optimizer import HandedSum, check_optimizer, fit_optimizer
 from ._plan import Plan, PlanBucket, Route, redistribute
 from ._streams import CallbackOrder
 
@@ -131,8 +131,8 @@ class HookState:
         same ones, so their producer's rows and consumer's columns are zero everywhere.
         Those stay zero in the result, their error-feedback residual is kept for a step that
         keeps them, and their bytes are saved (``stats()`` counts them in ``bytes_dense``,
-        not in ``bytes_sent``). ``None`` stops skipping. Not with ``selection="lagged"``
-        (its selection was made among the previous step's units).
+        not in ``bytes_sent``). ``None`` stops skipping. A hook that cannot skip them
+        raises ``ValueError`` (:meth:`refuse_dropped_units`).
 
         Example::
 
@@ -144,11 +144,14 @@ class HookState:
         if units is not None and not callable(getattr(units, "kept_piece", None)):
             raise TypeError(f"skip_dropped_units takes a hetero_comm.nn.UnitDropoutSet or None; "
                             f"got {type(units).__name__}")
-        if units is not None and getattr(self, "selection", None) == "lagged":
-            raise ValueError("selection='lagged' sends segments chosen at the previous step, whose "
-                             "rows this step's dropout may have dropped: use selection='current'")
+        if units is not None:
+            self.refuse_dropped_units()
         self._dropped_units = units
         self._masks_step, self._warned_masks = None, False
+
+    def refuse_dropped_units(self) -> None:
+        """Raise ``ValueError`` if this hook's settings cannot skip dropped units (every hook
+        here can; a state overrides this where a setting cannot)."""
 
     def kept_layout(self, parameters) -> Optional[KeptLayout]:
         """What units kept at this step touch of ``parameters`` (a flat layout); ``None``:
@@ -157,9 +160,16 @@ class HookState:
             return None
         return kept_layout(self._dropped_units, parameters)
 
+    def handed_step(self) -> HandedSum:
+        """What this hook hands the optimizer: here a (weighted) sum, which suits any
+        optimizer. A state whose hook hands something else overrides this."""
+        return HandedSum()
+
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Warn if ``optimizer`` does not suit what this hook hands DDP (see
-        :meth:`SegmentSparseState.check_optimizer`); the other hooks suit any optimizer."""
+        """Warn (``UserWarning``) if ``optimizer`` does not take the step this hook hands it
+        (:meth:`handed_step`) as it stands: :meth:`prepare_optimizer` would raise, or would
+        change a hyperparameter."""
+        check_optimizer(optimizer, self.handed_step(), type(self).__name__)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           lr_scale: Optional[float] = None) -> torch.optim.Optimizer:
@@ -172,9 +182,8 @@ class HookState:
         groups are checked again (a group added since, or a momentum a scheduler set, raises
         as here). A copy or an unpickled optimizer loses this: prepare it again.
 
-        What is set, and the default ``lr_scale``, depend on the hook: see
-        :meth:`SegmentSparseState.prepare_optimizer`. The other hooks hand DDP a (weighted)
-        sum, which suits any optimizer: nothing is set, and ``lr_scale`` defaults to 1.
+        What is set, and the default ``lr_scale``, follow from :meth:`handed_step`; a hook
+        that hands a (weighted) sum sets nothing, and ``lr_scale`` defaults to 1.
 
         Call it on every rank, after creating the optimizer, and again on the new optimizer
         of a resumed run; preparing the same optimizer again replaces the earlier call.
@@ -193,25 +202,9 @@ class HookState:
             TypeError: the optimizer is not one this hook's output suits.
             ValueError: a bad ``lr_scale``, or a hyperparameter the hook cannot take over.
             Nothing is changed when it raises.
-
-        Example::
-
-            >>> optimizer = torch.optim.AdamW(model.parameters(), lr=dense_lr)
-            >>> scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
-            >>> state.prepare_optimizer(optimizer)
         """
-        if lr_scale is not None:
-            check_float("lr_scale", lr_scale, 0.0, float("inf"), low_open=True)
-        inner = unwrap_optimizer(optimizer)
-        settings, default_scale = self._optimizer_fit(inner)
-        OptimizerFit(inner, settings, default_scale if lr_scale is None else float(lr_scale),
-                     check=self._optimizer_fit)
+        fit_optimizer(optimizer, self.handed_step(), lr_scale)
         return optimizer
-
-    def _optimizer_fit(self, optimizer: torch.optim.Optimizer) -> Tuple[dict, float]:
-        """The hyperparameters :meth:`prepare_optimizer` sets and its default learning-rate
-        factor; raises if ``optimizer`` does not suit this hook."""
-        return {}, 1.0
 
     # ------------------------------------------------------------------------ statistics
     def stats(self) -> dict:
@@ -308,15 +301,17 @@ class DeviceFiniteChecks:
     once). Each flag is copied to pinned host memory behind an event; :meth:`report`, at the
     next hook call, resets the error feedback of every bucket whose flag arrived false (until
     then the hook sends zeros for it: see :meth:`ErrorFeedbackState.check_finite`), raises for
-    the first and keeps the flags still in flight. ``force`` (tests) takes this path on any
-    device."""
+    the first and keeps the flags still in flight."""
 
-    def __init__(self, owner: str, force: bool = False) -> None:
-        self.owner, self.force = owner, force
+    # True: take the device path on every device (the CPU tests of the CUDA path).
+    on_every_device = False
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
         self._pending: List[tuple] = []  # (host flag, event or None, plan bucket, index, step)
 
     def on_device(self, device: torch.device) -> bool:
-        return self.force or device.type == "cuda"
+        return self.on_every_device or device.type == "cuda"
 
     def watch(self, finite: torch.Tensor, plan_bucket: PlanBucket, index: int, step: int) -> None:
         if finite.is_cuda:
@@ -501,7 +496,7 @@ class ErrorFeedbackState(HookState):
         else:
             self.plan.keys_of(bucket)  # learn the provisional layout's keys
         if self._dropped_units is not None:
-            send = self._send_kept(send)
+            send = send_kept_part(send, self._dropped_units)
         if route is None:
             future = self.send_dense(grad, compressing, bucket.parameters())
         elif route.in_place:
@@ -531,40 +526,6 @@ class ErrorFeedbackState(HookState):
             return grad
 
         return torch.futures.collect_all([future for _, _, future in sent]).then(scatter)
-
-    def _send_kept(self, send: SendFunction) -> SendFunction:
-        """``send``, on the kept part of a plan bucket only (:meth:`skip_dropped_units`): its
-        error-feedback state and gradient gathered into compact pooled buffers, the state
-        scattered back once ``send`` has updated it, the result expanded with zeros."""
-
-        def send_kept(state, part: PlanBucket, grad: torch.Tensor, index: int) -> torch.futures.Future:
-            layout = self.kept_layout(self.plan.parameters_of(part))
-            if layout is None:
-                return send(state, part, grad, index)
-            compact = PlanBucket(("kept",), (layout.numel,))
-            for name, tensor in part.tensors.items():
-                compact.tensors[name] = layout.gather(tensor, self.pool.acquire(layout.numel, tensor.dtype, grad.device))
-            compact_grad = layout.gather(grad, self.pool.acquire(layout.numel, grad.dtype, grad.device))
-            buffers = [compact_grad, *compact.tensors.values()]
-            self.count_bytes(layout.dropped * grad.element_size(), 0, True)
-            try:
-                future = send(state, compact, compact_grad, index)
-            except FloatingPointError:  # send reset the compact state: reset the part's too
-                part.reset()
-                for buffer in buffers:
-                    self.pool.release(buffer)
-                raise
-            for name, tensor in part.tensors.items():  # send has updated them on this thread
-                layout.scatter(compact.tensors[name], tensor)
-
-            def expand(fut) -> torch.Tensor:
-                layout.expand(fut.value(), grad)
-                self.callbacks.release(buffers, grad.device)
-                return grad
-
-            return future.then(expand)
-
-        return send_kept
 
     def non_finite(self, index: int, step: int, plan_bucket: PlanBucket) -> FloatingPointError:
         """Reset the bucket's error-feedback state and return the error to raise: a NaN or

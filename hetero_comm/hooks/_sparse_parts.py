@@ -1,0 +1,338 @@
+"""The parts :func:`~hetero_comm.hooks.segment_sparse_hook`'s steps call, one per variation.
+
+Each part has one job, and the hook's steps call it the same way whichever variant it is:
+
+* what the segments cut (``basis``): :class:`ElementSegments` (consecutive gradient elements)
+  or :class:`DctSegments` (one frequency of a group of DCT blocks);
+* how the ranks agree on the segments (``selection``): :class:`CurrentSelection` (this
+  step's importance, summed first: :class:`AgreedNow`) or :class:`LaggedSelection` (chosen
+  at the previous step, this step's importance riding along with the values:
+  :class:`AgreedLastStep`);
+* the number format on the wire (``wire_dtype``): :class:`FloatWire` or :class:`IntegerWire`;
+* what goes into the residual (``momentum``): :func:`add_contribution` and
+  :func:`restart_sent_velocity`.
+
+A new variant is a new class with the same methods, not a branch in every step.
+"""
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from .._layout import num_segments
+from ._basis import DctBasis
+from ._plan import PlanBucket
+
+__all__ = ["ElementSegments", "DctSegments", "CurrentSelection", "LaggedSelection",
+           "AgreedNow", "AgreedLastStep", "FloatWire", "IntegerWire", "int8_levels",
+           "add_contribution", "restart_sent_velocity", "SEGMENTS", "SELECTIONS", "WIRES",
+           "INT8_CLIP_RMS", "WIRE_DTYPES"]
+
+WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+               "int8": torch.int8}
+# int8 wire: a rank's values are clipped at this many times the ranks' mean RMS of the segment
+# (what is clipped stays in the residual).
+INT8_CLIP_RMS = 4.0
+
+
+# ------------------------------------------------------------------ what the segments cut
+class ElementSegments:
+    """Segments of ``segment`` consecutive elements of the residual itself."""
+
+    def __init__(self, state, residual: torch.Tensor, grad: torch.Tensor) -> None:
+        self.residual = self.vector = residual
+        self.numel = residual.numel()
+        self.segment = state.segment_size_for(self.numel)
+        self.count = num_segments(self.numel, self.segment)
+        self.buffers: Tuple[torch.Tensor, ...] = ()
+
+    def accumulate(self, contribution: torch.Tensor, importance: torch.Tensor) -> None:
+        """``residual += contribution``; every segment's L2 norm into ``importance``."""
+        ops.segment_accumulate_(self.residual, contribution, self.segment, out=importance)
+
+    def keep_unsent(self) -> None:
+        """After packing zeroed the sent segments of :attr:`vector`: nothing to do, the
+        residual is that vector."""
+
+    def deliver(self, packed: torch.Tensor, indices: torch.Tensor, grad: torch.Tensor) -> None:
+        """The summed segments into ``grad``, zeros elsewhere."""
+        ops.unpack_segments(packed, indices, self.segment, grad.numel(), out=grad)
+
+
+class DctSegments:
+    """Segments of the residual's interleaved DCT coefficients (pooled work buffers): one
+    frequency of ``state.segment_size`` consecutive blocks of ``state.dct_block_size``."""
+
+    def __init__(self, state, residual: torch.Tensor, grad: torch.Tensor) -> None:
+        self.residual = residual
+        self.segment = state.segment_size
+        self.basis = DctBasis(residual.numel(), state.dct_block_size, self.segment)
+        self.numel = self.basis.coefficients
+        self.count = num_segments(self.numel, self.segment)
+        pool, device = state.pool, grad.device
+        self.vector = pool.acquire(self.numel, torch.float32, device)
+        self.scratch = pool.acquire(self.numel, torch.float32, device)
+        self.buffers = (self.vector, self.scratch)
+        self.decoded = grad  # the decoded sum; float32, or a buffer before the cast into grad
+        if grad.dtype != torch.float32:
+            self.decoded = pool.acquire(grad.numel(), torch.float32, device)
+            self.buffers += (self.decoded,)
+
+    def accumulate(self, contribution: torch.Tensor, importance: torch.Tensor) -> None:
+        """``residual += contribution``; its coefficients into :attr:`vector` and every
+        segment's L2 norm into ``importance`` (the transform is orthonormal)."""
+        self.residual.add_(contribution)
+        self.basis.encode(self.residual, self.vector, self.scratch)
+        torch.linalg.vector_norm(self.vector.view(-1, self.segment), dim=1, out=importance)
+
+    def keep_unsent(self) -> None:
+        """After packing zeroed the sent coefficients: the residual is the rest, transformed
+        back."""
+        self.basis.decode(self.vector, self.residual, self.scratch)
+
+    def deliver(self, packed: torch.Tensor, indices: torch.Tensor, grad: torch.Tensor) -> None:
+        """The summed coefficients, transformed back, into ``grad``."""
+        ops.unpack_segments(packed, indices, self.segment, self.numel, out=self.vector)
+        self.basis.decode(self.vector, self.decoded, self.scratch)
+        if self.decoded is not grad:
+            grad.copy_(self.decoded)
+
+
+# ------------------------------------------------------------- how the ranks agree on them
+class CurrentSelection:
+    """``selection="current"``: every step agrees on its own importance (:class:`AgreedNow`)."""
+
+    name = "current"
+
+    @staticmethod
+    def choose(state, plan_bucket: PlanBucket, importance: torch.Tensor, k: int, index: int,
+               segments) -> "AgreedNow":
+        return AgreedNow(state, plan_bucket, importance, k, index, segments)
+
+    @staticmethod
+    def forget_sent(importance: torch.Tensor, indices: torch.Tensor) -> None:
+        """Nothing: this step's importance is not used again."""
+
+    @staticmethod
+    def choose_next(state, plan_bucket: PlanBucket, importance: torch.Tensor, step: int) -> None:
+        """Nothing: the next step agrees on its own."""
+
+
+class LaggedSelection:
+    """``selection="lagged"``: send the segments chosen at the previous step
+    (:class:`AgreedLastStep`), from the summed importance of what was held back then, so a
+    bucket takes one collective. The first compressed step, and a step whose ``k`` differs
+    from the previous selection's, agree now instead."""
+
+    name = "lagged"
+
+    @staticmethod
+    def choose(state, plan_bucket: PlanBucket, importance: torch.Tensor, k: int, index: int,
+               segments):
+        indices = plan_bucket.extra.get("indicator")
+        if indices is None or indices.numel() != k:
+            return AgreedNow(state, plan_bucket, importance, k, index, segments)
+        return AgreedLastStep(indices, importance.numel())
+
+    @staticmethod
+    def forget_sent(importance: torch.Tensor, indices: torch.Tensor) -> None:
+        """Sent segments are no longer held back (``index_fill_``: no host sync on CUDA)."""
+        importance.index_fill_(0, indices, 0.0)
+
+    @staticmethod
+    def choose_next(state, plan_bucket: PlanBucket, importance: torch.Tensor, step: int) -> None:
+        """The segments to send at the next step (``extra["indicator"]``): the top of the
+        agreed importance of what stays held back."""
+        k_next = state.segments_to_send(importance.numel(), step + 1)
+        indicator = plan_bucket.extra.get("indicator")
+        if indicator is None or indicator.numel() != k_next:
+            indicator = plan_bucket.extra["indicator"] = torch.empty(
+                k_next, dtype=torch.int64, device=importance.device)
+        ops.select_segments(importance, k_next, out=indicator)
+
+
+SELECTIONS = {policy.name: policy for policy in (CurrentSelection, LaggedSelection)}
+
+
+class AgreedNow:
+    """This step's selection: the top ``k`` of its importance, summed over the ranks first
+    (a small allreduce of one float32 per segment, waited for). Nothing rides on the wire."""
+
+    riding = 0  # importance elements on the wire after the values
+    importance_bytes_per_segment = 4  # the allreduce of the importance
+
+    def __init__(self, state, plan_bucket: PlanBucket, importance: torch.Tensor, k: int,
+                 index: int, segments) -> None:
+        # Wait here rather than in a callback: every collective is issued from this thread,
+        # so all ranks issue them in the same order (gloo and NCCL match them by order).
+        dist.all_reduce(importance, group=state.process_group)
+        with state.timer("encode_seconds"):
+            # Norms are >= 0: the sum keeps a NaN. CUDA: flagged on the device, selection goes on.
+            self.finite = state.check_finite(importance, index, state.step, plan_bucket,
+                                             (importance,) + segments.buffers)
+            self.indices = state.pool.acquire(k, torch.int64, importance.device)
+            ops.select_segments(importance, k, out=self.indices)
+        self.buffers: Tuple[torch.Tensor, ...] = (self.indices,)
+
+    def before_pack(self, importance: torch.Tensor) -> None:
+        """Nothing: the importance was checked when it was agreed."""
+
+    def load(self, importance: torch.Tensor, riding: torch.Tensor, world_size: int) -> None:
+        """Nothing rides on the wire."""
+
+    def after_sum(self, state, importance: torch.Tensor, riding: torch.Tensor, wire: torch.Tensor,
+                  index: int, step: int, plan_bucket: PlanBucket, release) -> None:
+        """Nothing to read back."""
+
+    @staticmethod
+    def finish(work, unpack) -> torch.futures.Future:
+        """Unpack once the sum arrives (overlapping the rest of the backward pass)."""
+        def after_sum(fut) -> torch.Tensor:
+            fut.wait()
+            return unpack()
+        return work.get_future().then(after_sum)
+
+
+class AgreedLastStep:
+    """The previous step's selection; this step's importance rides on the values' allreduce."""
+
+    importance_bytes_per_segment = 0  # carried in the wire's own dtype, counted with it
+    finite = None  # checked after the sum (:meth:`after_sum`)
+    buffers: Tuple[torch.Tensor, ...] = ()  # the indices stay in the plan
+
+    def __init__(self, indices: torch.Tensor, count: int) -> None:
+        self.indices, self.riding = indices, count
+
+    def before_pack(self, importance: torch.Tensor) -> None:
+        """Packing zeroes the sent segments, which could hide a NaN: flag it first (on the
+        device)."""
+        self.local_finite = torch.isfinite(importance).all()
+
+    def load(self, importance: torch.Tensor, riding: torch.Tensor, world_size: int) -> None:
+        """The importance of what stays held back onto the wire. A non-finite vector is
+        poisoned whole (on the device, no host read), so every rank sees it after the sum; a
+        finite one is saturated so that the sum over ranks stays finite on a 16-bit wire."""
+        importance.masked_fill_(~self.local_finite, math.nan)
+        if riding.dtype != torch.float32:
+            importance.clamp_(max=torch.finfo(riding.dtype).max / world_size)
+        riding.copy_(importance)
+
+    def after_sum(self, state, importance: torch.Tensor, riding: torch.Tensor, wire: torch.Tensor,
+                  index: int, step: int, plan_bucket: PlanBucket, release) -> None:
+        """The summed importance back; a non-finite one drops the bucket (raises on the CPU)."""
+        importance.copy_(riding)
+        state.drop_unless(state.check_finite(importance, index, step, plan_bucket, release), wire)
+
+    @staticmethod
+    def finish(work, unpack) -> torch.futures.Future:
+        """Wait for the sum in the hook, so that a NaN raises ``FloatingPointError`` from it
+        (not wrapped by DDP's wait), at the price of no overlap with the backward pass."""
+        work.wait()
+        done = torch.futures.Future()
+        done.set_result(unpack())
+        return done
+
+
+# --------------------------------------------------------------------- the wire's format
+class FloatWire:
+    """The selected segments' values as they are, cast to the wire's float dtype (each rank's
+    rounding error stays in its residual)."""
+
+    def __init__(self, state, importance: torch.Tensor, indices: torch.Tensor, segments) -> None:
+        self.indices, self.segment = indices, segments.segment
+        self.buffers: Tuple[torch.Tensor, ...] = ()
+
+    @staticmethod
+    def check_world_size(world_size: int) -> None:
+        """Any number of ranks can sum floats."""
+
+    def pack_(self, segments, wire: torch.Tensor) -> None:
+        """The selected segments onto ``wire``; zeros (or what the dtype cannot carry) left in
+        their place."""
+        ops.pack_segments_(segments.vector, self.indices, self.segment, out=wire)
+
+    def decode(self, wire: torch.Tensor) -> torch.Tensor:
+        return wire
+
+
+def int8_levels(world_size: int) -> int:
+    """Steps each way one rank may send on the int8 wire, so that the sum of ``world_size``
+    ranks' integers fits in int8 (``127 // world_size``, at least 2)."""
+    levels = 127 // world_size
+    if levels < 2:
+        raise ValueError(f"wire_dtype='int8' sums the integers of {world_size} ranks in int8, which "
+                         f"leaves {levels} step(s) each way per rank (at least 2 are needed, so at "
+                         "most 63 ranks): use wire_dtype='bfloat16'")
+    return levels
+
+
+class IntegerWire:
+    """The selected segments as integers in steps every rank shares.
+
+    A segment's scale (the value sent as ``levels`` steps) is :data:`INT8_CLIP_RMS` times the
+    ranks' mean RMS there; that RMS, ``importance / (world_size * sqrt(elements))``, comes from
+    the agreed importance (the sum of the ranks' norms), so every rank rounds to the same grid
+    and the allreduce's integer sum is exact (``world_size * levels <= 127``). Many ranks leave
+    few levels (32 ranks: 3 each way); error feedback carries the rest."""
+
+    def __init__(self, state, importance: torch.Tensor, indices: torch.Tensor, segments) -> None:
+        self.levels = int8_levels(state.world_size())
+        self.indices, self.k = indices, indices.numel()
+        self.segment = segment = segments.segment
+        count, device = importance.numel(), importance.device
+        self.values = state.pool.acquire(self.k * segment, torch.float32, device)
+        self.scale = state.pool.acquire(self.k, torch.float32, device)
+        torch.index_select(importance, 0, indices, out=self.scale)
+        self.scale.mul_(INT8_CLIP_RMS / (state.world_size() * math.sqrt(segment)))
+        tail = segments.numel - (count - 1) * segment  # a short last segment: its RMS is over tail
+        if tail < segment:
+            self.scale.mul_(torch.where(indices == count - 1, math.sqrt(segment / tail), 1.0))
+        self.scale.clamp_(max=torch.finfo(torch.float32).max)  # a huge finite norm: no infinite step
+        self.buffers = (self.values, self.scale)
+
+    @staticmethod
+    def check_world_size(world_size: int) -> None:
+        """Raises ``ValueError`` for more ranks than int8 can sum (:func:`int8_levels`)."""
+        int8_levels(world_size)
+
+    def pack_(self, segments, wire: torch.Tensor) -> None:
+        """Round the selected segments onto ``wire``; what the integers do not carry
+        (rounding, clipping) stays in those segments. A NaN is sent as 0 and stays in the
+        residual (CUDA: the caller then zeroes the wire by the agreed importance's flag)."""
+        ops.pack_quantized_segments_(segments.vector, self.indices, self.segment, self.scale,
+                                     self.levels, torch.int8, out=wire)
+
+    def decode(self, wire: torch.Tensor) -> torch.Tensor:
+        """The summed integers back to float32 values (packed, like the other wires)."""
+        segment = self.segment
+        ops.dequantize(wire.view(self.k, segment), self.scale, self.levels,
+                       out=self.values.view(self.k, segment))
+        return self.values
+
+
+# ------------------------------------------------------------ what goes into the residual
+def add_contribution(state, plan_bucket: PlanBucket, grad: torch.Tensor) -> torch.Tensor:
+    """What goes into the residual this step: the weighted gradient, or with momentum
+    correction the velocity ``u = momentum * u + w * g``."""
+    grad.mul_(state.weight())
+    if not state.momentum:
+        return grad
+    return plan_bucket.tensors["momentum"].mul_(state.momentum).add_(grad)
+
+
+def restart_sent_velocity(state, plan_bucket: PlanBucket, indices: torch.Tensor,
+                          segment: int) -> None:
+    """Momentum correction: the sent segments' velocity restarts from zero."""
+    if not state.momentum:
+        return
+    velocity = plan_bucket.tensors["momentum"]
+    scratch = state.pool.acquire(indices.numel() * segment, torch.float32, velocity.device)
+    ops.pack_segments_(velocity, indices, segment, out=scratch)  # zeroes what it packs
+    state.pool.release(scratch)
+
+
+SEGMENTS = {"elements": ElementSegments, "dct": DctSegments}
+WIRES = {"float32": FloatWire, "float16": FloatWire, "bfloat16": FloatWire, "int8": IntegerWire}
