@@ -38,7 +38,6 @@ import torch
 
 import hetero_comm
 from hetero_comm import ops, reference
-from hetero_comm._layout import num_segments
 
 FULL_SIZES = (1_000_000, 4_000_000, 25_000_000)
 QUICK_SIZES = (1_000_000, 4_000_000)
@@ -247,7 +246,7 @@ def segment_cases(sizes: Sequence[int], segment_size: int):
     """(n, density, selected indices, the original residual, a residual to work on) at 1% and
     10% of the segments of each size."""
     for numel in sizes:
-        segments = num_segments(numel, segment_size)
+        segments = ops.num_segments(numel, segment_size)
         original = torch.randn(numel)
         residual = original.clone()
         for density in (0.01, 0.10):
@@ -380,7 +379,7 @@ def bench_dct(sizes: Sequence[int]) -> List[Row]:
         x = torch.randn(numel)
         x_hat = torch.empty(numel)
         for block_size, keep in DCT_CONFIGS:
-            blocks = num_segments(numel, block_size)
+            blocks = ops.num_segments(numel, block_size)
             coeffs = torch.empty(blocks, keep)
             q = torch.empty(blocks, keep, dtype=torch.int8)
             config = f"n={count_label(numel)} B={block_size} keep={keep}"
@@ -522,9 +521,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     backend = hetero_comm.kernel_backend("cpu")
     if backend != "compiled":
-        from hetero_comm._backend import load_error
         print(f"error: hetero_comm's CPU kernel backend is {backend!r}, not 'compiled' "
-              f"(load error: {load_error}). Build the extension first (e.g. "
+              f"(load error: {hetero_comm.extension_load_error()}). Build the extension first (e.g. "
               "`pip install --no-build-isolation -e .`); benchmarking the reference "
               "against itself is meaningless.", file=sys.stderr)
         return 1

@@ -6,10 +6,20 @@ chosen from its optimizer. Kernels: :mod:`hetero_comm.ops` (compiled, with
 for allocation-free steady state.
 """
 
-from . import ops, reference
-from ._backend import extension_loaded, kernel_backend
+import importlib
+
+from . import ops
+from ._backend import extension_load_error, extension_loaded, kernel_backend
 from .buffer_pool import BufferPool
 from .recipes import compress
 
-__all__ = ["compress", "ops", "reference", "kernel_backend", "extension_loaded", "BufferPool"]
+__all__ = ["compress", "ops", "reference", "kernel_backend", "extension_loaded",
+           "extension_load_error", "BufferPool"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # hetero_comm.reference on first use: training with the compiled kernels never loads it.
+    if name == "reference":
+        return importlib.import_module(".reference", __name__)
+    raise AttributeError(f"module 'hetero_comm' has no attribute {name!r}")

@@ -24,6 +24,11 @@ except (ImportError, OSError) as error:  # missing build, or built against anoth
 _backend_by_type: dict = {}
 
 
+def extension_load_error() -> Optional[BaseException]:
+    """Why ``hetero_comm._C`` could not be imported (``None``: it was)."""
+    return load_error
+
+
 def extension_loaded() -> bool:
     """Whether ``hetero_comm._C`` was imported (the ``torch.ops.hetero_comm`` ops exist)."""
     return load_error is None

@@ -26,16 +26,16 @@ The pure-PyTorch references always run every check, on every device.
 
 from __future__ import annotations
 
+import importlib
 from typing import Optional
 
 import torch
 
-from . import reference
 from ._backend import extension_loaded, kernel_backend
 from ._kernels import KERNELS
 from ._layout import num_segments
 
-__all__ = [*KERNELS, "set_strict_checks"]
+__all__ = [*KERNELS, "set_strict_checks", "num_segments"]
 
 _strict_checks = False
 
@@ -57,6 +57,12 @@ def set_strict_checks(enabled: bool) -> bool:
     return previous
 
 
+def _reference():
+    """:mod:`hetero_comm.reference`, imported on the first call that falls back to it (with
+    the compiled kernels in place, training never loads it)."""
+    return importlib.import_module(".reference", __package__)
+
+
 def _compiled(tensor: torch.Tensor) -> bool:
     return kernel_backend(tensor.device) == "compiled"
 
@@ -75,7 +81,7 @@ def segment_accumulate_(residual: torch.Tensor, grad: torch.Tensor, segment_size
         importance: ``out``, or a new float32 [ceil(n / segment_size)].
     """
     if not _compiled(residual):
-        return reference.segment_accumulate_(residual, grad, segment_size, out=out)
+        return _reference().segment_accumulate_(residual, grad, segment_size, out=out)
     if out is None:
         return torch.ops.hetero_comm.segment_accumulate_.default(residual, grad, segment_size)
     torch.ops.hetero_comm.segment_accumulate_into_.default(residual, grad, segment_size, out)
@@ -96,7 +102,7 @@ def select_segments(importance: torch.Tensor, k: int,
         same input.
     """
     if not _compiled(importance):
-        return reference.select_segments(importance, k, out=out)
+        return _reference().select_segments(importance, k, out=out)
     if out is None:
         return torch.ops.hetero_comm.select_segments.default(importance, k)
     _check_out_matches(out, "k = out.numel() =", k, out.numel())
@@ -120,7 +126,7 @@ def pack_segments_(residual: torch.Tensor, indices: torch.Tensor, segment_size: 
         packed: ``out``, or a new float32 [k * segment_size].
     """
     if not _compiled(residual):
-        return reference.pack_segments_(residual, indices, segment_size, out=out)
+        return _reference().pack_segments_(residual, indices, segment_size, out=out)
     if out is None:
         return torch.ops.hetero_comm.pack_segments_.default(residual, indices, segment_size)
     torch.ops.hetero_comm.pack_segments_into_.default(residual, indices, segment_size, out)
@@ -148,7 +154,7 @@ def pack_quantized_segments_(residual: torch.Tensor, indices: torch.Tensor, segm
         packed: ``out``, or a new ``dtype`` [k * segment_size].
     """
     if not _compiled(residual):
-        return reference.pack_quantized_segments_(residual, indices, segment_size, scale, levels, dtype,
+        return _reference().pack_quantized_segments_(residual, indices, segment_size, scale, levels, dtype,
                                                   out=out)
     if out is None:
         return torch.ops.hetero_comm.pack_quantized_segments_.default(residual, indices, segment_size,
@@ -175,7 +181,7 @@ def unpack_segments(packed: torch.Tensor, indices: torch.Tensor, segment_size: i
         ``out``, or a new float32 [numel].
     """
     if not _compiled(packed):
-        return reference.unpack_segments(packed, indices, segment_size, numel, scale, out=out)
+        return _reference().unpack_segments(packed, indices, segment_size, numel, scale, out=out)
     if out is None:
         return torch.ops.hetero_comm.unpack_segments.default(packed, indices, segment_size, numel, scale)
     _check_out_matches(out, "numel =", numel, out.numel())
@@ -203,7 +209,7 @@ def dct_encode(x: torch.Tensor, block_size: int, keep: int,
         coeffs: ``out``, or a new float32 [ceil(n / block_size), keep].
     """
     if not _compiled(x):
-        return reference.dct_encode(x, block_size, keep, out=out)
+        return _reference().dct_encode(x, block_size, keep, out=out)
     if out is None:
         return torch.ops.hetero_comm.dct_encode.default(x, block_size, keep)
     _check_out_matches(out, "keep = out.shape[1] =", keep, out.shape[1] if out.dim() == 2 else None)
@@ -225,7 +231,7 @@ def dct_decode(coeffs: torch.Tensor, block_size: int, numel: int,
         x_hat: ``out``, or a new float32 [numel].
     """
     if not _compiled(coeffs):
-        return reference.dct_decode(coeffs, block_size, numel, out=out)
+        return _reference().dct_decode(coeffs, block_size, numel, out=out)
     if out is None:
         return torch.ops.hetero_comm.dct_decode.default(coeffs, block_size, numel)
     _check_out_matches(out, "numel =", numel, out.numel())
@@ -248,7 +254,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, levels: int, dtype: torch.dty
         q: ``out``, or a new ``dtype`` [num_blocks, m].
     """
     if not _compiled(x):
-        return reference.quantize(x, scale, levels, dtype, out=out)
+        return _reference().quantize(x, scale, levels, dtype, out=out)
     if out is None:
         return torch.ops.hetero_comm.quantize.default(x, scale, levels, dtype)
     _check_out_matches(out, "dtype", dtype, out.dtype)
@@ -270,7 +276,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, levels: int,
         x_hat: ``out``, or a new float32 [num_blocks, m].
     """
     if not _compiled(q):
-        return reference.dequantize(q, scale, levels, out=out)
+        return _reference().dequantize(q, scale, levels, out=out)
     if out is None:
         return torch.ops.hetero_comm.dequantize.default(q, scale, levels)
     torch.ops.hetero_comm.dequantize_into_.default(q, scale, levels, out)

@@ -157,26 +157,29 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *, ratio: Optional[f
         >>> optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-4)
         >>> state = hetero_comm.compress(ddp_model, optimizer)
     """
-    if not isinstance(ddp_model, DistributedDataParallel):
-        raise TypeError(f"compress needs a torch.nn.parallel.DistributedDataParallel model; got "
-                        f"{type(ddp_model).__name__} (wrap it: DistributedDataParallel(model))")
     inner = unwrap_optimizer(optimizer)
-    _check_parameters_are_the_models(ddp_model, inner)
-    if getattr(ddp_model, "_comm_hooks", None):
-        raise ValueError("this DistributedDataParallel model already has a communication hook "
-                         "(DDP takes one): call compress once per model, on a model without a hook")
+    _check_model(ddp_model, inner)
     recipe = recipe_for(inner, ratio)
-    if process_group is None:
-        process_group = ddp_model.process_group
-    state = SegmentSparseState(process_group=process_group, **recipe.settings)
+    state = SegmentSparseState(process_group=process_group or ddp_model.process_group,
+                               **recipe.settings)
     state.handed_step().fit(inner)  # raises for a setting the recipe cannot take over, before any change
     _warn_where_unmeasured(ddp_model, recipe, ratio)
     ddp_model.register_comm_hook(state, segment_sparse_hook)
-    if recipe.name == "sgd":
-        for group in inner.param_groups:
-            group.setdefault(USER_MOMENTUM_KEY, float(group["momentum"]))
+    for group in inner.param_groups if recipe.name == "sgd" else ():  # for a resumed run's recipe
+        group.setdefault(USER_MOMENTUM_KEY, float(group["momentum"]))
     state.prepare_optimizer(inner)
     return state
+
+
+def _check_model(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+    """A DDP model without a hook, whose parameters are the optimizer's."""
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"compress needs a torch.nn.parallel.DistributedDataParallel model; got "
+                        f"{type(ddp_model).__name__} (wrap it: DistributedDataParallel(model))")
+    _check_parameters_are_the_models(ddp_model, optimizer)
+    if getattr(ddp_model, "_comm_hooks", None):
+        raise ValueError("this DistributedDataParallel model already has a communication hook "
+                         "(DDP takes one): call compress once per model, on a model without a hook")
 
 
 def _check_parameters_are_the_models(ddp_model: DistributedDataParallel,

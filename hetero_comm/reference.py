@@ -236,8 +236,7 @@ def pack_quantized_segments_(residual: torch.Tensor, indices: torch.Tensor, segm
         scale: float32 [k], finite and >= 0: the value sent as ``levels``, per selected segment.
         levels: 1 <= levels <= the largest value of ``dtype``.
         dtype: torch.int8, torch.int16 or torch.int32.
-        out: optional ``dtype`` [k * segment_size], contiguous, to write into instead of
-            allocating.
+        out: optional ``dtype`` [k * segment_size], contiguous, written instead of allocating.
 
     Returns:
         packed: ``out`` if given, else a new ``dtype`` [k * segment_size].

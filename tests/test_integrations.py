@@ -69,7 +69,7 @@ def test_hook_runs_and_resumes_exactly_through_the_frameworks_checkpoint(framewo
             adamw = hook.startswith("dct_sign") or hook == "compress_adamw"
             assert rank["resumed"]["learning_rate"] == (1e-3 if adamw else 0.05)
             if hook in ("dct_sign", "dct_sign_int8"):
-                assert any("found SGD" in message and "prepare_optimizers=True" in message
+                assert any("got SGD" in message and "prepare_optimizers=True" in message
                            for message in rank["mismatched"]["optimizer_warnings"])
             if hook == "sparse_mc":  # SGD's momentum on top of the hook's
                 assert any("found momentum [0.9]" in message

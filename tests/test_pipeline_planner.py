@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hetero_comm.pipeline import (Cluster, DeviceKind, LayerProfile, PipelinePlan, StagePlan,
                                   even_plan, evaluate_plan, exhaustive_plan, format_plan,
                                   plan_pipeline, plot_timeline, profile_layers, proportional_plan,
-                                  seed_order, simulate)
+                                  capability_order, simulate)
 
 
 def make_profile(forward, backward=None, output=None, saved=None, params=None, input_bytes=8):
@@ -65,7 +65,7 @@ def test_the_integer_program_finds_the_exhaustive_optimum(cluster, micro_batches
     assert (exhaustive is None) == (planned is None)  # both find the memory infeasible, or neither
     if planned is not None:
         assert planned.predicted_step_s == pytest.approx(exhaustive.predicted_step_s, rel=1e-6)
-        for stage, device in zip(planned.stages, seed_order(cluster)):
+        for stage, device in zip(planned.stages, capability_order(cluster)):
             assert stage.device == device.name
             assert stage.predicted_memory_bytes <= device.memory_bytes * (1 + 1e-6)
         assert allow_recompute or not any(stage.recompute for stage in planned.stages)
@@ -98,16 +98,16 @@ def test_on_equal_layers_each_device_gets_layers_in_proportion_to_its_speed(spee
     assert plan_pipeline(cluster, 64).predicted_step_s <= even_plan(cluster, 64).predicted_step_s
 
 
-def test_seed_order_puts_the_largest_ratio_of_compute_to_sync_first():
+def test_capability_order_puts_the_largest_ratio_of_compute_to_sync_first():
     profile = make_profile([1.0] * 6, params=[1000] * 6)
     slow_link = DeviceKind("slow_link", profile, sync_bytes_per_s=1e3)
     fast_link = DeviceKind("fast_link", profile, sync_bytes_per_s=1e6)
-    assert [d.name for d in seed_order(Cluster((slow_link, fast_link), 2))] == ["fast_link", "slow_link"]
+    assert [d.name for d in capability_order(Cluster((slow_link, fast_link), 2))] == ["fast_link", "slow_link"]
     # One shared link: the ratios tie, and the device with the smaller sync (the slower one,
     # which holds fewer layers) goes first, so the larger sync overlaps the drain.
     quick = DeviceKind("quick", make_profile([0.5] * 6, params=[1000] * 6))
     sluggish = DeviceKind("sluggish", profile)
-    assert [d.name for d in seed_order(Cluster((quick, sluggish), 2, sync_bytes_per_s=1e4))] == [
+    assert [d.name for d in capability_order(Cluster((quick, sluggish), 2, sync_bytes_per_s=1e4))] == [
         "sluggish", "quick"]
 
 

@@ -24,7 +24,6 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hetero_comm import ops
-from hetero_comm._layout import num_segments
 from hetero_comm.hetero import HeteroSampler
 from hetero_comm.hooks import SegmentSparseState, segment_sparse_hook
 from hetero_comm.lab.data import make_workload
@@ -88,7 +87,7 @@ def worker(rank, world, mode, density, warmup, epochs=4):
     if mode == "update_ef":
         forward, (optimizer, schedule) = model, config.make_optimizer(params, total)
         residual = torch.zeros(sum(p.numel() for p in params))
-        k = max(1, math.ceil(density * num_segments(residual.numel(), SEGMENT)))
+        k = max(1, math.ceil(density * ops.num_segments(residual.numel(), SEGMENT)))
     else:
         forward = DistributedDataParallel(model)
         forward.register_comm_hook(SegmentSparseState(density=density, warmup_steps=warmup), segment_sparse_hook)

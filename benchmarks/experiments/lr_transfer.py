@@ -4,7 +4,9 @@ DCT-sign recipe (AdamW betas (0, 0); bfloat16 5.5% or int8 10%), and candidates 
 AdamW's betas (the int8 recipe with AdamW's default betas among them); ``prepared_int8``: the
 int8 recipe run as users do, dense AdamW at the dense rate handed to
 ``state.prepare_optimizer`` (betas (0, 0), 1.5x the rate inside each step). Prints one line
-per run. Results: benchmarks/results/lr_transfer.txt.
+per run. Results: benchmarks/results/lr_transfer.txt (its ``signum<beta>`` rows, a momentum
+of the agreed sums before the sign, came from a case that replaced a private function of the
+hook; it is at commit 459b9d1).
 
 Usage: python benchmarks/experiments/lr_transfer.py [--cases dense,recipe] [--lrs 1e-3,3e-3]
        [--ranks 2]
@@ -84,36 +86,6 @@ class DefaultBetasConfig(TrainConfig):
         return (0.9, 0.999)
 
 
-def _momentum_before_sign(beta: float) -> None:
-    """Experiment: the hook's sign output takes the sign of a momentum of the agreed sums
-    (``v = beta * v + sum``, the same on every rank), not of the sum itself."""
-    from hetero_comm.hooks import segment_sparse
-
-    original = segment_sparse._Segmented.deliver
-    velocities = {}
-
-    def deliver(self, packed, indices, grad):
-        output, self.state.output = self.state.output, "sum"
-        try:
-            original(self, packed, indices, grad)
-        finally:
-            self.state.output = output
-        velocity = velocities.setdefault(self.residual.data_ptr(), torch.zeros_like(grad))
-        velocity.mul_(beta).add_(grad)
-        grad.copy_(velocity).sign_()
-
-    segment_sparse._Segmented.deliver = deliver
-
-
-@dataclasses.dataclass
-class SignumConfig(TrainConfig):
-    beta: float = 0.9
-
-    def make_optimizer(self, parameters, total_steps: int):
-        _momentum_before_sign(self.beta)  # runs in each rank's process
-        return super().make_optimizer(parameters, total_steps)
-
-
 def case(name: str, lr: float, ranks: int) -> TrainConfig:
     # the same per-rank batch at every world size, as bench_convergence.py
     options = dict(GPT, lr=lr, workers=ranks, global_batch=GPT["global_batch"] // 2 * ranks)
@@ -130,9 +102,6 @@ def case(name: str, lr: float, ranks: int) -> TrainConfig:
                            prepare_optimizer=True, **options)
     if name == "recipe_int8_userbetas":  # the same, AdamW left at its default betas
         return DefaultBetasConfig(hook="sparse", hook_settings=dict(SPARSE_INT8, output="sign"), **options)
-    if name.startswith("signum"):  # signum<beta>: the recipe with momentum before the sign
-        return SignumConfig(hook="sparse", hook_settings=dict(SPARSE, output="sign"),
-                            beta=float(name[len("signum"):]), **options)
     if name.startswith("frozen"):  # frozen<N>: N dense steps, then the sparse sum
         warmup = int(name[len("frozen"):])
         return FrozenConfig(hook="sparse", hook_settings=dict(SPARSE, warmup_steps=warmup),

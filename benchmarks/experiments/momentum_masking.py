@@ -1,31 +1,30 @@
-"""SGD with the sparse hook's momentum correction: what happens to the velocity of a sent segment?
+"""SGD with the sparse hook's momentum correction, which clears the velocity of a sent segment.
 
-Deep Gradient Compression clears it ("momentum factor masking", the hook's behaviour, `clear`).
 A gradient added to the velocity shortly before its segment is sent then counts once instead of
 ``1 / (1 - momentum)`` times: at ~1/density steps between sends, about half of momentum SGD's
-step is lost. Two alternatives keep it:
-- ``keep``: the velocity is never cleared; what is sent is exactly momentum SGD's update, late;
-- ``defer``: the velocity is cleared, and the step it would still have made
-  (``momentum / (1 - momentum)`` times it) goes into the residual, to be sent later.
-And ``none``: no momentum correction; error feedback on the gradient, and the optimizer's
-momentum applied to the agreed sum (which keeps the whole step too, spread over later steps).
-``prepared``: the README's recipe as a user runs it: the dense optimizer (momentum 0.9, the
-dense rate) handed to ``state.prepare_optimizer``, i.e. ``clear`` at
-``momentum_correction_lr_scale(density, 0.9)`` times the rate (2.1 at 8%). ``smooth``: the same
-total step given back through the optimizer's momentum (``1 - 1 / factor``) at the dense rate.
+step is lost. Variants:
+- ``clear``: the hook's momentum correction at the rate given;
+- ``none``: no momentum correction; error feedback on the gradient, and the optimizer's
+  momentum applied to the agreed sum;
+- ``prepared``: the recipe as a user runs it: the dense optimizer (momentum 0.9, the dense rate)
+  handed to ``state.prepare_optimizer``, i.e. ``clear`` at
+  ``momentum_correction_lr_scale(density, 0.9)`` times the rate (2.1 at 8%).
+Two further variants (``keep``, never clearing; ``defer``, the cleared step put into the
+residual), a simulated ternary wire and a ``smooth`` fit replaced the hook's private functions;
+their results are in benchmarks/results/momentum_masking.txt and benchmarks/NOTES.md, and the
+script that ran them is at commit 459b9d1.
 
 The digits MLP of bench_convergence.py (SGD, momentum 0.9, 8 epochs), int8 wire, 8% of segments
 of 512, at lr 0.02 / 0.05 / 0.1 and 2 / 4 ranks, over several seeds. Prints one line per run and
 a table of means. Results: benchmarks/results/momentum_masking.txt.
 
-Usage: python benchmarks/experiments/momentum_masking.py [--variants clear,keep,defer,none,prepared,smooth]
-       [--lrs 0.02,0.05,0.1] [--ranks 2,4] [--seeds 0,1,2] [--ternary F] [--model cnn]
+Usage: python benchmarks/experiments/momentum_masking.py [--variants clear,none,prepared]
+       [--lrs 0.02,0.05,0.1] [--ranks 2,4] [--seeds 0,1,2] [--model cnn]
        [--density 0.08] [--density-warmup STEPS] [--segment-size 512] [--hidden H] [--epochs E]
        (--model cnn: the digits CNN of recipe_generality.py, 6 epochs; --model gpt: the transformer)
 """
 
 import argparse
-import dataclasses
 import math
 import statistics
 import sys
@@ -42,66 +41,7 @@ MODELS = {"mlp": (dict(), 32), "cnn": (dict(model="cnn", hidden=64, epochs=6), 3
                        clip_norm=1.0), 16)}
 
 
-def _patch_velocity_of_sent_segments(variant: str) -> None:
-    """Replace the hook's clearing of the sent segments' velocity (in this rank's process)."""
-    from hetero_comm import ops
-    from hetero_comm.hooks import segment_sparse
-
-    clear = segment_sparse._clear_segments
-
-    def keep(state, velocity, indices, segment):
-        pass
-
-    def defer(state, velocity, indices, segment):
-        bucket = next(b for b in state.plan.buckets if b.tensors.get("momentum") is velocity)
-        sent = ops.pack_segments_(velocity.clone(), indices, segment)
-        sent.mul_(state.momentum / (1.0 - state.momentum))
-        bucket.tensors["residual"].add_(ops.unpack_segments(sent, indices, segment, velocity.numel()))
-        clear(state, velocity, indices, segment)
-
-    segment_sparse._clear_segments = {"clear": clear, "keep": keep, "defer": defer}[variant]
-
-
-def _patch_ternary_wire() -> None:
-    """Simulate a ternary wire: each rank sends -1, 0 or +1 steps of one RMS (the int8 wire with
-    one level each way). Packed in base 2W + 1, the sums of up to 6 ranks fit twice in a byte
-    (13 ** 2 < 256) and those of 2 ranks three times (5 ** 3 < 256), so ``--ternary F`` runs at F times the density for the same bytes as
-    the int8 rows; the bytes printed by the lab are the unpacked int8 ones (F times too many)."""
-    from hetero_comm.hooks import segment_sparse
-
-    segment_sparse.int8_levels = lambda world_size: 1
-    segment_sparse.INT8_CLIP_RMS = 1.0
-
-
-def _patch_smoothing_fit() -> None:
-    """``smooth``: prepare_optimizer gives back what clearing loses through the optimizer's
-    momentum instead of its rate: momentum ``1 - 1 / factor`` at the user's rate, the same total
-    step as ``prepared`` (``1 / (1 - momentum)`` = factor), spread over the next steps."""
-    from hetero_comm.hooks import segment_sparse
-
-    def fit(state, optimizer):
-        factor = segment_sparse.momentum_correction_lr_scale(state.density, state.momentum)
-        return {"momentum": 1.0 - 1.0 / factor}, 1.0
-
-    segment_sparse.SegmentSparseState._optimizer_fit = fit
-
-
-@dataclasses.dataclass
-class MaskingConfig(TrainConfig):
-    variant: str = "clear"
-    ternary: bool = False
-    smooth: bool = False
-
-    def make_optimizer(self, parameters, total_steps: int):
-        _patch_velocity_of_sent_segments(self.variant)  # runs in each rank's process
-        if self.smooth:
-            _patch_smoothing_fit()
-        if self.ternary:
-            _patch_ternary_wire()
-        return super().make_optimizer(parameters, total_steps)
-
-
-def case(variant: str, lr: float, ranks: int, seed: int, ternary: int = 0, model: str = "mlp",
+def case(variant: str, lr: float, ranks: int, seed: int, model: str = "mlp",
          density: float = SPARSE["density"], density_warmup: int = 0,
          segment_size: int = SPARSE["segment_size"], hidden: Optional[int] = None,
          epochs: Optional[int] = None) -> TrainConfig:
@@ -111,24 +51,20 @@ def case(variant: str, lr: float, ranks: int, seed: int, ternary: int = 0, model
     options = dict(DIGITS, **settings, lr=lr, workers=ranks, global_batch=per_rank_batch * ranks, seed=seed)
     if variant == "dense":
         return TrainConfig(hook="dense", **options)
-    sparse = dict(SPARSE, density=density * (ternary or 1), density_warmup_steps=density_warmup,
+    sparse = dict(SPARSE, density=density, density_warmup_steps=density_warmup,
                   segment_size=segment_size)
     if variant == "none":  # no momentum correction: the optimizer's momentum, after the sum
-        sparse["momentum"], variant = 0.0, "keep"  # (keep: nothing to clear)
-    prepared = variant in ("prepared", "smooth")
-    return MaskingConfig(hook="sparse", hook_settings=sparse, variant="clear" if prepared else variant,
-                         ternary=bool(ternary), prepare_optimizer=prepared,
-                         smooth=variant == "smooth", **options)
+        sparse["momentum"] = 0.0
+    return TrainConfig(hook="sparse", hook_settings=sparse, prepare_optimizer=variant == "prepared",
+                       **options)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--variants", default="clear,keep,defer")
+    parser.add_argument("--variants", default="clear,none,prepared")
     parser.add_argument("--lrs", default="0.02,0.05,0.1")
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--ternary", type=int, default=0, metavar="F",
-                        help="simulate a ternary wire packed F values to a byte (density x F)")
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
     parser.add_argument("--density", type=float, default=SPARSE["density"])
     parser.add_argument("--density-warmup", type=int, default=0, metavar="STEPS",
@@ -144,7 +80,7 @@ def main() -> None:
             for variant in ["dense"] + args.variants.split(","):
                 for seed in (int(x) for x in args.seeds.split(",")):
                     try:
-                        record = run_training(case(variant, lr, ranks, seed, args.ternary, args.model,
+                        record = run_training(case(variant, lr, ranks, seed, args.model,
                                                    args.density, args.density_warmup,
                                                    args.segment_size, args.hidden, args.epochs),
                                               timeout=3600)

@@ -35,6 +35,8 @@ SIGN_LR_SCALE = 1.5
 class HandedSum:
     """The hook hands DDP the (weighted) sum of the gradients: any optimizer suits it."""
 
+    setting = ""  # the hook's setting that hands this, as messages name it
+
     def fit(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, object], float]:
         """The hyperparameters to set in every parameter group and the default factor on the
         learning rate; raises ``TypeError`` or ``ValueError`` if ``optimizer`` cannot take
@@ -49,6 +51,8 @@ class HandedSign(HandedSum):
     """The elementwise sign of the agreed sum: AdamW's (or Adam's) step with ``betas=(0, 0)``
     moves each coordinate by ``lr`` in that direction, at :data:`SIGN_LR_SCALE` times the
     user's rate."""
+
+    setting = "output='sign'"
 
     def fit(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, object], float]:
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
@@ -95,6 +99,7 @@ class HandedMomentumCorrectedSum(HandedSum):
 
     def __init__(self, momentum: float, density: float) -> None:
         self.momentum, self.density = momentum, density
+        self.setting = f"momentum={momentum}"
 
     def fit(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, object], float]:
         if not isinstance(optimizer, torch.optim.SGD):
@@ -133,9 +138,13 @@ def check_optimizer(optimizer, handed: HandedSum, owner: str) -> None:
     for: it cannot (what :meth:`HandedSum.fit` raises), or a parameter group lacks a setting
     the fit would put there."""
     inner = unwrap_optimizer(optimizer)
+    owner = f"{owner}({handed.setting})"
     try:
         settings, _ = handed.fit(inner)
-    except (TypeError, ValueError) as error:
+    except TypeError as error:  # its message names the setting
+        warnings.warn(str(error), UserWarning, stacklevel=3)
+        return
+    except ValueError as error:
         warnings.warn(f"{owner}: {error}", UserWarning, stacklevel=3)
         return
     for name, value in settings.items():

@@ -215,7 +215,7 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
     band = state.frequencies_on(step - state.warmup_steps, device)
     buffers = _Buffers(pool, device, blocks, keep, n, state.bits,
                        None if band is None else state.block_size)
-    coeffs, scale, q = buffers.coeffs, buffers.scale, buffers.q
+    coeffs, scale = buffers.coeffs, buffers.scale
     with state.timer("encode_seconds"):
         # 1. Accumulate.
         residual.add_(grad, alpha=state.weight())
@@ -225,35 +225,29 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
         torch.linalg.vector_norm(coeffs, math.inf, dim=1, out=scale)
         scale.nan_to_num_(nan=math.inf)  # MAX keeps an infinity, so every rank sees it
     state.count_bytes(n * grad.element_size(), blocks * 4 + state.wire_bytes(n), True)
-    # Wait here rather than in a callback: every collective is issued from this thread,
-    # so all ranks issue them in the same order (gloo and NCCL match them by order).
+    # Waited for here: all ranks issue every collective from this thread, in the same order.
     dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=state.process_group)
     with state.timer("encode_seconds"):
         # CUDA: a device flag (no host sync); a non-finite scale is zeroed and the step dropped.
         finite = state.check_finite(scale, index, step, plan_bucket, tuple(buffers.all))
         state.drop_unless(finite, coeffs)  # CUDA, non-finite: zeros on the wire, a zero gradient
         # 4. Quantize.
-        ops.quantize(coeffs, scale, levels, QUANT_DTYPES[state.bits], out=q)
-        if state.bits == 16:
-            pack_int16_pairs(q.view(-1), levels, buffers.wire)
-        else:
-            buffers.wire.copy_(q.view(-1))
+        _quantize_onto_wire(state, buffers, levels)
     # 5. Allreduce the integers; meanwhile error feedback keeps what this rank's own
     #    integers do not represent: residual -= decode(q_local).
     summed = dist.all_reduce(buffers.wire, group=state.process_group, async_op=True).get_future()
     with state.timer("encode_seconds"):
-        ops.dequantize(q, scale, levels, out=coeffs)
+        ops.dequantize(buffers.q, scale, levels, out=coeffs)
         _decode(state, coeffs, band, buffers.decoded, buffers.full)
         residual.sub_(buffers.decoded)
-    # CUDA: the callback reuses coeffs and decoded on a stream of its own, after this.
-    error_feedback_done = state.callbacks.mark(device)
+    error_feedback_done = state.callbacks.mark(device)  # CUDA: decode() reuses these buffers
 
     # 6. Dequantize the sum and invert the transform into the bucket.
     def decode(fut) -> torch.Tensor:
         fut.value()
         with state.timer("decode_seconds"):
             state.callbacks.wait(error_feedback_done, device)
-            if state.bits == 16:
+            if state.bits == 16:  # the wire's pairs back to one sum per coefficient
                 unpack_int16_pair_sums(buffers.wire, levels, world_size, blocks * keep, buffers.summed.view(-1))
             ops.dequantize(buffers.summed, scale, levels, out=coeffs)
             _decode(state, coeffs, band, buffers.decoded, buffers.full)
@@ -262,6 +256,16 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
         return grad
 
     return summed.then(decode)
+
+
+def _quantize_onto_wire(state: DCTQuantState, buffers: "_Buffers", levels: int) -> None:
+    """Step 4: the kept coefficients as integers of the agreed scale, onto the wire (16 bits:
+    two per int32, see :func:`pack_int16_pairs`)."""
+    ops.quantize(buffers.coeffs, buffers.scale, levels, QUANT_DTYPES[state.bits], out=buffers.q)
+    if state.bits == 16:
+        pack_int16_pairs(buffers.q.view(-1), levels, buffers.wire)
+    else:
+        buffers.wire.copy_(buffers.q.view(-1))
 
 
 class _Buffers:

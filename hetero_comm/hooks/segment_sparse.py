@@ -86,7 +86,7 @@ class SegmentSparseState(ErrorFeedbackState):
         output: ``"sum"`` (default): the bucket becomes the (weighted) sum of what was sent;
             ``"sign"``: its elementwise sign (-1, 0 or 1), a sign step for AdamW with
             ``betas=(0.0, 0.0)`` (it then moves each coordinate by ``lr`` in the direction of
-            the agreed sum; the residual plays the momentum's part). See the README.
+            the agreed sum; the residual plays the momentum's part). See docs/recipes.md.
         rank_weight, warmup_steps, min_compress_numel: see
             :class:`~hetero_comm.hooks.ErrorFeedbackState`.
     """

@@ -297,21 +297,7 @@ def convert_dropout(model: nn.Module, p: Optional[float] = None, *, seed: Option
                 raise ValueError(message)
             logger.warning("%s; left as standard dropout", message)
             continue
-        parent, linear_index, dropout_index = found
-        linear = parent[linear_index]
-        if skip_compute:
-            linear = parent[linear_index] = SlicedLinear.from_linear(linear)
-        after = parent[dropout_index + 1] if dropout_index + 1 < len(parent) else None
-        consumer = after if isinstance(after, nn.Linear) and after.in_features == linear.out_features else None
-        if consumer is not None and skip_compute:
-            consumer = parent[dropout_index + 1] = SlicedLinear.from_linear(consumer)
-        unit = UnitDropout(dropout.p if p is None else p, linear.out_features, unit_set,
-                           producer=linear, consumer=consumer)
-        parent[dropout_index] = unit
-        if skip_compute:
-            linear.slice_by(output_dropout=unit)
-            if consumer is not None:
-                consumer.slice_by(input_dropout=unit)
+        _convert_one(found, dropout.p if p is None else p, unit_set, skip_compute)
     if not unit_set.layers:
         raise ValueError("convert_dropout found no nn.Dropout after an nn.Linear to convert")
     return unit_set
@@ -334,3 +320,24 @@ def _producers(model: nn.Module) -> Dict[str, Tuple[nn.Sequential, int, int]]:
             if j >= 0 and isinstance(children[j], nn.Linear):
                 found[f"{prefix}.{i}" if prefix else str(i)] = (module, j, i)
     return found
+
+
+def _convert_one(found: Tuple[nn.Sequential, int, int], p: float, unit_set: UnitDropoutSet,
+                 skip_compute: bool) -> None:
+    """One dropout of ``parent`` (at ``dropout_index``, after the Linear at ``linear_index``)
+    made a :class:`UnitDropout` of ``unit_set``; with ``skip_compute`` its producer and
+    consumer made :class:`SlicedLinear`."""
+    parent, linear_index, dropout_index = found
+    linear = parent[linear_index]
+    if skip_compute:
+        linear = parent[linear_index] = SlicedLinear.from_linear(linear)
+    after = parent[dropout_index + 1] if dropout_index + 1 < len(parent) else None
+    consumer = after if isinstance(after, nn.Linear) and after.in_features == linear.out_features else None
+    if consumer is not None and skip_compute:
+        consumer = parent[dropout_index + 1] = SlicedLinear.from_linear(consumer)
+    unit = UnitDropout(p, linear.out_features, unit_set, producer=linear, consumer=consumer)
+    parent[dropout_index] = unit
+    if skip_compute:
+        linear.slice_by(output_dropout=unit)
+        if consumer is not None:
+            consumer.slice_by(input_dropout=unit)

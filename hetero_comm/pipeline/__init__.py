@@ -1,4 +1,4 @@
-"""Pipeline + data parallel training across unequal devices (seed 002).
+"""Pipeline + data parallel training across unequal devices.
 
 1. Profile: :func:`profile_layers` on each kind of device (:func:`gather_profiles` shares them).
 2. Describe one machine: a :class:`DeviceKind` per device, in a :class:`Cluster` of ``m`` machines.
@@ -10,14 +10,14 @@
 
 from .cost import Cluster, DeviceKind
 from .plan import SCHEDULES, PipelinePlan, StagePlan
-from .planner import (evaluate_plan, even_plan, exhaustive_plan, plan_pipeline, proportional_plan,
-                      seed_order)
+from .planner import (capability_order, evaluate_plan, even_plan, exhaustive_plan, plan_pipeline,
+                      proportional_plan, seed_order)
 from .profile import LayerProfile, gather_profiles, profile_layers
 from .simulate import Simulation, format_plan, plot_timeline, simulate
 from .executor import PipelineGroups, PipelineRunner, build_pipeline
 
 __all__ = ["PipelinePlan", "StagePlan", "SCHEDULES", "Cluster", "DeviceKind", "LayerProfile",
            "profile_layers", "gather_profiles", "plan_pipeline", "exhaustive_plan", "even_plan",
-           "proportional_plan", "evaluate_plan", "seed_order", "simulate", "Simulation",
-           "format_plan", "plot_timeline"]
+           "proportional_plan", "evaluate_plan", "capability_order", "seed_order", "simulate",
+           "Simulation", "format_plan", "plot_timeline"]
 __all__ += ["PipelineGroups", "PipelineRunner", "build_pipeline"]

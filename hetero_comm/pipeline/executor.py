@@ -1,4 +1,4 @@
-"""Run a :class:`~hetero_comm.pipeline.plan.PipelinePlan` (seed 002, step 5): pipeline stages
+"""Run a :class:`~hetero_comm.pipeline.plan.PipelinePlan`: pipeline stages
 inside each machine, data parallelism across machines, on ``torch.distributed.pipelining``.
 
 The world is ``machines x num_stages`` ranks; rank ``machine * num_stages + stage`` holds
@@ -237,12 +237,10 @@ def build_pipeline(layers: Union[nn.Sequential, Sequence[nn.Module]], plan: Pipe
     """
     layers = list(layers)
     if len(layers) != plan.num_layers:
-        raise ValueError(f"the plan covers {plan.num_layers} layers but the model has "
-                         f"{len(layers)}")
+        raise ValueError(f"the plan covers {plan.num_layers} layers but the model has {len(layers)}")
     groups = _groups_for(plan, groups)
     device = torch.device(device)
-    stage_module = _stage_module(layers, plan.stages[groups.stage]).to(device)
-    module: nn.Module = stage_module
+    stage_module = module = _stage_module(layers, plan.stages[groups.stage]).to(device)
     if groups.machines > 1:
         module = DistributedDataParallel(stage_module, process_group=groups.data_parallel_group,
                                          **(ddp_kwargs or {}))

@@ -66,6 +66,3 @@ class PipelinePlan:
     @property
     def num_layers(self) -> int:
         return self.stages[-1].last_layer
-
-    def layer_ranges(self) -> Tuple[Tuple[int, int], ...]:
-        return tuple((stage.first_layer, stage.last_layer) for stage in self.stages)

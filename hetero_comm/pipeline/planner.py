@@ -1,14 +1,15 @@
-"""Split a model into pipeline stages across unequal devices (seed 002, steps 1, 2 and 4).
+"""Split a model into pipeline stages across unequal devices.
 
-* :func:`seed_order`: the devices' stage order, by the ratio of compute capability to sync cost.
+* :func:`capability_order`: the devices' stage order, by the ratio of compute capability to sync cost.
 * :func:`plan_pipeline`: contiguous layer ranges (and where to recompute) by an integer program
   (``scipy.optimize.milp``, HiGHS) that minimises the cost model of :mod:`.cost`.
 * :func:`exhaustive_plan`: the same minimum by trying every split; the ILP's check on small cases.
-* :func:`proportional_plan` / :func:`even_plan`: the seed's rule of thumb and the naive split.
+* :func:`proportional_plan` / :func:`even_plan`: the proportional rule of thumb and the naive split.
 """
 
 import itertools
 import math
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -17,8 +18,8 @@ from .._checks import check_choice, check_float, check_int
 from .cost import Cluster, DeviceKind, estimate_step, stage_estimates
 from .plan import SCHEDULES, PipelinePlan, StagePlan
 
-__all__ = ["seed_order", "plan_pipeline", "exhaustive_plan", "proportional_plan", "even_plan",
-           "evaluate_plan"]
+__all__ = ["capability_order", "seed_order", "plan_pipeline", "exhaustive_plan", "proportional_plan",
+           "even_plan", "evaluate_plan"]
 
 
 def _compute_capability(device: DeviceKind) -> float:
@@ -27,8 +28,8 @@ def _compute_capability(device: DeviceKind) -> float:
     return math.inf if total == 0 else 1.0 / total
 
 
-def seed_order(cluster: Cluster) -> Tuple[DeviceKind, ...]:
-    """The seed's stage order: largest ratio of compute capability to communication cost first.
+def capability_order(cluster: Cluster) -> Tuple[DeviceKind, ...]:
+    """The stage order: largest ratio of compute capability to communication cost first.
 
     Each device's share of the model is proportional to its capability (equal stage times), so
     its sync cost is ``share * model bytes * 2 (m - 1) / m / its bandwidth``. Ties (e.g. one
@@ -48,9 +49,20 @@ def seed_order(cluster: Cluster) -> Tuple[DeviceKind, ...]:
     return tuple(sorted(cluster.devices, key=key))
 
 
+def seed_order(cluster: Cluster) -> Tuple[DeviceKind, ...]:
+    """Deprecated spelling of :func:`capability_order`."""
+    warnings.warn("seed_order is now capability_order; the old name goes in the next release",
+                  DeprecationWarning, stacklevel=2)
+    return capability_order(cluster)
+
+
 def _resolve_order(cluster: Cluster, order) -> Tuple[DeviceKind, ...]:
-    if order == "seed":
-        return seed_order(cluster)
+    if isinstance(order, str) and order == "seed":
+        warnings.warn("order='seed' is now order='capability'; the old spelling goes in the "
+                      "next release", DeprecationWarning, stacklevel=3)
+        order = "capability"
+    if isinstance(order, str) and order == "capability":
+        return capability_order(cluster)
     names = list(order)
     if sorted(names) != sorted(d.name for d in cluster.devices):
         raise ValueError(f"order must name every device kind once; got {names}, the cluster has "
@@ -95,7 +107,7 @@ def _fits(cluster, order, boundaries, recompute, micro_batches, schedule) -> boo
 
 
 def exhaustive_plan(cluster: Cluster, micro_batches: int, schedule: str = "gpipe", *,
-                    order="seed", allow_recompute: bool = True) -> PipelinePlan:
+                    order="capability", allow_recompute: bool = True) -> PipelinePlan:
     """The best plan under the cost model by trying every split and recompute choice.
 
     Exponential: for checking :func:`plan_pipeline` on small cases only.
@@ -137,7 +149,7 @@ def _no_fit_message(cluster, order, micro_batches, schedule) -> str:
 
 
 def proportional_plan(cluster: Cluster, micro_batches: int, schedule: str = "gpipe", *,
-                      order="seed") -> PipelinePlan:
+                      order="capability") -> PipelinePlan:
     """The seed's step 1: layers in proportion to each device's compute capability (the
     largest remainders rounded up, at least one layer each). Exact only for equal layers."""
     _check_request(cluster, micro_batches, schedule)
@@ -149,7 +161,7 @@ def proportional_plan(cluster: Cluster, micro_batches: int, schedule: str = "gpi
 
 
 def even_plan(cluster: Cluster, micro_batches: int, schedule: str = "gpipe", *,
-              order="seed") -> PipelinePlan:
+              order="capability") -> PipelinePlan:
     """Equal numbers of layers per stage (the first stages take the remainder)."""
     _check_request(cluster, micro_batches, schedule)
     order = _resolve_order(cluster, order)
@@ -171,16 +183,16 @@ def _apportion(total: int, weights: Sequence[float]) -> List[int]:
 
 
 def plan_pipeline(cluster: Cluster, micro_batches: int, schedule: str = "gpipe", *,
-                  order="seed", allow_recompute: bool = True,
+                  order="capability", allow_recompute: bool = True,
                   time_limit_s: float = 30.0) -> PipelinePlan:
     """Split the model into one contiguous stage per device kind, minimising the step time.
 
-    1. Order the devices (:func:`seed_order`, or ``order``: a sequence of device kind names).
+    1. Order the devices (:func:`capability_order`, or ``order``: a sequence of device kind names).
     2. Solve the integer program of :mod:`._milp` (HiGHS): where each stage starts and whether
        it recomputes its activations, under each device's memory limit (first without the
-       limits: if that optimum fits, it is the answer). Recomputation is
-       chosen only where it is needed to fit, and lands on stages whose extra forward hides
-       in the pipeline's idle time whenever such a plan is as fast.
+       limits: if that optimum fits, it is the answer). Recomputation is chosen only where
+       needed to fit, on stages whose extra forward hides in the pipeline's idle time
+       whenever such a plan is as fast.
     3. Fill in the cost model's predictions (:func:`~hetero_comm.pipeline.simulate` gives the
        schedule's timeline).
 
@@ -208,7 +220,6 @@ def plan_pipeline(cluster: Cluster, micro_batches: int, schedule: str = "gpipe",
     check_float("time_limit_s", time_limit_s, 0, math.inf, low_open=True)
     order = _resolve_order(cluster, order)
     from ._milp import solve_partition  # scipy is imported only when a plan is asked for
-
     # The best plan with no memory limit and no recomputation is a lower bound on the step;
     # when it fits anyway it is the answer, and that program is several times easier.
     boundaries, recompute, message = solve_partition(cluster, order, micro_batches, schedule, False,

@@ -1,4 +1,4 @@
-"""Per-layer costs for the planner (seed 002, step 3): time each layer's forward and backward on
+"""Per-layer costs for the planner: time each layer's forward and backward on
 the device that will run it, and count the bytes it keeps, sends and holds as parameters."""
 
 import math
@@ -138,34 +138,35 @@ def profile_layers(layers: Sequence[nn.Module], sample: torch.Tensor, *, repeats
     check_int("repeats", repeats, 1)
     check_int("warmup", warmup, 0)
     check_float("min_sample_s", min_sample_s, 0, 60)
-    device = sample.device
-    columns: Dict[str, List] = {name: [] for name in
-                                ("forward_s", "backward_s", "output_bytes", "saved_bytes", "param_bytes",
-                                 "update_s")}
-    current = sample.detach()
+    timing = dict(repeats=repeats, warmup=warmup, min_sample_s=min_sample_s, device=sample.device)
+    rows, current = [], sample.detach()
     for layer in layers:
-        inputs = current.detach().requires_grad_(current.is_floating_point())
-        output, saved = _saved_bytes_of_forward(layer, inputs)
-        gradient = torch.randn_like(output) if output.is_floating_point() else None
-        with torch.no_grad():
-            columns["forward_s"].append(_median_seconds(lambda: layer(inputs), repeats, warmup, min_sample_s, device))
+        row, current = _profile_layer(layer, current, optimizer, timing)
+        rows.append(row)
+    columns = {name: tuple(row[name] for row in rows) for name in rows[0]}
+    return LayerProfile(**columns, input_bytes=_tensor_bytes(sample))
 
-        def forward_backward():
-            out = layer(inputs)
-            if gradient is not None and out.requires_grad:
-                out.backward(gradient)
 
-        both = _median_seconds(forward_backward, repeats, warmup, min_sample_s, device)
-        layer.zero_grad(set_to_none=True)
-        columns["backward_s"].append(max(both - columns["forward_s"][-1], 0.0))
-        columns["output_bytes"].append(_tensor_bytes(output))
-        columns["saved_bytes"].append(saved)
-        columns["param_bytes"].append(sum(_tensor_bytes(p) for p in layer.parameters()))
-        columns["update_s"].append(_update_seconds(layer, optimizer, repeats, warmup, min_sample_s,
-                                                   device))
-        current = output
-    return LayerProfile(**{name: tuple(values) for name, values in columns.items()},
-                        input_bytes=_tensor_bytes(sample))
+def _profile_layer(layer: nn.Module, current: torch.Tensor, optimizer, timing: dict):
+    """One layer's row of :func:`profile_layers` on input ``current``, and its output."""
+    inputs = current.detach().requires_grad_(current.is_floating_point())
+    output, saved = _saved_bytes_of_forward(layer, inputs)
+    gradient = torch.randn_like(output) if output.is_floating_point() else None
+    with torch.no_grad():
+        forward_s = _median_seconds(lambda: layer(inputs), **timing)
+
+    def forward_backward():
+        out = layer(inputs)
+        if gradient is not None and out.requires_grad:
+            out.backward(gradient)
+
+    both = _median_seconds(forward_backward, **timing)
+    layer.zero_grad(set_to_none=True)
+    row = dict(forward_s=forward_s, backward_s=max(both - forward_s, 0.0),
+               output_bytes=_tensor_bytes(output), saved_bytes=saved,
+               param_bytes=sum(_tensor_bytes(p) for p in layer.parameters()),
+               update_s=_update_seconds(layer, optimizer, **timing))
+    return row, output
 
 
 def _update_seconds(layer: nn.Module, optimizer, repeats: int, warmup: int, min_sample_s: float,

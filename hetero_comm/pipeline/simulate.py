@@ -1,4 +1,4 @@
-"""Play a plan's schedule out in time (seed 002, step 4's simulator), and show plans readably.
+"""Play a plan's schedule out in time, and show plans readably.
 
 :func:`simulate` runs every forward, backward, transfer and sync of one step as events with
 their real dependencies and the order each schedule uses on each stage, rather than the closed
