@@ -33,7 +33,7 @@ def test_the_op_list_is_the_registered_schemas_and_both_apis():
     public = {name for name in registered if not name.startswith("_")}
     assert public == set(KERNEL_OPS), public ^ set(KERNEL_OPS)
     assert reference.__all__ == list(KERNELS)
-    assert ops.__all__ == [*KERNELS, "set_strict_checks"]
+    assert ops.__all__ == [*KERNELS, "set_strict_checks", "num_segments"]
     for name in KERNELS:
         assert callable(getattr(ops, name)) and callable(getattr(reference, name)), name
 
@@ -84,6 +84,26 @@ def test_import_falls_back_to_references_with_one_warning():
     assert result.returncode == 0, result.stderr
     assert "fallback ok" in result.stdout
     assert result.stderr.count("falling back to the pure-PyTorch reference kernels") == 1, result.stderr
+
+
+def test_training_with_the_compiled_kernels_never_loads_the_reference():
+    """The references are the kernels' specification and fallback: with the compiled kernels,
+    importing the hooks (and the package, the one call, the lab) must not import them, so no
+    hook can reach a reference by accident."""
+    require_compiled("cpu")
+    script = textwrap.dedent("""
+        import sys
+        import hetero_comm, hetero_comm.hooks, hetero_comm.recipes, hetero_comm.sync
+        import hetero_comm.pipeline, hetero_comm.lab.training
+        assert hetero_comm.extension_load_error() is None
+        assert "hetero_comm.reference" not in sys.modules, "imported"
+        from hetero_comm import reference  # on first use
+        assert "hetero_comm.reference" in sys.modules and reference.__all__
+        print("lazy ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "lazy ok" in result.stdout, result.stderr
 
 
 def needed_libraries(path) -> list:

@@ -142,6 +142,7 @@ def test_dct_basis_segments_are_one_frequency_of_a_group_of_blocks(numel, block,
     dict(basis="elements"),
     dict(basis="dct", dct_block_size=4),
     dict(wire_dtype="int8", segment_size=512, min_segments_per_bucket=150),  # the SGD recipe's wire and cut
+    dict(basis="dct", dct_block_size=8, segment_size=64, min_segments_per_bucket=40),  # fewer blocks
 ])
 def test_unequal_rank_weights_and_uneven_buckets(variant):
     weights = [0.2, 0.3, 0.5]
@@ -402,8 +403,6 @@ def test_check_optimizer_warns_when_the_step_does_not_suit_the_output(output, op
     (lambda: SegmentSparseState(basis="dct", momentum=0.9), "use basis='elements' with momentum"),
     (lambda: SegmentSparseState(output="mean"), "output must be one of"),
     (lambda: SegmentSparseState(min_segments_per_bucket=-1), "min_segments_per_bucket"),
-    (lambda: SegmentSparseState(basis="dct", min_segments_per_bucket=150),
-     "use basis='elements' with it"),
     (lambda: DCTQuantState(block_size=100), "block_size must be a power of two"),
     (lambda: DCTQuantState(block_size=1), "block_size"),
     (lambda: DCTQuantState(keep_ratio=0.0), "keep_ratio"),
@@ -483,6 +482,28 @@ def test_min_segments_per_bucket_picks_the_largest_power_of_two_that_gives_them(
     if minimum and 1 < expected < 512:  # enough segments, and the largest size that gives them
         assert math.ceil(numel / expected) >= minimum > math.ceil(numel / (2 * expected))
     assert SegmentSparseState(segment_size=512, basis="dct").segment_size_for(numel) == 512
+
+
+@pytest.mark.parametrize("numel, block, minimum", [(85_002, 64, 150), (1_247, 16, 150),
+                                                   (76_000, 64, 150), (299, 64, 150), (4_096, 8, 40)])
+def test_min_segments_per_bucket_cuts_dct_segments_into_fewer_blocks(numel, block, minimum):
+    """With basis="dct" a segment is one frequency of ``segment_size`` blocks: the option cuts
+    segments of fewer blocks, a power of two, so that the bucket has ``minimum`` of them."""
+    state = SegmentSparseState(segment_size=512, basis="dct", dct_block_size=block,
+                               min_segments_per_bucket=minimum)
+    group = state.segment_size_for(numel)
+    blocks = math.ceil(numel / block)
+
+    def count(blocks_per_segment):
+        return math.ceil(blocks / blocks_per_segment) * block
+
+    assert group & (group - 1) == 0
+    if count(512) >= minimum:
+        assert group == 512
+    elif count(1) >= minimum:  # enough, and no smaller than the bound numel / minimum gives
+        assert count(group) >= minimum and 2 * group > blocks * block // minimum
+    else:
+        assert group == 1
 
 
 def test_min_segments_per_bucket_trains_as_the_fitting_segment_size_does():

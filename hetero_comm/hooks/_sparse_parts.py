@@ -33,6 +33,9 @@ __all__ = ["ElementSegments", "DctSegments", "CurrentSelection", "LaggedSelectio
 
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                "int8": torch.int8}
+# basis="elements": a bucket cut into fewer segments than this gets a warning (coarse segments
+# mix coordinates that need sending often with ones that can wait).
+MIN_SEGMENTS_PER_BUCKET = 150
 # int8 wire: a rank's values are clipped at this many times the ranks' mean RMS of the segment
 # (what is clipped stays in the residual).
 INT8_CLIP_RMS = 4.0
@@ -48,6 +51,12 @@ class ElementSegments:
         self.segment = state.segment_size_for(self.numel)
         self.count = num_segments(self.numel, self.segment)
         self.buffers: Tuple[torch.Tensor, ...] = ()
+
+    def warn_if_coarse(self, state, index: int, k: int) -> None:
+        """Warn (once per state) when a selection among too few segments of elements mixes
+        coordinates that need sending often with ones that can wait."""
+        if k < self.count < MIN_SEGMENTS_PER_BUCKET:
+            state.warn_coarse_segments(index, self.numel, self.segment, self.count)
 
     def accumulate(self, contribution: torch.Tensor, importance: torch.Tensor) -> None:
         """``residual += contribution``; every segment's L2 norm into ``importance``."""
@@ -68,7 +77,7 @@ class DctSegments:
 
     def __init__(self, state, residual: torch.Tensor, grad: torch.Tensor) -> None:
         self.residual = residual
-        self.segment = state.segment_size
+        self.segment = state.segment_size_for(residual.numel())
         self.basis = DctBasis(residual.numel(), state.dct_block_size, self.segment)
         self.numel = self.basis.coefficients
         self.count = num_segments(self.numel, self.segment)
@@ -80,6 +89,9 @@ class DctSegments:
         if grad.dtype != torch.float32:
             self.decoded = pool.acquire(grad.numel(), torch.float32, device)
             self.buffers += (self.decoded,)
+
+    def warn_if_coarse(self, state, index: int, k: int) -> None:
+        """Nothing: every segment of coefficients touches all of its blocks' elements."""
 
     def accumulate(self, contribution: torch.Tensor, importance: torch.Tensor) -> None:
         """``residual += contribution``; its coefficients into :attr:`vector` and every

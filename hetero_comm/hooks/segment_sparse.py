@@ -21,17 +21,15 @@ from .._layout import num_segments
 from ._optimizer import (HandedMomentumCorrectedSum, HandedSign, HandedSum, SIGN_LR_SCALE,
                          momentum_correction_lr_scale)
 from ._plan import PlanBucket
-from ._sparse_parts import (INT8_CLIP_RMS, SEGMENTS, SELECTIONS, WIRE_DTYPES, WIRES,
-                            add_contribution, int8_levels, restart_sent_velocity)
+from ._sparse_parts import (INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, SEGMENTS, SELECTIONS,
+                            WIRE_DTYPES, WIRES, add_contribution, int8_levels,
+                            restart_sent_velocity)
 from ._state import ErrorFeedbackState, check_state
 
 __all__ = ["SegmentSparseState", "segment_sparse_hook", "momentum_correction_lr_scale",
            "int8_levels", "fitting_segment_size", "MIN_SEGMENTS_PER_BUCKET", "SIGN_LR_SCALE",
            "INT8_CLIP_RMS", "WIRE_DTYPES"]
 
-# basis="elements": a bucket cut into fewer segments than this gets a warning (coarse segments
-# mix coordinates that need sending often with ones that can wait).
-MIN_SEGMENTS_PER_BUCKET = 150
 BASES = tuple(SEGMENTS)
 OUTPUTS = ("sum", "sign")
 
@@ -52,9 +50,9 @@ class SegmentSparseState(ErrorFeedbackState):
             at least :data:`MIN_SEGMENTS_PER_BUCKET` segments per bucket (a warning says when a
             bucket has fewer): on small models, use smaller segments, or let
             ``min_segments_per_bucket`` pick them.
-        min_segments_per_bucket: with ``basis="elements"``, a bucket that ``segment_size`` cuts
-            into fewer segments than this is cut into smaller ones: the largest power of two
-            that gives at least this many (:meth:`segment_size_for`; each bucket's size
+        min_segments_per_bucket: a bucket that ``segment_size`` cuts into fewer segments than
+            this is cut into smaller ones (``basis="dct"``: of fewer blocks): the largest power
+            of two no larger than the bucket's size over this, which gives at least this many (:meth:`segment_size_for`; each bucket's size
             follows from its own number of elements, so it is the same on every rank and after
             a resume). 0 (default): ``segment_size`` everywhere. The SGD recipe uses
             :data:`MIN_SEGMENTS_PER_BUCKET` (150).
@@ -131,11 +129,6 @@ class SegmentSparseState(ErrorFeedbackState):
         if self.basis == "dct" and self.momentum:
             raise ValueError("momentum correction clears the velocity of the sent elements, which "
                              "basis='dct' does not send one by one: use basis='elements' with momentum")
-        if self.basis == "dct" and self.min_segments_per_bucket:
-            raise ValueError("min_segments_per_bucket cuts buckets into smaller segments of "
-                             "elements; with basis='dct' a segment is one frequency of "
-                             "segment_size blocks, which it does not change: use "
-                             "basis='elements' with it, or leave it at 0")
 
     def settings(self) -> dict:
         return dict(density=self.density, segment_size=self.segment_size,
@@ -178,12 +171,18 @@ class SegmentSparseState(ErrorFeedbackState):
         return super().prepare_optimizer(optimizer, lr_scale)
 
     def segment_size_for(self, numel: int) -> int:
-        """Elements per segment in a bucket (or the part of one a plan bucket holds) of
-        ``numel`` elements: ``segment_size``, or with ``min_segments_per_bucket`` (and
-        ``basis="elements"``) a power of two small enough to give the bucket that many segments
-        when ``segment_size`` does not (single elements when even they are too few)."""
+        """Elements per segment (``basis="dct"``: blocks per segment) in a bucket, or the part
+        of one a plan bucket holds, of ``numel`` elements: ``segment_size``, or with
+        ``min_segments_per_bucket`` the power of two :func:`fitting_segment_size` gives when
+        ``segment_size`` leaves fewer segments than that (1 when even that gives too few)."""
         minimum = self.min_segments_per_bucket
-        if self.basis != "elements" or not minimum or num_segments(numel, self.segment_size) >= minimum:
+        if self.basis == "dct":  # a segment: one frequency of segment_size blocks
+            blocks = num_segments(numel, self.dct_block_size)
+            numel = blocks * self.dct_block_size
+            count = num_segments(blocks, self.segment_size) * self.dct_block_size
+        else:
+            count = num_segments(numel, self.segment_size)
+        if not minimum or count >= minimum:
             return self.segment_size
         return min(self.segment_size, fitting_segment_size(numel, minimum))
 
@@ -278,8 +277,7 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
     wire_format_class.check_world_size(state.world_size())  # before anything is written
     segments = SEGMENTS[state.basis](state, plan_bucket.tensors["residual"], grad)
     k = state.segments_to_send(segments.count, step)
-    if k < segments.count and state.basis == "elements" and segments.count < MIN_SEGMENTS_PER_BUCKET:
-        state.warn_coarse_segments(index, segments.numel, segments.segment, segments.count)
+    segments.warn_if_coarse(state, index, k)
     # 1. Accumulate.
     importance = pool.acquire(segments.count, torch.float32, device)
     with state.timer("encode_seconds"):
