@@ -184,6 +184,7 @@ def test_no_sync_gradient_accumulation(hook, settings_):
     ("sparse", dict(SPARSE, selection="lagged", momentum=0.9)),
     ("sparse", dict(SPARSE, basis="dct", dct_block_size=8, output="sign")),
     ("sparse", dict(SPARSE, wire_dtype="int8", momentum=0.9)),
+    ("sparse", dict(SPARSE, basis="dct", dct_block_size=8, momentum=0.9)),
     # each bucket's segment size from its own size (0.002 MB: buckets of a few hundred elements)
     ("sparse", dict(SPARSE, wire_dtype="int8", momentum=0.9, segment_size=512, min_segments_per_bucket=150)),
     ("dct", DCT),
@@ -199,6 +200,17 @@ def test_resume_from_state_dict_continues_exactly(hook, settings_, bucket_cap_mb
     for a, b in zip(uninterrupted, resumed):
         np.testing.assert_array_equal(a["params"], b["params"])
         np.testing.assert_array_equal(a["held_back"], b["held_back"])
+
+
+@pytest.mark.parametrize("basis", [dict(basis="elements"), dict(basis="dct", dct_block_size=4)])
+def test_momentum_correction_at_full_density_clears_the_whole_velocity(basis):
+    """Every segment sent: momentum correction clears the whole velocity each step (in the
+    DCT basis, every coefficient), so the result is the weighted sum of the gradients; with
+    sparse sends the ranks stay identical."""
+    options = dict(weights=[0.25, 0.75], bucket_cap_mb=0.002)
+    full = run_ranks(2, train, "sparse", dict(SPARSE, density=1.0, momentum=0.9, **basis), 4, options)
+    np.testing.assert_allclose(full[0]["applied"], weighted_sum(full), rtol=1e-5, atol=1e-6)
+    assert_ranks_identical(run_ranks(2, train, "sparse", dict(SPARSE, momentum=0.9, **basis), 6, options))
 
 
 def test_resume_with_each_rank_loading_its_own_checkpoint():
@@ -400,7 +412,6 @@ def test_check_optimizer_warns_when_the_step_does_not_suit_the_output(output, op
     (lambda: SegmentSparseState(density_warmup_steps=-1), "density_warmup_steps"),
     (lambda: SegmentSparseState(basis="wavelet"), "basis must be one of"),
     (lambda: SegmentSparseState(basis="dct", dct_block_size=48), "dct_block_size must be a power of two"),
-    (lambda: SegmentSparseState(basis="dct", momentum=0.9), "use basis='elements' with momentum"),
     (lambda: SegmentSparseState(output="mean"), "output must be one of"),
     (lambda: SegmentSparseState(min_segments_per_bucket=-1), "min_segments_per_bucket"),
     (lambda: DCTQuantState(block_size=100), "block_size must be a power of two"),

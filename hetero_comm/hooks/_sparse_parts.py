@@ -66,6 +66,12 @@ class ElementSegments:
         """After packing zeroed the sent segments of :attr:`vector`: nothing to do, the
         residual is that vector."""
 
+    def clear(self, state, flat: torch.Tensor, indices: torch.Tensor) -> None:
+        """Zero the selected segments of ``flat`` (laid out like the residual)."""
+        scratch = state.pool.acquire(indices.numel() * self.segment, torch.float32, flat.device)
+        ops.pack_segments_(flat, indices, self.segment, out=scratch)  # zeroes what it packs
+        state.pool.release(scratch)
+
     def deliver(self, packed: torch.Tensor, indices: torch.Tensor, grad: torch.Tensor) -> None:
         """The summed segments into ``grad``, zeros elsewhere."""
         ops.unpack_segments(packed, indices, self.segment, grad.numel(), out=grad)
@@ -104,6 +110,13 @@ class DctSegments:
         """After packing zeroed the sent coefficients: the residual is the rest, transformed
         back."""
         self.basis.decode(self.vector, self.residual, self.scratch)
+
+    def clear(self, state, flat: torch.Tensor, indices: torch.Tensor) -> None:
+        """Zero the selected segments of ``flat``'s coefficients (``flat`` laid out like the
+        residual; between packing and delivering, so :attr:`vector` is free)."""
+        self.basis.encode(flat, self.vector, self.scratch)
+        self.vector.view(-1, self.segment).index_fill_(0, indices, 0.0)
+        self.basis.decode(self.vector, flat, self.scratch)
 
     def deliver(self, packed: torch.Tensor, indices: torch.Tensor, grad: torch.Tensor) -> None:
         """The summed coefficients, transformed back, into ``grad``."""
@@ -336,14 +349,11 @@ def add_contribution(state, plan_bucket: PlanBucket, grad: torch.Tensor) -> torc
 
 
 def restart_sent_velocity(state, plan_bucket: PlanBucket, indices: torch.Tensor,
-                          segment: int) -> None:
-    """Momentum correction: the sent segments' velocity restarts from zero."""
-    if not state.momentum:
-        return
-    velocity = plan_bucket.tensors["momentum"]
-    scratch = state.pool.acquire(indices.numel() * segment, torch.float32, velocity.device)
-    ops.pack_segments_(velocity, indices, segment, out=scratch)  # zeroes what it packs
-    state.pool.release(scratch)
+                          segments) -> None:
+    """Momentum correction: the sent segments' velocity restarts from zero (in the basis the
+    segments cut)."""
+    if state.momentum:
+        segments.clear(state, plan_bucket.tensors["momentum"], indices)
 
 
 SEGMENTS = {"elements": ElementSegments, "dct": DctSegments}

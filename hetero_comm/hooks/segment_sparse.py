@@ -78,8 +78,8 @@ class SegmentSparseState(ErrorFeedbackState):
         basis: ``"elements"`` (default): a segment is ``segment_size`` consecutive gradient
             elements; ``"dct"``: each block of ``dct_block_size`` elements goes through an
             orthonormal DCT and a segment is one frequency of ``segment_size`` consecutive
-            blocks, so every selected segment touches all their elements. Not with
-            ``momentum``.
+            blocks, so every selected segment touches all their elements (momentum
+            correction then clears the velocity's sent coefficients).
         dct_block_size: the DCT's block, a power of two in [2, 4096] (default 64).
         output: ``"sum"`` (default): the bucket becomes the (weighted) sum of what was sent;
             ``"sign"``: its elementwise sign (-1, 0 or 1), a sign step for AdamW with
@@ -126,9 +126,6 @@ class SegmentSparseState(ErrorFeedbackState):
                              "from this step's agreed importance, which 'lagged' does not send first")
         if self.wire_dtype == "int8" and dist.is_initialized():
             int8_levels(self.world_size())  # a clear error now rather than at the first step
-        if self.basis == "dct" and self.momentum:
-            raise ValueError("momentum correction clears the velocity of the sent elements, which "
-                             "basis='dct' does not send one by one: use basis='elements' with momentum")
 
     def settings(self) -> dict:
         return dict(density=self.density, segment_size=self.segment_size,
@@ -294,7 +291,7 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
         selected.before_pack(importance)
         wire_format.pack_(segments, values)
         segments.keep_unsent()
-        restart_sent_velocity(state, plan_bucket, selected.indices, segments.segment)
+        restart_sent_velocity(state, plan_bucket, selected.indices, segments)
         selection.forget_sent(importance, selected.indices)
         selected.load(importance, riding, state.world_size())
         state.drop_unless(selected.finite, wire)  # CUDA, non-finite: the sum, and the gradient, are zero
