@@ -16,7 +16,10 @@ their error-feedback state by parameter (``_plan.py``), so it survives DDP's buc
 and a resumed run.
 
 Modules: ``_state.py`` (the states' shared settings, statistics, checkpoints and running),
-``_plan.py`` (the parameter-keyed error-feedback layout and its routing), one module per hook.
+``_plan.py`` (the parameter-keyed error-feedback layout and its routing), ``_optimizer.py``
+(what a hook hands the optimizer, and fitting the optimizer to it), ``_dropped.py`` (sending
+only what kept units touch), ``_sparse_parts.py`` (the parts the sparse hook's steps call),
+one module per hook.
 """
 
 from ._state import ErrorFeedbackState, HookState

@@ -205,7 +205,7 @@ class AgreedNow:
     def before_pack(self, importance: torch.Tensor) -> None:
         """Nothing: the importance was checked when it was agreed."""
 
-    def load(self, importance: torch.Tensor, riding: torch.Tensor, world_size: int) -> None:
+    def carry_importance(self, importance: torch.Tensor, riding: torch.Tensor, world_size: int) -> None:
         """Nothing rides on the wire."""
 
     def after_sum(self, state, importance: torch.Tensor, riding: torch.Tensor, wire: torch.Tensor,
@@ -236,7 +236,7 @@ class AgreedLastStep:
         device)."""
         self.local_finite = torch.isfinite(importance).all()
 
-    def load(self, importance: torch.Tensor, riding: torch.Tensor, world_size: int) -> None:
+    def carry_importance(self, importance: torch.Tensor, riding: torch.Tensor, world_size: int) -> None:
         """The importance of what stays held back onto the wire. A non-finite vector is
         poisoned whole (on the device, no host read), so every rank sees it after the sum; a
         finite one is saturated so that the sum over ranks stays finite on a 16-bit wire."""

@@ -63,8 +63,8 @@ class HookState:
         # Settings.
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None; "
-                            f"got {type(process_group).__name__} (settings are keyword "
-                            f"arguments, e.g. density=0.01)")
+                            f"got {type(process_group).__name__} (the other settings of "
+                            f"{type(self).__name__} are keyword arguments)")
         self.process_group = process_group
         self.rank_weight = rank_weight
         # Internal state: steps completed (a step ends with DDP's last bucket), and the

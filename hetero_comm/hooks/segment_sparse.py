@@ -52,10 +52,11 @@ class SegmentSparseState(ErrorFeedbackState):
             ``min_segments_per_bucket`` pick them.
         min_segments_per_bucket: a bucket that ``segment_size`` cuts into fewer segments than
             this is cut into smaller ones (``basis="dct"``: of fewer blocks): the largest power
-            of two no larger than the bucket's size over this, which gives at least this many (:meth:`segment_size_for`; each bucket's size
-            follows from its own number of elements, so it is the same on every rank and after
-            a resume). 0 (default): ``segment_size`` everywhere. The SGD recipe uses
-            :data:`MIN_SEGMENTS_PER_BUCKET` (150).
+            of two no larger than the bucket's size over this, which gives at least this many
+            (:meth:`segment_size_for`; each bucket's size follows from its own number of
+            elements, so it is the same on every rank and after a resume). 0 (default):
+            ``segment_size`` everywhere. The SGD recipe uses :data:`MIN_SEGMENTS_PER_BUCKET`
+            (150).
         selection: ``"current"`` (default): agree on this step's importance first (a small
             allreduce of S float32 values), then send the top ``k`` segments; or
             ``"lagged"``: send the segments chosen from the previous step's importance and
@@ -293,7 +294,7 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
         segments.keep_unsent()
         restart_sent_velocity(state, plan_bucket, selected.indices, segments)
         selection.forget_sent(importance, selected.indices)
-        selected.load(importance, riding, state.world_size())
+        selected.carry_importance(importance, riding, state.world_size())
         state.drop_unless(selected.finite, wire)  # CUDA, non-finite: the sum, and the gradient, are zero
     state.count_bytes(grad.numel() * grad.element_size(), wire.numel() * wire.element_size()
                       + selected.importance_bytes_per_segment * segments.count, True)
