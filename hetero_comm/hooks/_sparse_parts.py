@@ -149,8 +149,9 @@ class CurrentSelection:
 class LaggedSelection:
     """``selection="lagged"``: send the segments chosen at the previous step
     (:class:`AgreedLastStep`), from the summed importance of what was held back then, so a
-    bucket takes one collective. The first compressed step, and a step whose ``k`` differs
-    from the previous selection's, agree now instead."""
+    bucket takes one collective. The first compressed step, a step whose ``k`` differs from
+    the previous selection's, and a plan bucket whose kept part (``skip_dropped_units``) is
+    new at this step agree now instead."""
 
     name = "lagged"
 

@@ -131,8 +131,9 @@ class HookState:
         same ones, so their producer's rows and consumer's columns are zero everywhere.
         Those stay zero in the result, their error-feedback residual is kept for a step that
         keeps them, and their bytes are saved (``stats()`` counts them in ``bytes_dense``,
-        not in ``bytes_sent``). ``None`` stops skipping. A hook that cannot skip them
-        raises ``ValueError`` (:meth:`refuse_dropped_units`).
+        not in ``bytes_sent``). ``None`` stops skipping. The sparse hook's lagged
+        selection is made afresh for a bucket whose kept part changed since the last one (its
+        segments are positions in the kept part).
 
         Example::
 
@@ -144,14 +145,8 @@ class HookState:
         if units is not None and not callable(getattr(units, "kept_piece", None)):
             raise TypeError(f"skip_dropped_units takes a hetero_comm.nn.UnitDropoutSet or None; "
                             f"got {type(units).__name__}")
-        if units is not None:
-            self.refuse_dropped_units()
         self._dropped_units = units
         self._masks_step, self._warned_masks = None, False
-
-    def refuse_dropped_units(self) -> None:
-        """Raise ``ValueError`` if this hook's settings cannot skip dropped units (every hook
-        here can; a state overrides this where a setting cannot)."""
 
     def kept_layout(self, parameters) -> Optional[KeptLayout]:
         """What units kept at this step touch of ``parameters`` (a flat layout); ``None``:

@@ -144,11 +144,6 @@ class SegmentSparseState(ErrorFeedbackState):
             return HandedMomentumCorrectedSum(self.momentum, self.density)
         return HandedSum()
 
-    def refuse_dropped_units(self) -> None:
-        if self.selection == "lagged":
-            raise ValueError("selection='lagged' sends segments chosen at the previous step, whose "
-                             "rows this step's dropout may have dropped: use selection='current'")
-
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           lr_scale: Optional[float] = None) -> torch.optim.Optimizer:
         """Fit ``optimizer``, set up as for dense training, to this hook's output, keeping the
