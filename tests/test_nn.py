@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 from hetero_comm.hooks import AllreduceState, SegmentSparseState
-from hetero_comm.hooks._dropped import kept_layout
+from hetero_comm.hooks._dropped import KeptPart, kept_layout
+from hetero_comm.hooks._plan import PlanBucket
 from hetero_comm.lab.launch import run_ranks
 from hetero_comm.nn import SlicedLinear, UnitDropout, UnitDropoutSet, convert_dropout
 from dropout_workers import agree_on_seed, make_dropout_model, train_unit_dropout
@@ -233,3 +234,15 @@ def test_masks_that_never_change_are_reported():
     """Without attach(optimizer) the same units stay dropped: the hook state warns."""
     results = run_ranks(2, train_unit_dropout, "dense", {}, 3, dict(attach=False))
     assert results[0]["warned_masks"] is True and results[0]["units_step"] == 0
+
+
+def test_a_kept_part_resets_the_bucket_it_was_gathered_from():
+    """A non-finite flag read on the device later resets the plan bucket, not the compact copy
+    (whose buffers are back in the pool by then)."""
+    part = PlanBucket(("a", "b"), (3, 2))
+    part.tensors["residual"] = torch.arange(5.0)
+    kept = KeptPart(part, 4)
+    kept.tensors["residual"] = scratch = torch.ones(4)
+    kept.reset()
+    assert torch.equal(part.tensors["residual"], torch.zeros(5))
+    assert torch.equal(scratch, torch.ones(4))

@@ -22,7 +22,7 @@ import torch
 from .._layout import Piece
 from ._plan import PlanBucket
 
-__all__ = ["KeptLayout", "kept_layout", "send_kept_part"]
+__all__ = ["KeptLayout", "KeptPart", "kept_layout", "send_kept_part"]
 
 
 class KeptLayout:
@@ -90,6 +90,19 @@ def kept_layout(units, parameters: Sequence[torch.Tensor]) -> Optional[KeptLayou
     return layout if layout.dropped else None
 
 
+class KeptPart(PlanBucket):
+    """The kept part of ``part`` as a plan bucket of its own, in pooled scratch buffers."""
+
+    def __init__(self, part: PlanBucket, numel: int) -> None:
+        super().__init__(("kept",), (numel,))
+        self.part = part
+
+    def reset(self) -> None:
+        """Reset the bucket it was gathered from (its own tensors are scratch, already back in
+        the pool when a flag read later on the device calls this)."""
+        self.part.reset()
+
+
 def send_kept_part(send, units):
     """``send`` (a compressing hook's send function: ``send(state, plan_bucket, grad, index)``)
     on the part of each plan bucket that ``units`` keep at this step: the bucket's
@@ -101,7 +114,10 @@ def send_kept_part(send, units):
         if layout is None:
             return send(state, part, grad, index)
         pool = state.pool
-        compact = PlanBucket(("kept",), (layout.numel,))
+        # What the hook keeps besides the tensors (the lagged selection) names positions in the
+        # part as last sent whole or compact: a kept layout starts afresh.
+        part.extra.clear()
+        compact = KeptPart(part, layout.numel)
         for name, tensor in part.tensors.items():
             compact.tensors[name] = layout.gather(tensor, pool.acquire(layout.numel, tensor.dtype, grad.device))
         compact_grad = layout.gather(grad, pool.acquire(layout.numel, grad.dtype, grad.device))
@@ -109,8 +125,7 @@ def send_kept_part(send, units):
         state.count_bytes(layout.dropped * grad.element_size(), 0, True)
         try:
             future = send(state, compact, compact_grad, index)
-        except FloatingPointError:  # send reset the compact state: reset the part's too
-            part.reset()
+        except FloatingPointError:  # send reset the compact state, and so the part's
             for buffer in buffers:
                 pool.release(buffer)
             raise

@@ -16,7 +16,7 @@ A new variant is a new class with the same methods, not a branch in every step.
 """
 
 import math
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import torch.distributed as dist
@@ -113,7 +113,8 @@ class DctSegments:
 
     def clear(self, state, flat: torch.Tensor, indices: torch.Tensor) -> None:
         """Zero the selected segments of ``flat``'s coefficients (``flat`` laid out like the
-        residual; between packing and delivering, so :attr:`vector` is free)."""
+        residual). Uses :attr:`vector` and :attr:`scratch`: call it only after
+        :meth:`keep_unsent` and before :meth:`deliver`, when they hold nothing needed."""
         self.basis.encode(flat, self.vector, self.scratch)
         self.vector.view(-1, self.segment).index_fill_(0, indices, 0.0)
         self.basis.decode(self.vector, flat, self.scratch)
@@ -150,8 +151,8 @@ class LaggedSelection:
     """``selection="lagged"``: send the segments chosen at the previous step
     (:class:`AgreedLastStep`), from the summed importance of what was held back then, so a
     bucket takes one collective. The first compressed step, a step whose ``k`` differs from
-    the previous selection's, and a plan bucket whose kept part (``skip_dropped_units``) is
-    new at this step agree now instead."""
+    the previous selection's, and a step of a bucket with units dropped at this step or the
+    step before (``skip_dropped_units``) agree now instead."""
 
     name = "lagged"
 

@@ -131,9 +131,9 @@ class HookState:
         same ones, so their producer's rows and consumer's columns are zero everywhere.
         Those stay zero in the result, their error-feedback residual is kept for a step that
         keeps them, and their bytes are saved (``stats()`` counts them in ``bytes_dense``,
-        not in ``bytes_sent``). ``None`` stops skipping. The sparse hook's lagged
-        selection is made afresh for a bucket whose kept part changed since the last one (its
-        segments are positions in the kept part).
+        not in ``bytes_sent``). ``None`` stops skipping. What a hook keeps besides its
+        error-feedback tensors (the sparse hook's lagged selection) is dropped for a bucket
+        with dropped units, so such a selection is made afresh.
 
         Example::
 

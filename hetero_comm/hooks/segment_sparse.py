@@ -128,6 +128,16 @@ class SegmentSparseState(ErrorFeedbackState):
         if self.wire_dtype == "int8" and dist.is_initialized():
             int8_levels(self.world_size())  # a clear error now rather than at the first step
 
+    def __getstate__(self) -> dict:
+        """:meth:`ErrorFeedbackState.__getstate__`; the coarse-segment warning is per process."""
+        state = super().__getstate__()
+        state.pop("_warned_coarse_segments", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._warned_coarse_segments = False
+
     def settings(self) -> dict:
         return dict(density=self.density, segment_size=self.segment_size,
                     min_segments_per_bucket=self.min_segments_per_bucket,

@@ -150,7 +150,7 @@ def _no_fit_message(cluster, order, micro_batches, schedule) -> str:
 
 def proportional_plan(cluster: Cluster, micro_batches: int, schedule: str = "gpipe", *,
                       order="capability") -> PipelinePlan:
-    """The seed's step 1: layers in proportion to each device's compute capability (the
+    """The proportional rule: layers in proportion to each device's compute capability (the
     largest remainders rounded up, at least one layer each). Exact only for equal layers."""
     _check_request(cluster, micro_batches, schedule)
     order = _resolve_order(cluster, order)
