@@ -6,7 +6,7 @@ int8 recipe run as users do, dense AdamW at the dense rate handed to
 ``state.prepare_optimizer`` (betas (0, 0), 1.5x the rate inside each step). Prints one line
 per run. Results: benchmarks/results/lr_transfer.txt (its ``signum<beta>`` rows, a momentum
 of the agreed sums before the sign, came from a case that replaced a private function of the
-hook; it is at commit 459b9d1).
+hook; it is at commit 4031498).
 
 Usage: python benchmarks/experiments/lr_transfer.py [--cases dense,recipe] [--lrs 1e-3,3e-3]
        [--ranks 2]

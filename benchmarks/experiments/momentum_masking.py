@@ -12,7 +12,7 @@ step is lost. Variants:
 Two further variants (``keep``, never clearing; ``defer``, the cleared step put into the
 residual), a simulated ternary wire and a ``smooth`` fit replaced the hook's private functions;
 their results are in benchmarks/results/momentum_masking.txt and benchmarks/NOTES.md, and the
-script that ran them is at commit 459b9d1.
+script that ran them is at commit 4031498.
 
 The digits MLP of bench_convergence.py (SGD, momentum 0.9, 8 epochs), int8 wire, 8% of segments
 of 512, at lr 0.02 / 0.05 / 0.1 and 2 / 4 ranks, over several seeds. Prints one line per run and
