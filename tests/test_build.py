@@ -86,7 +86,7 @@ def test_import_falls_back_to_references_with_one_warning():
     assert result.stderr.count("falling back to the pure-PyTorch reference kernels") == 1, result.stderr
 
 
-def test_training_with_the_compiled_kernels_never_loads_the_reference():
+def test_training_with_the_compiled_kernels_never_loads_the_reference(tmp_path):
     """The references are the kernels' specification and fallback: with the compiled kernels,
     importing the hooks (and the package, the one call, the lab) must not import them, so no
     hook can reach a reference by accident."""
@@ -101,8 +101,10 @@ def test_training_with_the_compiled_kernels_never_loads_the_reference():
         assert "hetero_comm.reference" in sys.modules and reference.__all__
         print("lazy ok")
     """)
+    # Run outside the repository: from its root, the source tree (without _C) would shadow the
+    # installed package.
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, cwd=tmp_path)
     assert result.returncode == 0 and "lazy ok" in result.stdout, result.stderr
 
 
