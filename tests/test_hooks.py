@@ -78,7 +78,9 @@ def test_dct_keeping_every_coefficient_is_within_quantization_error(world_size, 
     ("sparse", dict(SPARSE, basis="dct", dct_block_size=8)),
     ("sparse", dict(SPARSE, basis="dct", dct_block_size=4, selection="lagged")),
     ("sparse", dict(SPARSE, wire_dtype="int8")),
+    ("sparse", dict(SPARSE, wire_dtype="int8", selection="lagged")),
     ("sparse", dict(SPARSE, wire_dtype="int8", basis="dct", dct_block_size=8)),
+    ("sparse", dict(SPARSE, wire_dtype="int8", selection="lagged")),
     ("dct", DCT),
     ("dct", dict(DCT, bits=16, band="low")),
     ("dct", dict(DCT, bits=32)),
@@ -185,6 +187,7 @@ def test_no_sync_gradient_accumulation(hook, settings_):
     ("sparse", dict(SPARSE, basis="dct", dct_block_size=8, output="sign")),
     ("sparse", dict(SPARSE, wire_dtype="int8", momentum=0.9)),
     ("sparse", dict(SPARSE, basis="dct", dct_block_size=8, momentum=0.9)),
+    ("sparse", dict(SPARSE, wire_dtype="int8", selection="lagged")),
     # each bucket's segment size from its own size (0.002 MB: buckets of a few hundred elements)
     ("sparse", dict(SPARSE, wire_dtype="int8", momentum=0.9, segment_size=512, min_segments_per_bucket=150)),
     ("dct", DCT),
@@ -287,6 +290,7 @@ NON_FINITE_CASES = [
     ("sparse", dict(SPARSE, selection="lagged", density=1.0, wire_dtype="float16")),
     ("sparse", dict(SPARSE, basis="dct", dct_block_size=8)),
     ("sparse", dict(SPARSE, wire_dtype="int8")),
+    ("sparse", dict(SPARSE, wire_dtype="int8", selection="lagged")),
     ("dct", DCT),
 ]
 
@@ -405,7 +409,6 @@ def test_check_optimizer_warns_when_the_step_does_not_suit_the_output(output, op
     (lambda: SegmentSparseState(selection="stale"), "selection must be one of"),
     (lambda: SegmentSparseState(momentum=1.0), "momentum"),
     (lambda: SegmentSparseState(wire_dtype="int4"), "wire_dtype must be one of"),
-    (lambda: SegmentSparseState(wire_dtype="int8", selection="lagged"), "wire_dtype='int8' needs selection='current'"),
     (lambda: SegmentSparseState(warmup_steps=0), r"warmup_steps must be an integer >= 1"),
     (lambda: SegmentSparseState(min_compress_numel=-1), "min_compress_numel"),
     (lambda: SegmentSparseState(rank_weight=-0.5), "rank_weight"),

@@ -2,7 +2,7 @@
 
 * :func:`segment_sparse_hook` with :class:`SegmentSparseState`: the most important segments
   of each bucket, selected the same on every rank (two plain allreduces per bucket by
-  default, one with ``selection="lagged"``), error feedback.
+  default, one with ``selection="lagged"`` on a float wire), error feedback.
 * :func:`dct_quant_hook` with :class:`DCTQuantState`: quantized DCT coefficients (a MAX
   allreduce of the scales, a sum allreduce of the integers), error feedback.
 * :func:`allreduce_hook` with :class:`AllreduceState`: the dense baseline, same weighting.

@@ -135,7 +135,7 @@ class CurrentSelection:
 
     @staticmethod
     def choose(state, plan_bucket: PlanBucket, importance: torch.Tensor, k: int, index: int,
-               segments) -> "AgreedNow":
+               segments, wire_format) -> "AgreedNow":
         return AgreedNow(state, plan_bucket, importance, k, index, segments)
 
     @staticmethod
@@ -158,11 +158,12 @@ class LaggedSelection:
 
     @staticmethod
     def choose(state, plan_bucket: PlanBucket, importance: torch.Tensor, k: int, index: int,
-               segments):
+               segments, wire_format):
         indices = plan_bucket.extra.get("indicator")
-        if indices is None or indices.numel() != k:
+        agreed = plan_bucket.extra.get("indicator_importance")
+        if indices is None or indices.numel() != k or agreed is None or agreed.numel() != k:
             return AgreedNow(state, plan_bucket, importance, k, index, segments)
-        return AgreedLastStep(indices, importance.numel())
+        return AgreedLastStep(state, indices, agreed, importance.numel(), wire_format)
 
     @staticmethod
     def forget_sent(importance: torch.Tensor, indices: torch.Tensor) -> None:
@@ -172,13 +173,17 @@ class LaggedSelection:
     @staticmethod
     def choose_next(state, plan_bucket: PlanBucket, importance: torch.Tensor, step: int) -> None:
         """The segments to send at the next step (``extra["indicator"]``): the top of the
-        agreed importance of what stays held back."""
+        agreed importance of what stays held back, and that importance of each
+        (``extra["indicator_importance"]``, the int8 wire's scale)."""
         k_next = state.segments_to_send(importance.numel(), step + 1)
-        indicator = plan_bucket.extra.get("indicator")
-        if indicator is None or indicator.numel() != k_next:
-            indicator = plan_bucket.extra["indicator"] = torch.empty(
-                k_next, dtype=torch.int64, device=importance.device)
-        ops.select_segments(importance, k_next, out=indicator)
+        extra = plan_bucket.extra
+        if extra.get("indicator") is None or extra["indicator"].numel() != k_next:
+            extra["indicator"] = torch.empty(k_next, dtype=torch.int64, device=importance.device)
+        if extra.get("indicator_importance") is None or extra["indicator_importance"].numel() != k_next:
+            extra["indicator_importance"] = torch.empty(k_next, dtype=torch.float32,
+                                                        device=importance.device)
+        ops.select_segments(importance, k_next, out=extra["indicator"])
+        torch.index_select(importance, 0, extra["indicator"], out=extra["indicator_importance"])
 
 
 SELECTIONS = {policy.name: policy for policy in (CurrentSelection, LaggedSelection)}
@@ -204,6 +209,10 @@ class AgreedNow:
             ops.select_segments(importance, k, out=self.indices)
         self.buffers: Tuple[torch.Tensor, ...] = (self.indices,)
 
+    def agreed_importance_of_selected(self, importance: torch.Tensor, out: torch.Tensor) -> None:
+        """The ranks' summed importance of each selected segment into ``out``."""
+        torch.index_select(importance, 0, self.indices, out=out)
+
     def before_pack(self, importance: torch.Tensor) -> None:
         """Nothing: the importance was checked when it was agreed."""
 
@@ -224,14 +233,25 @@ class AgreedNow:
 
 
 class AgreedLastStep:
-    """The previous step's selection; this step's importance rides on the values' allreduce."""
+    """The previous step's selection. This step's importance rides on the values' allreduce,
+    or, on a wire that carries no floats (int8), goes in a float32 allreduce of its own issued
+    just before; the int8 wire's scale then comes from the importance the previous step
+    agreed on (the same on every rank)."""
 
-    importance_bytes_per_segment = 0  # carried in the wire's own dtype, counted with it
     finite = None  # checked after the sum (:meth:`after_sum`)
     buffers: Tuple[torch.Tensor, ...] = ()  # the indices stay in the plan
 
-    def __init__(self, indices: torch.Tensor, count: int) -> None:
-        self.indices, self.riding = indices, count
+    def __init__(self, state, indices: torch.Tensor, agreed: torch.Tensor, count: int,
+                 wire_format) -> None:
+        self.state, self.indices, self.agreed = state, indices, agreed
+        self.riding = count if wire_format.carries_importance else 0
+        # riding: counted with the wire's own bytes; else a float32 allreduce of its own
+        self.importance_bytes_per_segment = 0 if self.riding else 4
+        self.importance_work = None
+
+    def agreed_importance_of_selected(self, importance: torch.Tensor, out: torch.Tensor) -> None:
+        """The summed importance of each selected segment when the previous step chose it."""
+        out.copy_(self.agreed)
 
     def before_pack(self, importance: torch.Tensor) -> None:
         """Packing zeroes the sent segments, which could hide a NaN: flag it first (on the
@@ -243,6 +263,10 @@ class AgreedLastStep:
         poisoned whole (on the device, no host read), so every rank sees it after the sum; a
         finite one is saturated so that the sum over ranks stays finite on a 16-bit wire."""
         importance.masked_fill_(~self.local_finite, math.nan)
+        if not self.riding:  # waited for in after_sum; issued before the values' allreduce
+            self.importance_work = dist.all_reduce(importance, group=self.state.process_group,
+                                                   async_op=True)
+            return
         if riding.dtype != torch.float32:
             importance.clamp_(max=torch.finfo(riding.dtype).max / world_size)
         riding.copy_(importance)
@@ -250,7 +274,10 @@ class AgreedLastStep:
     def after_sum(self, state, importance: torch.Tensor, riding: torch.Tensor, wire: torch.Tensor,
                   index: int, step: int, plan_bucket: PlanBucket, release) -> None:
         """The summed importance back; a non-finite one drops the bucket (raises on the CPU)."""
-        importance.copy_(riding)
+        if self.importance_work is not None:
+            self.importance_work.wait()
+        else:
+            importance.copy_(riding)
         state.drop_unless(state.check_finite(importance, index, step, plan_bucket, release), wire)
 
     @staticmethod
@@ -268,8 +295,10 @@ class FloatWire:
     """The selected segments' values as they are, cast to the wire's float dtype (each rank's
     rounding error stays in its residual)."""
 
-    def __init__(self, state, importance: torch.Tensor, indices: torch.Tensor, segments) -> None:
-        self.indices, self.segment = indices, segments.segment
+    carries_importance = True  # a lagged selection's importance can ride after the values
+
+    def __init__(self, state, importance: torch.Tensor, selected, segments) -> None:
+        self.indices, self.segment = selected.indices, segments.segment
         self.buffers: Tuple[torch.Tensor, ...] = ()
 
     @staticmethod
@@ -305,14 +334,17 @@ class IntegerWire:
     and the allreduce's integer sum is exact (``world_size * levels <= 127``). Many ranks leave
     few levels (32 ranks: 3 each way); error feedback carries the rest."""
 
-    def __init__(self, state, importance: torch.Tensor, indices: torch.Tensor, segments) -> None:
+    carries_importance = False
+
+    def __init__(self, state, importance: torch.Tensor, selected, segments) -> None:
         self.levels = int8_levels(state.world_size())
-        self.indices, self.k = indices, indices.numel()
+        self.indices = indices = selected.indices
+        self.k = indices.numel()
         self.segment = segment = segments.segment
         count, device = importance.numel(), importance.device
         self.values = state.pool.acquire(self.k * segment, torch.float32, device)
         self.scale = state.pool.acquire(self.k, torch.float32, device)
-        torch.index_select(importance, 0, indices, out=self.scale)
+        selected.agreed_importance_of_selected(importance, self.scale)
         self.scale.mul_(INT8_CLIP_RMS / (state.world_size() * math.sqrt(segment)))
         tail = segments.numel - (count - 1) * segment  # a short last segment: its RMS is over tail
         if tail < segment:

@@ -75,7 +75,9 @@ class SegmentSparseState(ErrorFeedbackState):
             same bytes): every rank rounds a selected segment to the same step, derived from
             the agreed importance, with at most ``127 // world_size`` steps each way, so the
             integer sum cannot overflow and is exact; the rounding and clipping error stays in
-            the residual. Needs ``selection="current"`` and at most 63 ranks.
+            the residual. At most 63 ranks. With ``selection="lagged"`` the step comes from
+            the importance agreed when the segments were chosen (a step earlier), and this
+            step's importance goes in a float32 allreduce of its own.
         basis: ``"elements"`` (default): a segment is ``segment_size`` consecutive gradient
             elements; ``"dct"``: each block of ``dct_block_size`` elements goes through an
             orthonormal DCT and a segment is one frequency of ``segment_size`` consecutive
@@ -116,17 +118,10 @@ class SegmentSparseState(ErrorFeedbackState):
         if dct_block_size & (dct_block_size - 1):
             raise ValueError(f"dct_block_size must be a power of two in [2, 4096]; got {dct_block_size}")
         self.output = check_choice("output", output, OUTPUTS)
-        self._refuse_exclusive_settings()
-        self._warned_coarse_segments = False
-        self._log_settings()
-
-    def _refuse_exclusive_settings(self) -> None:
-        """The settings no part can serve together."""
-        if self.wire_dtype == "int8" and self.selection == "lagged":
-            raise ValueError("wire_dtype='int8' needs selection='current': its rounding step comes "
-                             "from this step's agreed importance, which 'lagged' does not send first")
         if self.wire_dtype == "int8" and dist.is_initialized():
             int8_levels(self.world_size())  # a clear error now rather than at the first step
+        self._warned_coarse_segments = False
+        self._log_settings()
 
     def __getstate__(self) -> dict:
         """:meth:`ErrorFeedbackState.__getstate__`; the coarse-segment warning is per process."""
@@ -242,7 +237,7 @@ def segment_sparse_hook(state: SegmentSparseState, bucket: dist.GradBucket) -> t
        see :class:`~._sparse_parts.IntegerWire`).
     4. Allreduce (sum) the packed values; every rank sent the same segments, so the sum is
        ``sum_i w_i * residual_i`` there. Lagged: the importance of what stays held back
-       travels in the same allreduce.
+       travels in the same allreduce (int8 wire: in a float32 allreduce of its own).
     5. Scatter the sum into the bucket, zeros elsewhere
        (:func:`hetero_comm.ops.unpack_segments`). Lagged: the top ``k`` of the summed
        importance is the next step's selection.
@@ -287,12 +282,13 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
         segments.accumulate(add_contribution(state, plan_bucket, grad), importance)
     # 2. Select.
     selection = SELECTIONS[state.selection]
-    selected = selection.choose(state, plan_bucket, importance, k, index, segments)
+    selected = selection.choose(state, plan_bucket, importance, k, index, segments,
+                                wire_format_class)
     # 3. Pack: the selected segments onto the wire, the rest kept in the residual.
     packed_numel = k * segments.segment
     wire = pool.acquire(packed_numel + selected.riding, WIRE_DTYPES[state.wire_dtype], device)
     values, riding = wire[:packed_numel], wire[packed_numel:]
-    wire_format = wire_format_class(state, importance, selected.indices, segments)
+    wire_format = wire_format_class(state, importance, selected, segments)
     with state.timer("encode_seconds"):
         selected.before_pack(importance)
         wire_format.pack_(segments, values)
