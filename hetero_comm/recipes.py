@@ -160,15 +160,23 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *, ratio: Optional[f
     inner = unwrap_optimizer(optimizer)
     _check_model(ddp_model, inner)
     recipe = recipe_for(inner, ratio)
-    state = SegmentSparseState(process_group=process_group or ddp_model.process_group,
-                               **recipe.settings)
+    if process_group is None:
+        process_group = ddp_model.process_group
+    state = SegmentSparseState(process_group=process_group, **recipe.settings)
     state.handed_step().fit(inner)  # raises for a setting the recipe cannot take over, before any change
     _warn_where_unmeasured(ddp_model, recipe, ratio)
     ddp_model.register_comm_hook(state, segment_sparse_hook)
-    for group in inner.param_groups if recipe.name == "sgd" else ():  # for a resumed run's recipe
-        group.setdefault(USER_MOMENTUM_KEY, float(group["momentum"]))
+    _remember_user_momentum(inner, recipe)
     state.prepare_optimizer(inner)
     return state
+
+
+def _remember_user_momentum(optimizer: torch.optim.Optimizer, recipe: Recipe) -> None:
+    """The SGD recipe sets the momentum to 0: keep the user's in each group, for the
+    :func:`recipe_for` of a resumed run."""
+    if recipe.name == "sgd":
+        for group in optimizer.param_groups:
+            group.setdefault(USER_MOMENTUM_KEY, float(group["momentum"]))
 
 
 def _check_model(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:

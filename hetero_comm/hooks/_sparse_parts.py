@@ -6,8 +6,8 @@ Each part has one job, and the hook's steps call it the same way whichever varia
   or :class:`DctSegments` (one frequency of a group of DCT blocks);
 * how the ranks agree on the segments (``selection``): :class:`CurrentSelection` (this
   step's importance, summed first: :class:`AgreedNow`) or :class:`LaggedSelection` (chosen
-  at the previous step, this step's importance riding along with the values:
-  :class:`AgreedLastStep`);
+  at the previous step, this step's importance riding along with the values or, on the int8
+  wire, in an allreduce of its own: :class:`AgreedLastStep`);
 * the number format on the wire (``wire_dtype``): :class:`FloatWire` or :class:`IntegerWire`;
 * what goes into the residual (``momentum``): :func:`add_contribution` and
   :func:`restart_sent_velocity`.
@@ -143,7 +143,8 @@ class CurrentSelection:
         """Nothing: this step's importance is not used again."""
 
     @staticmethod
-    def choose_next(state, plan_bucket: PlanBucket, importance: torch.Tensor, step: int) -> None:
+    def choose_next(state, plan_bucket: PlanBucket, importance: torch.Tensor, step: int,
+                    wire_format) -> None:
         """Nothing: the next step agrees on its own."""
 
 
@@ -160,8 +161,9 @@ class LaggedSelection:
     def choose(state, plan_bucket: PlanBucket, importance: torch.Tensor, k: int, index: int,
                segments, wire_format):
         indices = plan_bucket.extra.get("indicator")
-        agreed = plan_bucket.extra.get("indicator_importance")
-        if indices is None or indices.numel() != k or agreed is None or agreed.numel() != k:
+        agreed = plan_bucket.extra.get("indicator_importance")  # kept for the int8 wire only
+        if indices is None or indices.numel() != k or (
+                not wire_format.carries_importance and (agreed is None or agreed.numel() != k)):
             return AgreedNow(state, plan_bucket, importance, k, index, segments)
         return AgreedLastStep(state, indices, agreed, importance.numel(), wire_format)
 
@@ -171,19 +173,26 @@ class LaggedSelection:
         importance.index_fill_(0, indices, 0.0)
 
     @staticmethod
-    def choose_next(state, plan_bucket: PlanBucket, importance: torch.Tensor, step: int) -> None:
+    def choose_next(state, plan_bucket: PlanBucket, importance: torch.Tensor, step: int,
+                    wire_format) -> None:
         """The segments to send at the next step (``extra["indicator"]``): the top of the
-        agreed importance of what stays held back, and that importance of each
-        (``extra["indicator_importance"]``, the int8 wire's scale)."""
+        agreed importance of what stays held back; on a wire that rounds to a shared step
+        (int8), also that importance of each (``extra["indicator_importance"]``)."""
         k_next = state.segments_to_send(importance.numel(), step + 1)
-        extra = plan_bucket.extra
-        if extra.get("indicator") is None or extra["indicator"].numel() != k_next:
-            extra["indicator"] = torch.empty(k_next, dtype=torch.int64, device=importance.device)
-        if extra.get("indicator_importance") is None or extra["indicator_importance"].numel() != k_next:
-            extra["indicator_importance"] = torch.empty(k_next, dtype=torch.float32,
-                                                        device=importance.device)
-        ops.select_segments(importance, k_next, out=extra["indicator"])
-        torch.index_select(importance, 0, extra["indicator"], out=extra["indicator_importance"])
+        indicator = _reusable(plan_bucket.extra, "indicator", k_next, torch.int64, importance.device)
+        ops.select_segments(importance, k_next, out=indicator)
+        if not wire_format.carries_importance:
+            agreed = _reusable(plan_bucket.extra, "indicator_importance", k_next, torch.float32,
+                               importance.device)
+            torch.index_select(importance, 0, indicator, out=agreed)
+
+
+def _reusable(extra: dict, name: str, numel: int, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """``extra[name]``, allocated anew only when missing or of another size."""
+    if extra.get(name) is None or extra[name].numel() != numel:
+        extra[name] = torch.empty(numel, dtype=dtype, device=device)
+    return extra[name]
 
 
 SELECTIONS = {policy.name: policy for policy in (CurrentSelection, LaggedSelection)}
@@ -259,9 +268,10 @@ class AgreedLastStep:
         self.local_finite = torch.isfinite(importance).all()
 
     def carry_importance(self, importance: torch.Tensor, riding: torch.Tensor, world_size: int) -> None:
-        """The importance of what stays held back onto the wire. A non-finite vector is
-        poisoned whole (on the device, no host read), so every rank sees it after the sum; a
-        finite one is saturated so that the sum over ranks stays finite on a 16-bit wire."""
+        """The importance of what stays held back onto the wire after the values, or into an
+        allreduce of its own (int8). A non-finite vector is poisoned whole (on the device, no
+        host read), so every rank sees it after the sum; a finite one riding a 16-bit wire is
+        saturated so that the sum over ranks stays finite."""
         importance.masked_fill_(~self.local_finite, math.nan)
         if not self.riding:  # waited for in after_sum; issued before the values' allreduce
             self.importance_work = dist.all_reduce(importance, group=self.state.process_group,

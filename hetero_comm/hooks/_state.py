@@ -177,8 +177,8 @@ class HookState:
         groups are checked again (a group added since, or a momentum a scheduler set, raises
         as here). A copy or an unpickled optimizer loses this: prepare it again.
 
-        What is set, and the default ``lr_scale``, follow from :meth:`handed_step`; a hook
-        that hands a (weighted) sum sets nothing, and ``lr_scale`` defaults to 1.
+        What is set, and the default ``lr_scale``, follow from :meth:`handed_step` (a sum:
+        nothing, and 1).
 
         Call it on every rank, after creating the optimizer, and again on the new optimizer
         of a resumed run; preparing the same optimizer again replaces the earlier call.
@@ -197,6 +197,11 @@ class HookState:
             TypeError: the optimizer is not one this hook's output suits.
             ValueError: a bad ``lr_scale``, or a hyperparameter the hook cannot take over.
             Nothing is changed when it raises.
+
+        Example::
+
+            >>> optimizer = torch.optim.AdamW(model.parameters(), lr=dense_lr)
+            >>> state.prepare_optimizer(optimizer)
         """
         fit_optimizer(optimizer, self.handed_step(), lr_scale)
         return optimizer

@@ -311,7 +311,7 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
             selected.after_sum(state, importance, riding, wire, index, step, plan_bucket, to_release)
             segments.deliver(wire_format.decode(values), selected.indices, grad)
             handed.finish(grad)
-            selection.choose_next(state, plan_bucket, importance, step)
+            selection.choose_next(state, plan_bucket, importance, step, wire_format_class)
             state.callbacks.release(to_release, device)  # CUDA: after this stream's work
         return grad
 
