@@ -5,6 +5,9 @@
   default, one with ``selection="lagged"`` on a float wire), error feedback.
 * :func:`dct_quant_hook` with :class:`DCTQuantState`: quantized DCT coefficients (a MAX
   allreduce of the scales, a sum allreduce of the integers), error feedback.
+* :func:`two_level_hook` with :class:`TwoLevelState`: for machines of several ranks, a dense
+  sum inside each machine and the sparse hook's steps between machines, each local rank
+  carrying its own share; the density fixed or chosen from the link.
 * :func:`allreduce_hook` with :class:`AllreduceState`: the dense baseline, same weighting.
 
 Every state takes ``rank_weight`` (this rank's share of the result ``sum_i w_i g_i``) and
@@ -19,13 +22,17 @@ Modules: ``_state.py`` (the states' shared settings, statistics, checkpoints and
 ``_plan.py`` (the parameter-keyed error-feedback layout and its routing), ``_optimizer.py``
 (what a hook hands the optimizer, and fitting the optimizer to it), ``_dropped.py`` (sending
 only what kept units touch), ``_sparse_parts.py`` (the parts the sparse hook's steps call),
-one module per hook.
+``_machines.py`` (which ranks share a machine, and their groups), ``_auto_density.py`` (the
+density chosen from the link), one module per hook.
 """
 
 from ._state import ErrorFeedbackState, HookState
 from .allreduce import AllreduceState, allreduce_hook
 from .dct_quant import DCTQuantState, dct_quant_hook
 from .segment_sparse import SegmentSparseState, segment_sparse_hook
+from .two_level import TwoLevelState, two_level_hook
+from ._machines import MachineLayout
 
 __all__ = ["HookState", "ErrorFeedbackState", "AllreduceState", "allreduce_hook",
-           "SegmentSparseState", "segment_sparse_hook", "DCTQuantState", "dct_quant_hook"]
+           "SegmentSparseState", "segment_sparse_hook", "DCTQuantState", "dct_quant_hook",
+           "TwoLevelState", "two_level_hook", "MachineLayout"]

@@ -209,7 +209,7 @@ class AgreedNow:
                  index: int, segments) -> None:
         # Wait here rather than in a callback: every collective is issued from this thread,
         # so all ranks issue them in the same order (gloo and NCCL match them by order).
-        dist.all_reduce(importance, group=state.process_group)
+        dist.all_reduce(importance, group=state.exchange_group())
         with state.timer("encode_seconds"):
             # Norms are >= 0: the sum keeps a NaN. CUDA: flagged on the device, selection goes on.
             self.finite = state.check_finite(importance, index, state.step, plan_bucket,
@@ -274,7 +274,7 @@ class AgreedLastStep:
         saturated so that the sum over ranks stays finite."""
         importance.masked_fill_(~self.local_finite, math.nan)
         if not self.riding:  # waited for in after_sum; issued before the values' allreduce
-            self.importance_work = dist.all_reduce(importance, group=self.state.process_group,
+            self.importance_work = dist.all_reduce(importance, group=self.state.exchange_group(),
                                                    async_op=True)
             return
         if riding.dtype != torch.float32:
@@ -347,7 +347,7 @@ class IntegerWire:
     carries_importance = False
 
     def __init__(self, state, importance: torch.Tensor, selected, segments) -> None:
-        self.levels = int8_levels(state.world_size())
+        self.levels = int8_levels(state.exchange_size())
         self.indices = indices = selected.indices
         self.k = indices.numel()
         self.segment = segment = segments.segment
@@ -355,7 +355,7 @@ class IntegerWire:
         self.values = state.pool.acquire(self.k * segment, torch.float32, device)
         self.scale = state.pool.acquire(self.k, torch.float32, device)
         selected.agreed_importance_of_selected(importance, self.scale)
-        self.scale.mul_(INT8_CLIP_RMS / (state.world_size() * math.sqrt(segment)))
+        self.scale.mul_(INT8_CLIP_RMS / (state.exchange_size() * math.sqrt(segment)))
         tail = segments.numel - (count - 1) * segment  # a short last segment: its RMS is over tail
         if tail < segment:
             self.scale.mul_(torch.where(indices == count - 1, math.sqrt(segment / tail), 1.0))
@@ -386,7 +386,9 @@ class IntegerWire:
 def add_contribution(state, plan_bucket: PlanBucket, grad: torch.Tensor) -> torch.Tensor:
     """What goes into the residual this step: the weighted gradient, or with momentum
     correction the velocity ``u = momentum * u + w * g``."""
-    grad.mul_(state.weight())
+    weight = state.contribution_weight()
+    if weight != 1.0:
+        grad.mul_(weight)
     if not state.momentum:
         return grad
     return plan_bucket.tensors["momentum"].mul_(state.momentum).add_(grad)

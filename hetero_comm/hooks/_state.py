@@ -381,6 +381,10 @@ class ErrorFeedbackState(HookState):
         self.callbacks = CallbackOrder(self.pool)
         self.finite_checks = DeviceFiniteChecks(type(self).__name__)
 
+    def accepts(self, dtype: torch.dtype) -> bool:
+        """Whether this hook can compress gradients of ``dtype``."""
+        return dtype in GRADIENT_DTYPES
+
     def check_finite(self, values: torch.Tensor, index: int, step: int, plan_bucket: PlanBucket,
                      release: Tuple[torch.Tensor, ...] = ()) -> Optional[torch.Tensor]:
         """Whether ``values`` (the same on every rank: agreed by a collective) are all finite.
@@ -484,7 +488,7 @@ class ErrorFeedbackState(HookState):
         self.finite_checks.report(self.step)  # CUDA: a bucket dropped at an earlier step
         self.callbacks.settle()
         grad = bucket.buffer()
-        if grad.dtype not in GRADIENT_DTYPES:
+        if not self.accepts(grad.dtype):
             raise TypeError(f"{type(self).__name__}: bucket {bucket.index()} has dtype "
                             f"{grad.dtype}; gradients must be float32, bfloat16 or float16")
         compressing = self.step >= self.warmup_steps

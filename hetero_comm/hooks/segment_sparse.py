@@ -119,7 +119,7 @@ class SegmentSparseState(ErrorFeedbackState):
             raise ValueError(f"dct_block_size must be a power of two in [2, 4096]; got {dct_block_size}")
         self.output = check_choice("output", output, OUTPUTS)
         if self.wire_dtype == "int8" and dist.is_initialized():
-            int8_levels(self.world_size())  # a clear error now rather than at the first step
+            int8_levels(self.exchange_size())  # a clear error now rather than at the first step
         self._warned_coarse_segments = False
         self._log_settings()
 
@@ -140,6 +140,20 @@ class SegmentSparseState(ErrorFeedbackState):
                     density_warmup_steps=self.density_warmup_steps, wire_dtype=self.wire_dtype,
                     basis=self.basis, dct_block_size=self.dct_block_size, output=self.output,
                     **super().settings())
+
+    def exchange_group(self) -> Optional[dist.ProcessGroup]:
+        """The group the compressed values are summed in (the two-level sync: this rank's
+        rail, one rank per machine)."""
+        return self.process_group
+
+    def exchange_size(self) -> int:
+        """How many contributions that sum adds up (the int8 wire's levels follow from it)."""
+        return self.world_size()
+
+    def contribution_weight(self) -> float:
+        """The factor on the gradient this rank adds to its residual (the two-level sync
+        weights before summing inside the machine, so 1 there)."""
+        return self.weight()
 
     def handed_step(self) -> HandedSum:
         """What the hook hands the optimizer (see :meth:`prepare_optimizer`)."""
@@ -272,7 +286,7 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
     """Steps 1-5 of :func:`segment_sparse_hook` for ``grad``, laid out like ``plan_bucket``."""
     step, pool, device = state.step, state.pool, grad.device
     wire_format_class = WIRES[state.wire_dtype]
-    wire_format_class.check_world_size(state.world_size())  # before anything is written
+    wire_format_class.check_world_size(state.exchange_size())  # before anything is written
     segments = SEGMENTS[state.basis](state, plan_bucket.tensors["residual"], grad)
     k = state.segments_to_send(segments.count, step)
     segments.warn_if_coarse(state, index, k)
@@ -295,12 +309,12 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
         segments.keep_unsent()
         restart_sent_velocity(state, plan_bucket, selected.indices, segments)
         selection.forget_sent(importance, selected.indices)
-        selected.carry_importance(importance, riding, state.world_size())
+        selected.carry_importance(importance, riding, state.exchange_size())
         state.drop_unless(selected.finite, wire)  # CUDA, non-finite: the sum, and the gradient, are zero
     state.count_bytes(grad.numel() * grad.element_size(), wire.numel() * wire.element_size()
                       + selected.importance_bytes_per_segment * segments.count, True)
     # 4. Allreduce.
-    work = dist.all_reduce(wire, group=state.process_group, async_op=True)
+    work = dist.all_reduce(wire, group=state.exchange_group(), async_op=True)
     handed = state.handed_step()
 
     # 5. Unpack.

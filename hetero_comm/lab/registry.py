@@ -6,8 +6,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 from .._checks import check_choice, check_int
 from ..recipes import density_for_ratio
-from ..hooks import (AllreduceState, DCTQuantState, HookState, SegmentSparseState,
-                     allreduce_hook, dct_quant_hook, segment_sparse_hook)
+from ..hooks import (AllreduceState, DCTQuantState, HookState, SegmentSparseState, TwoLevelState,
+                     allreduce_hook, dct_quant_hook, segment_sparse_hook, two_level_hook)
 
 __all__ = ["HookSpec", "HOOKS", "WEIGHTED_HOOKS", "make_hook"]
 
@@ -75,6 +75,7 @@ HOOKS: Dict[str, HookSpec] = {spec.name: spec for spec in (
              None, weighted=False, one_call=True),
     HookSpec("sparse", "segment_sparse_hook", segment_sparse_hook, SegmentSparseState, weighted=True),
     HookSpec("dct", "dct_quant_hook", dct_quant_hook, DCTQuantState, weighted=True),
+    HookSpec("two_level", "two_level_hook", two_level_hook, TwoLevelState, weighted=True),
     *_torch_hooks(),
 )}
 WEIGHTED_HOOKS = tuple(name for name, spec in HOOKS.items() if spec.weighted)

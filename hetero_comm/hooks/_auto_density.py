@@ -1,0 +1,124 @@
+"""The density chosen from the link: the exchange between machines sized to hide behind the
+backward pass.
+
+Each step the two-level sync measures three things: the backward pass's window (from DDP's
+first bucket to its last, the time the exchange can overlap), the bytes its exchange between
+machines sent and the seconds those collectives took (the measured bandwidth ``R``), and the
+seconds it spent encoding and decoding. The bytes a step can afford are then
+``R * (window - codec seconds)``; the density that sends them follows from how the recipe's
+bytes grow with the density: ``wire_bytes * density + 4 / segment`` per value (the selected
+values, and one float32 importance per segment). Ranks agree on the smallest proposal (the
+slowest link decides) by a one-float allreduce issued at a step's end and read at the next
+step's end, so every rank changes density at the same step without waiting for it.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .._checks import check_float
+
+__all__ = ["AutoDensity", "DEFAULT_FLOOR", "DEFAULT_CEILING"]
+
+DEFAULT_FLOOR = 0.01
+DEFAULT_CEILING = 0.25
+# Each step's measurement moves the smoothed budget (in log space) this far: a link that
+# changes is followed within a few steps, one slow step does not swing the density.
+SMOOTHING = 0.5
+# At most this factor up or down per step: a collective whose time was mostly latency must
+# not swing the density from ceiling to floor at once.
+MAX_STEP_FACTOR = 2.0
+
+
+class AutoDensity:
+    """Proposes each step's density within ``[floor, ceiling]`` and agrees on it.
+
+    Args:
+        floor, ceiling: the density's bounds, ``0 < floor <= ceiling <= 1``.
+        wire_bytes_per_value: bytes per selected value on the wire (int8: 1).
+        segment_size: values per segment (each segment also sends a float32 importance).
+    """
+
+    def __init__(self, floor: float, ceiling: float, wire_bytes_per_value: int,
+                 segment_size: int) -> None:
+        self.floor = check_float("density_floor", floor, 0.0, 1.0, low_open=True)
+        self.ceiling = check_float("density_ceiling", ceiling, 0.0, 1.0, low_open=True)
+        if self.floor > self.ceiling:
+            raise ValueError(f"density_floor ({floor}) is above density_ceiling ({ceiling})")
+        self.wire_bytes = wire_bytes_per_value
+        self.importance_bytes = 4.0 / segment_size
+        self._log_budget: Optional[float] = None  # log(affordable bytes / bytes sent), smoothed
+        self._pending: Optional[tuple] = None  # (work, tensor) of the last agreement
+        self.history: list = []  # per step: window, link seconds, bytes, proposal
+        self.reset_step()
+
+    def reset_step(self) -> None:
+        self.sent_bytes = 0
+        self.link_seconds = 0.0
+        self.codec_seconds = 0.0
+
+    def add_exchange(self, sent_bytes: int, link_seconds: float, codec_seconds: float) -> None:
+        """One share's exchange between machines at this step."""
+        self.sent_bytes += sent_bytes
+        self.link_seconds += link_seconds
+        self.codec_seconds += codec_seconds
+
+    def bytes_per_value(self, density: float) -> float:
+        return self.wire_bytes * density + self.importance_bytes
+
+    def propose(self, window_seconds: float, density: float) -> float:
+        """The density for the coming steps from this step's measurements (``density``: the
+        one this step ran at)."""
+        if self.sent_bytes and self.link_seconds > 0:
+            bandwidth = self.sent_bytes / self.link_seconds
+            affordable = bandwidth * max(window_seconds - self.codec_seconds, 0.0)
+            log_budget = math.log(max(affordable, 1.0) / self.sent_bytes)
+            if self._log_budget is None:
+                self._log_budget = log_budget
+            else:
+                self._log_budget += SMOOTHING * (log_budget - self._log_budget)
+        proposal = density
+        if self._log_budget is not None:
+            per_value = self.bytes_per_value(density) * math.exp(self._log_budget)
+            proposal = (per_value - self.importance_bytes) / self.wire_bytes
+            proposal = min(max(proposal, density / MAX_STEP_FACTOR), density * MAX_STEP_FACTOR)
+        proposal = min(max(proposal, self.floor), self.ceiling)
+        self.history.append(dict(window_seconds=window_seconds, link_seconds=self.link_seconds,
+                                 codec_seconds=self.codec_seconds, sent_bytes=self.sent_bytes,
+                                 density=density, proposal=proposal))
+        self.reset_step()
+        return proposal
+
+    def agree(self, proposal: float, group: Optional[dist.ProcessGroup]) -> Optional[float]:
+        """Start the agreement on ``proposal`` (the smallest over ``group``) and return the
+        previous one's result (``None`` at the first call): the density from the next step
+        on, the same on every rank."""
+        self.finish()
+        agreed = None if self._pending is None else float(self._pending[1])
+        value = torch.tensor([proposal], dtype=torch.float64)
+        self._pending = (dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group, async_op=True), value)
+        return agreed
+
+    def finish(self) -> None:
+        """Wait for the agreement in flight."""
+        if self._pending is not None and self._pending[0] is not None:
+            self._pending[0].wait()
+            self._pending = (None, self._pending[1])
+
+    def state_dict(self) -> dict:
+        """The smoothed budget and the agreement in flight (waited for), so that a resumed run
+        changes density at the same steps."""
+        self.finish()
+        return dict(log_budget=self._log_budget,
+                    pending=None if self._pending is None else float(self._pending[1]))
+
+    def load_state_dict(self, saved: dict) -> None:
+        self._log_budget = saved["log_budget"]
+        pending = saved["pending"]
+        self._pending = None if pending is None else (None, torch.tensor([pending], dtype=torch.float64))
+
+    def __getstate__(self) -> dict:
+        self.finish()
+        return dict(self.__dict__)
