@@ -45,12 +45,17 @@ MODELS = {
     "resnet": dict(model="resnet", hidden=256, epochs=20, global_batch=64),  # 38K parameters
     "gru": dict(model="gru", hidden=128, epochs=4, global_batch=32, lr_warmup_steps=30,
                 lr_schedule="cosine", clip_norm=1.0),  # 165K parameters
+    # bench_convergence's transformer at width 416: 8.46M parameters, 10.1x its 0.83M
+    "gpt_large": dict(model="gpt", hidden=416, epochs=4, global_batch=32, lr_warmup_steps=30,
+                      lr_schedule="cosine", clip_norm=1.0),
 }
 LRS = {
     ("resnet", "adamw"): (1e-3, 3e-3, 1e-2),
     ("resnet", "sgd"): (0.02, 0.05, 0.1),
     ("gru", "adamw"): (1e-3, 3e-3, 1e-2),
     ("gru", "sgd"): (0.3, 1.0, 3.0),
+    ("gpt_large", "adamw"): (3e-4, 1e-3, 3e-3),
+    ("gpt_large", "sgd"): (0.1, 0.3, 1.0),
 }
 MAX_LOSS_GAP_PERCENT = 2.0
 MAX_ACCURACY_DROP_POINTS = 1.0

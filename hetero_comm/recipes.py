@@ -10,17 +10,18 @@ anyone who wants other settings.
 
 import dataclasses
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ._checks import check_float
-from .hooks import SegmentSparseState, segment_sparse_hook
+from .hooks import SegmentSparseState, TwoLevelState, segment_sparse_hook, two_level_hook
 from .hooks._optimizer import unwrap_optimizer
 
-__all__ = ["Recipe", "recipe_for", "compress", "density_for_ratio", "MIN_RATIO", "MAX_RATIO"]
+__all__ = ["Recipe", "recipe_for", "compress", "density_for_ratio", "MIN_RATIO", "MAX_RATIO",
+           "AUTO_RATIOS"]
 
 # Both recipes send one int8 byte per selected value and one float32 importance per segment of
 # 512 elements (a dense float32 gradient is 4 bytes per element).
@@ -34,6 +35,9 @@ SGD_MIN_SEGMENTS_PER_BUCKET = 150
 MIN_RATIO, MAX_RATIO = 4.0, 256.0
 # The recipes were measured at 29x to 37x; above this the call warns.
 MEASURED_RATIO = 40.0
+# ratio="auto": the compression the link asks for, between these (64x: about 5.5% of the
+# segments, where the AdamW recipe still held at 2 ranks; 16x: about 24%).
+AUTO_RATIOS = (16.0, 64.0)
 # The SGD recipe sets the optimizer's momentum to 0 (the hook applies it); the momentum the user
 # gave is kept in each parameter group under this key, so it travels in optimizer.state_dict()
 # and a resumed run's compress() finds it whichever it loads first.
@@ -90,7 +94,8 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
 
     Args:
         optimizer: the optimizer, set up as for dense training.
-        ratio: target compression of the gradient bytes in [4, 256]; ``None``: the recipe's own.
+        ratio: target compression of the gradient bytes in [4, 256]; ``None`` or ``"auto"``:
+            the recipe's own density (``"auto"`` then varies it, see :func:`compress`).
 
     Raises:
         TypeError: an optimizer no recipe serves (the message lists the supported ones).
@@ -98,7 +103,10 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
             dampening, or Adam's coupled weight decay.
     """
     inner = unwrap_optimizer(optimizer)
-    density = None if ratio is None else density_for_ratio(ratio)
+    if isinstance(ratio, str) and ratio != "auto":
+        raise ValueError(f"ratio must be a number in [{MIN_RATIO:g}, {MAX_RATIO:g}], 'auto' or None; "
+                         f"got {ratio!r}")
+    density = None if ratio is None or ratio == "auto" else density_for_ratio(ratio)
     if isinstance(inner, torch.optim.Adam):  # AdamW subclasses Adam
         return Recipe("adamw", dict(density=ADAMW_DENSITY if density is None else density,
                                     segment_size=SEGMENT_SIZE, wire_dtype="int8", basis="dct",
@@ -119,7 +127,8 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
                     f"{_SUPPORTED}. {_LOWER_LEVEL}")
 
 
-def compress(ddp_model: DistributedDataParallel, optimizer, *, ratio: Optional[float] = None,
+def compress(ddp_model: DistributedDataParallel, optimizer, *,
+             ratio: Union[None, float, str] = None, machines=None,
              process_group: Optional[dist.ProcessGroup] = None) -> SegmentSparseState:
     """Send a small fraction of the gradient bytes, with the recipe for ``optimizer``.
 
@@ -134,12 +143,20 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *, ratio: Optional[f
         optimizer: its optimizer (or a framework wrapper holding one in ``.optimizer``); its
             parameters must be the model's.
         ratio: target compression of the gradient bytes, in [4, 256] (``None``: the
-            recipe's own, about 37x for AdamW and 29-35x for SGD). ``state.stats()`` reports
-            what was achieved.
+            recipe's own, about 37x for AdamW and 29-35x for SGD), or ``"auto"``: chosen
+            each step from the measured link and backward pass, between 16x and 64x
+            (:data:`AUTO_RATIOS`), so the exchange hides behind compute. ``state.stats()``
+            reports what was achieved.
+        machines: for ranks sharing machines, the two-level sync
+            (:class:`~hetero_comm.hooks.TwoLevelState`): a dense sum inside each machine and
+            the recipe between machines. ``"auto"`` (from the launcher's ``LOCAL_WORLD_SIZE``
+            or the host names), ranks per machine (an int), or one machine label per rank.
+            ``None`` (default): every rank alike, unless ``ratio="auto"``, which detects them.
         process_group: the group to reduce in (``None``: the DDP model's own).
 
     Returns:
-        The hook's :class:`~hetero_comm.hooks.SegmentSparseState`: ``stats()``, and
+        The hook's :class:`~hetero_comm.hooks.SegmentSparseState` (a
+        :class:`~hetero_comm.hooks.TwoLevelState` with ``machines`` or ``ratio="auto"``): ``stats()``, and
         ``state_dict()`` / ``load_state_dict()`` for checkpoints (call both on every rank; to
         resume, call ``compress`` on the new model and optimizer, before or after loading the
         optimizer's dict, then ``state.load_state_dict``).
@@ -162,13 +179,26 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *, ratio: Optional[f
     recipe = recipe_for(inner, ratio)
     if process_group is None:
         process_group = ddp_model.process_group
-    state = SegmentSparseState(process_group=process_group, **recipe.settings)
+    state, hook = _recipe_state(recipe, ratio, machines, process_group)
     state.handed_step().fit(inner)  # raises for a setting the recipe cannot take over, before any change
     _warn_where_unmeasured(ddp_model, recipe, ratio)
-    ddp_model.register_comm_hook(state, segment_sparse_hook)
+    ddp_model.register_comm_hook(state, hook)
     _remember_user_momentum(inner, recipe)
     state.prepare_optimizer(inner)
     return state
+
+
+def _recipe_state(recipe: Recipe, ratio, machines, process_group):
+    """The recipe's state and hook: flat, or two-level for machines or an automatic ratio."""
+    if machines is None and ratio != "auto":
+        return SegmentSparseState(process_group=process_group, **recipe.settings), segment_sparse_hook
+    settings = dict(recipe.settings)
+    if ratio == "auto":
+        high, low = AUTO_RATIOS
+        settings.update(density="auto", density_floor=density_for_ratio(low),
+                        density_ceiling=density_for_ratio(high))
+    return (TwoLevelState(process_group=process_group, machines=machines or "auto", **settings),
+            two_level_hook)
 
 
 def _remember_user_momentum(optimizer: torch.optim.Optimizer, recipe: Recipe) -> None:
@@ -205,7 +235,7 @@ def _check_parameters_are_the_models(ddp_model: DistributedDataParallel,
 def _warn_where_unmeasured(ddp_model: DistributedDataParallel, recipe: Recipe,
                            ratio: Optional[float]) -> None:
     """Warn about the cases the recipes are known not to serve well."""
-    if ratio is not None and ratio > MEASURED_RATIO:
+    if isinstance(ratio, (int, float)) and ratio > MEASURED_RATIO:
         warnings.warn(f"hetero_comm.compress(ratio={ratio}): the recipes were measured up to "
                       f"{MEASURED_RATIO:.0f}x; expect a larger gap to dense training beyond it",
                       UserWarning, stacklevel=3)

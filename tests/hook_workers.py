@@ -305,3 +305,35 @@ def steady_step_host_syncs(rank, world_size, hook, settings, warmup_steps=4):
         return "ok"
     finally:
         ops.set_strict_checks(previous)
+
+
+def two_level_construction_error(rank, world_size, settings):
+    """Build a TwoLevelState with ``settings``; the error's type and message."""
+    from hetero_comm.hooks import TwoLevelState
+    try:
+        TwoLevelState(**settings)
+    except (TypeError, ValueError) as error:
+        return type(error).__name__, str(error)
+    return "no error", ""
+
+
+def integer_gradient_steps(rank, world_size, hook, settings, steps):
+    """A bias-free linear model in float64 whose gradients are integers (so every order of
+    summing them is exact): each step's applied gradient, with weights 1 / world_size (a power
+    of two in the tests)."""
+    torch.manual_seed(0)
+    model = nn.Linear(40, 24, bias=False).double()
+    with torch.no_grad():
+        model.weight.copy_(torch.randint(-3, 4, model.weight.shape))
+    ddp = DistributedDataParallel(model)
+    state, hook_function = make_hook(hook, settings)
+    ddp.register_comm_hook(state, hook_function)
+    applied = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randint(-5, 6, (4, 40), generator=g).double()
+        c = torch.randint(-5, 6, (4, 24), generator=g).double()
+        (ddp(x) * c).sum().backward()
+        applied.append(model.weight.grad.detach().clone().numpy())
+        model.weight.grad = None
+    return np.stack(applied)

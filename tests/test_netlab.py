@@ -2,8 +2,11 @@
 bytes a hook reports are the bytes that cross the wire."""
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -76,6 +79,40 @@ def test_sites_are_fast_inside_and_slow_between():
     assert net.leftovers() == []
 
 
+@needs_root
+def test_two_level_bytes_between_machines_are_the_bytes_on_the_uplinks():
+    """Two machines of two ranks (sites), 100 Mbit/s between them: over 8 steps of the
+    two-level sync, what crosses each machine's uplink is within 15% of what its ranks'
+    stats() say they handed to the exchange between machines (inside a machine nothing is
+    shaped or counted there); and the uplink's rate can change while the ranks run."""
+    counters = {}
+
+    def read_counters(folder):
+        for name in ("before", "after"):
+            while not os.path.exists(os.path.join(folder, f"{name}.reached")):
+                time.sleep(0.01)
+            counters[name] = [net.site_tx_bytes(site) for site in (0, 1)]
+            open(os.path.join(folder, f"{name}.go"), "w").close()
+
+    with RateLimitedNetwork(4, None, sites=[0, 0, 1, 1], inter_site_rate="100mbit") as net, \
+            tempfile.TemporaryDirectory() as folder:
+        reader = threading.Thread(target=read_counters, args=(folder,), daemon=True)
+        reader.start()
+        reports = run_wire_worker(net, DENSITY=0.05, MACHINES=2, PAUSE_DIR=folder)
+        reader.join(timeout=10)
+        crossed = [a - b for a, b in zip(counters["after"], counters["before"])]
+        net.set_inter_site_rate("20mbit")
+        assert 0.8 < transfer_seconds(net, 0, 2) < 10  # 2.5 MB at 20 Mbit/s: about 1 s
+    by_rank = {report["rank"]: report for report in reports}
+    for site, ranks in ((0, (0, 1)), (1, (2, 3))):
+        handed = sum(by_rank[rank]["hook_bytes_sent"] for rank in ranks)
+        print(f"site {site}: uplink sent {crossed[site]:,} bytes, the hook reported {handed:,}")
+        assert handed > 100_000
+        # Measured: 1.11x (headers, the ACKs of what comes back, the barriers bracketing the
+        # steps); the traffic inside the machine, 25x larger, does not cross.
+        assert crossed[site] == pytest.approx(handed, rel=0.15)
+
+
 def test_bad_sites_raise_clear_errors():
     with pytest.raises(ValueError, match="one label per rank"):
         RateLimitedNetwork(3, None, sites=["a", "b"])
@@ -85,18 +122,20 @@ def test_bad_sites_raise_clear_errors():
         RateLimitedNetwork(2, None, inter_site_rate="100mbit")
 
 
-def run_wire_worker(**settings) -> list:
-    """Run tests/wire_worker.py on two ranks joined by a 100 Mbit/s link for 8 steps with
-    ``settings`` in its environment; each rank's JSON report."""
+def run_wire_worker(net=None, **settings) -> list:
+    """Run tests/wire_worker.py on the ranks of ``net`` (default: two ranks joined by a
+    100 Mbit/s link) for 8 steps with ``settings`` in its environment; each rank's JSON
+    report."""
+    if net is None:
+        with RateLimitedNetwork(2, "100mbit") as net:
+            return run_wire_worker(net, **settings)
     worker = str(Path(__file__).with_name("wire_worker.py"))
-    with RateLimitedNetwork(2, "100mbit") as net:
-        ranks = [net.popen(rank, [sys.executable, worker], stdout=subprocess.PIPE, text=True,
-                           env=dict(RANK=rank, WORLD_SIZE=2, MASTER_ADDR=net.address(0),
-                                    STEPS=8, **settings))
-                 for rank in range(2)]
-        reports = [json.loads(r.communicate(timeout=180)[0].strip().splitlines()[-1])
-                   for r in ranks]
-        assert all(r.returncode == 0 for r in ranks)
+    ranks = [net.popen(rank, [sys.executable, worker], stdout=subprocess.PIPE, text=True,
+                       env=dict(RANK=rank, WORLD_SIZE=net.num_ranks, MASTER_ADDR=net.address(0),
+                                STEPS=8, **settings))
+             for rank in range(net.num_ranks)]
+    reports = [json.loads(r.communicate(timeout=180)[0].strip().splitlines()[-1]) for r in ranks]
+    assert all(r.returncode == 0 for r in ranks)
     return reports
 
 

@@ -2,23 +2,41 @@
 a few steps of the sparse hook across a rate-limited link, then the hook's own byte count and
 the interface's kernel counters over exactly those steps, as one JSON line. With
 ``UNIT_DROPOUT=p``: the dense hook on a model with unit dropout, skipping dropped units'
-bytes; the line then also holds the dense-equivalent bytes and the elements dropped."""
+bytes; the line then also holds the dense-equivalent bytes and the elements dropped. With
+``MACHINES=n``: the two-level sync with n ranks per machine (its stats count the bytes
+between machines)."""
 
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hetero_comm.hooks import AllreduceState, SegmentSparseState, allreduce_hook, segment_sparse_hook
+from hetero_comm.hooks import (AllreduceState, SegmentSparseState, TwoLevelState, allreduce_hook,
+                               segment_sparse_hook, two_level_hook)
 from hetero_comm.nn import convert_dropout
 
 
 def interface_counters() -> dict:
     base = f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics"
     return {name: int(open(f"{base}/{name}").read()) for name in ("tx_bytes", "rx_bytes")}
+
+
+def pause_for_the_parent(rank: int, name: str) -> None:
+    """A barrier; with ``PAUSE_DIR``, every rank then waits until the parent, told by the file
+    ``<name>.reached``, has read its counters and created ``<name>.go``."""
+    dist.barrier()
+    folder = os.environ.get("PAUSE_DIR")
+    if folder is None:
+        return
+    if rank == 0:
+        open(os.path.join(folder, f"{name}.reached"), "w").close()
+        while not os.path.exists(os.path.join(folder, f"{name}.go")):
+            time.sleep(0.01)
+    dist.barrier()
 
 
 def main() -> None:
@@ -36,6 +54,10 @@ def main() -> None:
         state = AllreduceState()
         state.skip_dropped_units(units)
         ddp.register_comm_hook(state, allreduce_hook)
+    elif "MACHINES" in os.environ:
+        state = TwoLevelState(machines=int(os.environ["MACHINES"]), segment_size=256,
+                              density=float(os.environ["DENSITY"]))
+        ddp.register_comm_hook(state, two_level_hook)
     else:
         state = SegmentSparseState(density=float(os.environ["DENSITY"]), segment_size=256)
         ddp.register_comm_hook(state, segment_sparse_hook)
@@ -51,12 +73,12 @@ def main() -> None:
 
     for _ in range(3):  # the dense warm-up step and DDP's bucket rebuild
         step()
-    dist.barrier()
+    pause_for_the_parent(rank, "before")
     counters, before = interface_counters(), state.stats()
     dropped["elements"] = 0
     for _ in range(int(os.environ["STEPS"])):
         step()
-    dist.barrier()
+    pause_for_the_parent(rank, "after")
     after, stats = interface_counters(), state.stats()
     print(json.dumps({"rank": rank, "hook_bytes_sent": stats["bytes_sent"] - before["bytes_sent"],
                       "hook_bytes_dense": stats["bytes_dense"] - before["bytes_dense"],

@@ -24,7 +24,7 @@ __all__ = ["AutoDensity", "DEFAULT_FLOOR", "DEFAULT_CEILING"]
 
 DEFAULT_FLOOR = 0.01
 DEFAULT_CEILING = 0.25
-# Each step's measurement moves the smoothed budget (in log space) this far: a link that
+# Each step's measurement moves the smoothed affordable bytes (in log space) this far: a link that
 # changes is followed within a few steps, one slow step does not swing the density.
 SMOOTHING = 0.5
 # At most this factor up or down per step: a collective whose time was mostly latency must
@@ -49,7 +49,7 @@ class AutoDensity:
             raise ValueError(f"density_floor ({floor}) is above density_ceiling ({ceiling})")
         self.wire_bytes = wire_bytes_per_value
         self.importance_bytes = 4.0 / segment_size
-        self._log_budget: Optional[float] = None  # log(affordable bytes / bytes sent), smoothed
+        self._log_affordable: Optional[float] = None  # log(bytes a step can afford), smoothed
         self._pending: Optional[tuple] = None  # (work, tensor) of the last agreement
         self.history: list = []  # per step: window, link seconds, bytes, proposal
         self.reset_step()
@@ -71,17 +71,17 @@ class AutoDensity:
     def propose(self, window_seconds: float, density: float) -> float:
         """The density for the coming steps from this step's measurements (``density``: the
         one this step ran at)."""
+        proposal = density
         if self.sent_bytes and self.link_seconds > 0:
             bandwidth = self.sent_bytes / self.link_seconds
             affordable = bandwidth * max(window_seconds - self.codec_seconds, 0.0)
-            log_budget = math.log(max(affordable, 1.0) / self.sent_bytes)
-            if self._log_budget is None:
-                self._log_budget = log_budget
+            log_affordable = math.log(max(affordable, 1.0))
+            if self._log_affordable is None:
+                self._log_affordable = log_affordable
             else:
-                self._log_budget += SMOOTHING * (log_budget - self._log_budget)
-        proposal = density
-        if self._log_budget is not None:
-            per_value = self.bytes_per_value(density) * math.exp(self._log_budget)
+                self._log_affordable += SMOOTHING * (log_affordable - self._log_affordable)
+            values = self.sent_bytes / self.bytes_per_value(density)  # what a step exchanges
+            per_value = math.exp(self._log_affordable) / values
             proposal = (per_value - self.importance_bytes) / self.wire_bytes
             proposal = min(max(proposal, density / MAX_STEP_FACTOR), density * MAX_STEP_FACTOR)
         proposal = min(max(proposal, self.floor), self.ceiling)
@@ -111,11 +111,11 @@ class AutoDensity:
         """The smoothed budget and the agreement in flight (waited for), so that a resumed run
         changes density at the same steps."""
         self.finish()
-        return dict(log_budget=self._log_budget,
+        return dict(log_affordable=self._log_affordable,
                     pending=None if self._pending is None else float(self._pending[1]))
 
     def load_state_dict(self, saved: dict) -> None:
-        self._log_budget = saved["log_budget"]
+        self._log_affordable = saved["log_affordable"]
         pending = saved["pending"]
         self._pending = None if pending is None else (None, torch.tensor([pending], dtype=torch.float64))
 

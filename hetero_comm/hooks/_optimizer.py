@@ -18,7 +18,7 @@ and checkpoints see the rate the user set.
 import functools
 import types
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -97,7 +97,8 @@ class HandedMomentumCorrectedSum(HandedSum):
     correction): SGD with its own momentum at 0, at
     :func:`momentum_correction_lr_scale` times the user's rate."""
 
-    def __init__(self, momentum: float, density: float) -> None:
+    def __init__(self, momentum: float, density: Union[float, Callable[[], float]]) -> None:
+        # density: fixed, or read at every step (a density chosen as training runs)
         self.momentum, self.density = momentum, density
         self.setting = f"momentum={momentum}"
 
@@ -118,6 +119,8 @@ class HandedMomentumCorrectedSum(HandedSum):
             if group["momentum"] and group["dampening"]:
                 raise ValueError(f"parameter group {index} has dampening {group['dampening']}, "
                                  f"which the hook's momentum correction does not apply")
+        if callable(self.density):
+            return {"momentum": 0.0}, lambda: momentum_correction_lr_scale(self.density(), self.momentum)
         return {"momentum": 0.0}, momentum_correction_lr_scale(self.density, self.momentum)
 
 
@@ -177,7 +180,8 @@ class OptimizerFit:
     """Before every step of ``optimizer``: runs ``check(optimizer)`` (which raises if a
     parameter group no longer suits the hook, e.g. one added since, or a momentum a scheduler
     set) and puts ``settings`` (hyperparameter name -> value) into every parameter group; then
-    steps at ``lr_scale`` times each group's learning rate and puts the rates back. The
+    steps at ``lr_scale`` (a number, or a function called at every step) times each group's
+    learning rate and puts the rates back. The
     settings are also put back after ``optimizer.load_state_dict``. Fitting the same optimizer
     again replaces the previous fit. Copies and unpickled optimizers lose the fit (torch keeps
     only the state and the parameter groups): prepare them again."""
@@ -229,10 +233,11 @@ class OptimizerFit:
     def _before_step(self) -> None:
         self._check(self.optimizer)
         self._apply_settings(self.optimizer)
-        if self.lr_scale != 1.0:
+        lr_scale = self.lr_scale() if callable(self.lr_scale) else self.lr_scale
+        if lr_scale != 1.0:
             for group in self.optimizer.param_groups:
                 self._user_rates.append((group, group["lr"]))
-                group["lr"] = group["lr"] * self.lr_scale
+                group["lr"] = group["lr"] * lr_scale
 
     def _restore_rates(self) -> None:
         for group, user_lr in self._user_rates:

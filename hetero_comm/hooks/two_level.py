@@ -22,6 +22,7 @@ from .._checks import check_choice, check_float
 from .._layout import GRADIENT_DTYPES
 from ._auto_density import DEFAULT_CEILING, DEFAULT_FLOOR, AutoDensity
 from ._machines import MachineLayout, MachinesArgument
+from ._optimizer import HandedMomentumCorrectedSum, HandedSum
 from ._plan import PlanBucket
 from ._sparse_parts import WIRE_DTYPES
 from ._state import DeviceFiniteChecks, check_state
@@ -185,6 +186,7 @@ class TwoLevelState(SegmentSparseState):
         self._exchanges = _ExchangeThread()
         self._step_began: Optional[float] = None
         self._stats["bytes_inside_machines"] = 0
+        self.last_step_density = self.density  # what the optimizer's step follows
 
     _checkpoint_settings = tuple(name for name in SegmentSparseState._checkpoint_settings
                                  if name != "density") + ("between_machines", "inside_dtype")
@@ -206,6 +208,14 @@ class TwoLevelState(SegmentSparseState):
 
     def contribution_weight(self) -> float:
         return 1.0  # the rank weight is applied before the sum inside the machine
+
+    def handed_step(self) -> HandedSum:
+        """As :meth:`SegmentSparseState.handed_step`; with ``density="auto"`` and momentum
+        correction, the learning-rate factor follows the density each step ran at."""
+        handed = super().handed_step()
+        if self.auto_density is not None and isinstance(handed, HandedMomentumCorrectedSum):
+            return HandedMomentumCorrectedSum(self.momentum, lambda: self.last_step_density)
+        return handed
 
     def shares_of(self, numel: int) -> Shares:
         """The share layout of a bucket of ``numel`` elements: whole segments (DCT basis:
@@ -245,12 +255,19 @@ class TwoLevelState(SegmentSparseState):
 
     def _end_step(self, window_seconds: float) -> None:
         """On the exchange thread, after a step's last bucket: the automatic density."""
+        self.last_step_density = self.density
         if self.auto_density is None:
             return
         proposal = self.auto_density.propose(window_seconds, self.density)
         agreed = self.auto_density.agree(proposal, self.groups.control)
         if agreed is not None:
             self.density = agreed
+
+    def exchange_share(self, plan_bucket: PlanBucket, shares: Shares, values: torch.Tensor,
+                       index: int) -> bool:
+        """Step 2 of :func:`two_level_hook`: sum this rank's share ``values`` (non-empty,
+        in place) over its rail; ``True`` if it held a non-finite value (then zeros)."""
+        return _exchange_share(self, plan_bucket, shares, values, index)
 
     def wait(self) -> None:
         """Wait until the exchange thread has finished every bucket handed to it."""
@@ -373,8 +390,6 @@ def _exchange_share(state: TwoLevelState, plan_bucket: PlanBucket, shares: Share
                     values: torch.Tensor, index: int) -> bool:
     """Step 2 for this rank's share ``values`` (in place); ``True`` if it held a non-finite
     value (then zeros)."""
-    if not values.numel():
-        return False
     if state.between_machines == "dense":
         own_bytes = values.numel() * values.element_size()
         state.count_bytes(own_bytes, own_bytes, True)
@@ -416,7 +431,7 @@ def _two_level_exchange(state: TwoLevelState, plan_bucket: PlanBucket, grad: tor
     # 2. Exchange the share between machines (the sparse steps count its bytes).
     own = shares.stop - shares.start
     state.count_bytes((grad.numel() - own) * grad.element_size(), 0, True)
-    failed = _exchange_share(state, plan_bucket, shares, mine[:own], index)
+    failed = state.exchange_share(plan_bucket, shares, mine[:own], index) if own else False
     mine[-1] = float(failed)
     # 3. Spread inside the machine, with every share's flag.
     _spread_inside_machine(state, mine, staged)

@@ -141,13 +141,25 @@ class RateLimitedNetwork:
         self._created.append(name)
         self._netns(name, "ip", "link", "set", "lo", "up")
 
-    def _shape(self, namespace: str, device: str, rate_bits: Optional[int] = None) -> None:
+    def _shape(self, namespace: str, device: str, rate_bits: Optional[int] = None,
+               action: str = "add") -> None:
         rate_bits = self.rate_bits if rate_bits is None else rate_bits
         if rate_bits is None:
             return
         burst = max(2 * int(rate_bits / 8 / KERNEL_HZ), 32 * 1024)
-        self._netns(namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
+        self._netns(namespace, "tc", "qdisc", action, "dev", device, "root", "tbf",
                     "rate", f"{rate_bits}bit", "burst", str(burst), "latency", "50ms")
+
+    def set_inter_site_rate(self, rate: str) -> None:
+        """Change every site's uplink to ``rate`` while the ranks run (a network built with
+        ``sites`` and an ``inter_site_rate``)."""
+        if self.sites is None or self.inter_site_bits is None:
+            raise ValueError("set_inter_site_rate needs a network built with sites and an "
+                             "inter_site_rate")
+        self.inter_site_bits = parse_rate(rate)
+        for site in range(max(self.sites) + 1):
+            self._shape(self.bridge_namespace, f"hcd{site}", self.inter_site_bits, "change")
+            self._shape(self.site_namespace(site), "hcup", self.inter_site_bits, "change")
 
     def _add_bridge(self, namespace: str) -> None:
         self._add_namespace(namespace)

@@ -2,10 +2,14 @@
 its state, and whether it can weight ranks unequally."""
 
 import dataclasses
+import inspect
 from typing import Callable, Dict, Optional, Tuple
+
+import torch.distributed as dist
 
 from .._checks import check_choice, check_int
 from ..recipes import density_for_ratio
+from .baselines import Int4BetweenMachinesState, int4_between_machines_hook
 from ..hooks import (AllreduceState, DCTQuantState, HookState, SegmentSparseState, TwoLevelState,
                      allreduce_hook, dct_quant_hook, segment_sparse_hook, two_level_hook)
 
@@ -19,7 +23,9 @@ class HookSpec:
     ``state_class(**defaults, **settings)`` builds the state (``None``: the hook takes no
     state and no settings); ``weighted``: the state takes a ``rank_weight``, so ranks with
     unequal batches can be weighted exactly; ``one_call``: :func:`hetero_comm.compress` builds
-    the state and registers the hook from the model and its optimizer (settings: ``ratio``).
+    the state and registers the hook from the model and its optimizer (settings: ``ratio``,
+    ``machines``); ``collective``: building the state is a collective (it creates process
+    groups), so without a process group the settings' names are checked only.
     """
 
     name: str
@@ -29,6 +35,7 @@ class HookSpec:
     weighted: bool
     defaults: Tuple[Tuple[str, object], ...] = ()
     one_call: bool = False
+    collective: bool = False  # building the state creates process groups
 
     @property
     def is_hetero_comm(self) -> bool:
@@ -41,11 +48,14 @@ class HookSpec:
         hook's settings are only checked: its state needs the model and optimizer)."""
         settings = dict(settings or {})
         if self.one_call:
-            unknown = sorted(set(settings) - {"ratio"})
+            unknown = sorted(set(settings) - {"ratio", "machines"})
             if unknown:
-                raise ValueError(f"hook {self.name!r} takes only 'ratio'; got {unknown}")
-            if settings.get("ratio") is not None:
+                raise ValueError(f"hook {self.name!r} takes only 'ratio' and 'machines'; got {unknown}")
+            if settings.get("ratio") not in (None, "auto"):
                 density_for_ratio(settings["ratio"])
+            return None
+        if self.collective and not dist.is_initialized():  # e.g. TrainConfig.validate's check
+            inspect.signature(self.state_class).bind(**dict(self.defaults, **settings))
             return None
         if self.state_class is None:
             if settings:
@@ -75,7 +85,10 @@ HOOKS: Dict[str, HookSpec] = {spec.name: spec for spec in (
              None, weighted=False, one_call=True),
     HookSpec("sparse", "segment_sparse_hook", segment_sparse_hook, SegmentSparseState, weighted=True),
     HookSpec("dct", "dct_quant_hook", dct_quant_hook, DCTQuantState, weighted=True),
-    HookSpec("two_level", "two_level_hook", two_level_hook, TwoLevelState, weighted=True),
+    HookSpec("two_level", "two_level_hook", two_level_hook, TwoLevelState, weighted=True,
+             collective=True),
+    HookSpec("int4_qgz", "ZeRO++ qgZ scheme: int4 between machines (baseline from the paper)",
+             int4_between_machines_hook, Int4BetweenMachinesState, weighted=True, collective=True),
     *_torch_hooks(),
 )}
 WEIGHTED_HOOKS = tuple(name for name, spec in HOOKS.items() if spec.weighted)

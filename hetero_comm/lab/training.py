@@ -68,7 +68,8 @@ class TrainConfig:
     :class:`~hetero_comm.hetero.DynamicBatchController`); ``"equal"`` keeps equal shares.
     ``slow_worker_cores`` puts the last worker under a CPU quota of that many cores (root and
     cgroup v1 only); every rank's speed is then measured with equal shares too (weighted
-    hooks only). ``max_steps`` stops early (step timing); ``bucket_cap_mb``, given, is DDP's
+    hooks only). ``max_steps`` stops early (step timing); ``evaluate_every`` also evaluates
+    every that many steps (outside the timed training); ``bucket_cap_mb``, given, is DDP's
     bucket cap and also caps its first bucket (else 1 MB)."""
 
     hook: str = "dense"
@@ -91,6 +92,7 @@ class TrainConfig:
     skip_dropped: bool = False
     model: str = "mlp"
     max_steps: Optional[int] = None
+    evaluate_every: Optional[int] = None
     bucket_cap_mb: Optional[float] = None
     batching: str = "equal"
     replan_every: Optional[int] = None
@@ -115,6 +117,7 @@ class TrainConfig:
         check_choice("batching", self.batching, BATCHING)
         self._validate_dropout()
         check_optional(check_int, "max_steps", self.max_steps, 1)
+        check_optional(check_int, "evaluate_every", self.evaluate_every, 1)
         check_optional(check_float, "slow_worker_cores", self.slow_worker_cores, 0.0,
                        float(os.cpu_count() or 1), low_open=True)
         if self.global_batch % self.workers:
@@ -202,7 +205,9 @@ def run_training(config: TrainConfig, on_epoch: Optional[Callable[[int, float], 
 
     Returns:
         dict with ``final_accuracy``, ``epochs`` (per epoch: test accuracy/loss, bytes sent,
-        training wall seconds, every rank's batch size at the epoch's start), ``history``
+        training wall seconds, every rank's batch size at the epoch's start), ``evaluations``
+        (every ``evaluate_every`` steps: step, training seconds so far, test loss and
+        accuracy), ``history``
         (per-step loss, cumulative bytes this rank handed to collectives, step seconds),
         ``bytes_per_step``, ``dense_bytes_per_step``, ``hook_stats`` (for hetero_comm's
         hooks), ``speed_history`` (the controller's plans: every rank's samples, compute
@@ -286,6 +291,10 @@ class _Run:
         self.epochs: Dict[str, list] = {"epoch": [], "step": [], "test_accuracy": [],
                                         "test_loss": [], "bytes": [], "seconds": [],
                                         "batch_sizes": []}
+        # every evaluate_every steps: the step, training seconds so far, test loss and accuracy
+        self.evaluations: Dict[str, list] = {"step": [], "seconds": [], "test_loss": [],
+                                             "test_accuracy": []}
+        self.training_seconds = 0.0
 
     def _register_hook(self, config: TrainConfig) -> None:
         self.state, hook = make_hook(config.hook, config.hook_settings)
@@ -325,17 +334,28 @@ class _Run:
         else:
             self.sampler.set_epoch(epoch)
         batch_sizes = list(self.sampler.batch_sizes)
-        began = time.perf_counter()
+        seconds = 0.0
         for index in self.sampler:
             if self.out_of_steps():
                 break
+            began = time.perf_counter()
             self.train_step(index)
-        seconds = time.perf_counter() - began
+            seconds += time.perf_counter() - began
+            every = self.config.evaluate_every
+            if every and self.step % every == 0:
+                self.record_evaluation(self.training_seconds + seconds)
+        self.training_seconds += seconds
         test_loss, accuracy = self.evaluate()
         for name, value in (("epoch", epoch + 1), ("step", self.step), ("test_accuracy", accuracy),
                             ("test_loss", test_loss), ("bytes", self.bytes_sent["bytes"]),
                             ("seconds", seconds), ("batch_sizes", batch_sizes)):
             self.epochs[name].append(value)
+
+    def record_evaluation(self, training_seconds: float) -> None:
+        test_loss, accuracy = self.evaluate()
+        for name, value in (("step", self.step), ("seconds", training_seconds),
+                            ("test_loss", test_loss), ("test_accuracy", accuracy)):
+            self.evaluations[name].append(value)
 
     def evaluate(self) -> Tuple[float, float]:
         """Test loss and accuracy (of the next byte, for text), in eval mode (no dropout)."""
@@ -367,6 +387,7 @@ def _train(rank: int, config: TrainConfig) -> dict:
         run.controller.replan()  # the last epoch's speeds, for the record
     stats = getattr(run.state, "stats", None)
     return {"config": dataclasses.asdict(config), "history": run.history, "epochs": run.epochs,
+            "evaluations": run.evaluations,
             "final_accuracy": run.epochs["test_accuracy"][-1], "steps": run.step,
             "bytes_per_step": run.bytes_sent["bytes"] / run.step,
             "bytes_total": run.bytes_sent["bytes"],

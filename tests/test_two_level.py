@@ -1,0 +1,215 @@
+"""The two-level sync (issue 36) on real gloo ranks: machines of 2 and 3 ranks, 2 and 3
+machines, against the flat hooks; the automatic density's arithmetic on its own."""
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from hetero_comm.hooks import MachineLayout
+from hetero_comm.hooks._auto_density import AutoDensity
+from hetero_comm.hooks.two_level import Shares
+from hetero_comm.lab.baselines import dequantize_int4, quantize_int4
+from hetero_comm.lab.launch import run_ranks
+from hetero_comm.lab.training import TrainConfig, run_training
+from hook_workers import integer_gradient_steps, train, two_level_construction_error
+
+SPARSE = dict(segment_size=16, density=0.05, warmup_steps=2)
+
+
+def assert_ranks_identical(results):
+    for r in results[1:]:
+        np.testing.assert_array_equal(r["params"], results[0]["params"])
+        np.testing.assert_array_equal(r["applied"], results[0]["applied"])
+
+
+@pytest.mark.parametrize("world_size,machines", [(4, 2), (4, 1), (2, 2), (4, 4)])
+def test_without_compression_equals_flat_dense_allreduce_bitwise(world_size, machines):
+    """Integer gradients in float64 and weights 1/4 or 1/2: every order of summing is exact,
+    so the two-level sum must equal the flat allreduce bit for bit."""
+    flat = run_ranks(world_size, integer_gradient_steps, "dense", {}, 4)
+    two_level = run_ranks(world_size, integer_gradient_steps, "two_level",
+                          dict(machines=machines, between_machines="dense", warmup_steps=1), 4)
+    for result in two_level:
+        np.testing.assert_array_equal(result, flat[0])
+    assert np.abs(flat[0]).max() > 1  # the gradients are not trivial
+
+
+@pytest.mark.parametrize("world_size,machines", [(4, 2), (6, 3), (6, 2)])
+def test_without_compression_matches_flat_dense_on_a_real_model(world_size, machines):
+    options = dict(dtype=torch.float64)
+    flat = run_ranks(world_size, train, "dense", {}, 5, options)
+    two_level = run_ranks(world_size, train, "two_level",
+                          dict(machines=machines, between_machines="dense"), 5, options)
+    assert_ranks_identical(two_level)
+    np.testing.assert_allclose(two_level[0]["applied"], flat[0]["applied"], rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("settings_", [
+    SPARSE,
+    dict(SPARSE, wire_dtype="int8"),
+    dict(SPARSE, wire_dtype="int8", selection="lagged"),
+    dict(SPARSE, basis="dct", dct_block_size=8, segment_size=4),
+    dict(SPARSE, momentum=0.9),
+    dict(SPARSE, inside_dtype="bfloat16"),
+])
+@pytest.mark.parametrize("world_size,machines", [(4, 2), (6, 3)])
+def test_conservation_law(settings_, world_size, machines):
+    """Applied updates plus what every rank still holds back equals everything produced; every
+    rank applies the same."""
+    results = run_ranks(world_size, train, "two_level", dict(settings_, machines=machines), 10)
+    produced = sum(r["produced"] for r in results).sum(axis=0)
+    held = sum(r["held_back"] for r in results)
+    applied = results[0]["applied"].sum(axis=0)
+    if settings_.get("momentum"):  # the velocity is held too: what is applied lags, not lost
+        assert np.abs(held).max() > 1e-3
+    elif settings_.get("inside_dtype") == "bfloat16":  # that rounding is not fed back
+        # each step: every rank's contribution and the machine's sum rounded to 8 bits
+        steps_magnitude = sum(np.abs(r["produced"]) for r in results) + np.abs(results[0]["applied"])
+        bound = 2.0 ** -7 * steps_magnitude.sum(axis=0) + 1e-5
+        assert (np.abs(applied + held - produced) <= bound).all()
+    else:
+        np.testing.assert_allclose(applied + held, produced, rtol=1e-4, atol=1e-5)
+    assert np.abs(held).max() > 1e-3
+    assert_ranks_identical(results)
+    stats = results[0]["stats"]
+    assert stats["steps"] == 10 and stats["compression_ratio"] > 2
+    assert stats["bytes_inside_machines"] > 0
+
+
+def test_each_rank_holds_back_only_its_share():
+    results = run_ranks(4, train, "two_level", dict(SPARSE, machines=2), 6)
+    held = np.stack([r["held_back"] for r in results])
+    nonzero = np.abs(held) > 0
+    assert not (nonzero[0] & nonzero[1]).any() and not (nonzero[2] & nonzero[3]).any()
+    assert nonzero[0].any() and nonzero[1].any()
+
+
+def test_unequal_rank_weights():
+    weights = [0.1, 0.2, 0.3, 0.4]
+    flat = run_ranks(4, train, "dense", {}, 4, dict(weights=weights, dtype=torch.float64))
+    two_level = run_ranks(4, train, "two_level", dict(machines=2, between_machines="dense"), 4,
+                          dict(weights=weights, dtype=torch.float64))
+    np.testing.assert_allclose(two_level[0]["applied"], flat[0]["applied"], rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("checkpoint_from", ["rank0", "own"])
+@pytest.mark.parametrize("settings_", [SPARSE, dict(SPARSE, wire_dtype="int8", selection="lagged",
+                                                     momentum=0.9)])
+def test_resume_continues_exactly(settings_, checkpoint_from):
+    settings_ = dict(settings_, machines=2)
+    uninterrupted = run_ranks(4, train, "two_level", settings_, 9)
+    resumed = run_ranks(4, train, "two_level", settings_, 9,
+                        dict(resume_at=5, checkpoint_from=checkpoint_from))
+    for a, b in zip(uninterrupted, resumed):
+        np.testing.assert_array_equal(a["params"], b["params"])
+        np.testing.assert_array_equal(a["held_back"], b["held_back"])
+
+
+def test_non_finite_gradient_raises_on_every_rank():
+    for result in run_ranks(4, train, "two_level", dict(SPARSE, machines=2), 6, dict(nan_at=(1, 4))):
+        assert "non-finite gradient" in result["error"][1]
+        assert result["params_finite"]
+        assert len(result["applied"]) == 4
+
+
+def test_automatic_density_stays_in_its_bounds_and_ranks_agree():
+    settings_ = dict(SPARSE, machines=2, density="auto", density_floor=0.02, density_ceiling=0.3,
+                     wire_dtype="int8")
+    results = run_ranks(4, train, "two_level", settings_, 10)
+    assert_ranks_identical(results)
+    densities = {r["stats"]["density"] for r in results}
+    assert len(densities) == 1 and 0.02 <= densities.pop() <= 0.3
+
+
+def test_int4_baseline_is_close_to_dense_and_identical_on_every_rank():
+    flat = run_ranks(4, train, "dense", {}, 4)
+    int4 = run_ranks(4, train, "int4_qgz", dict(machines=2, block=32), 4)
+    assert_ranks_identical(int4)
+    error = np.abs(int4[0]["applied"] - flat[0]["applied"]).max() / np.abs(flat[0]["applied"]).max()
+    assert 0 < error < 0.3  # two int4 roundings of 7 levels, no error feedback
+
+
+def test_composes_with_dropped_units_and_dynamic_batches():
+    config = TrainConfig(hook="two_level", hook_settings=dict(density=0.1, segment_size=16, machines=2),
+                         workers=4, epochs=1, max_steps=8, global_batch=64, dropout=0.5,
+                         dropout_kind="unit", skip_dropped=True, batching="dynamic", replan_every=3)
+    record = run_training(config, timeout=300)
+    assert record["ranks_identical"] and record["steps"] == 8
+    assert math.isfinite(record["history"]["loss"][-1])
+
+
+@pytest.mark.parametrize("world_size,settings_,pattern", [
+    (3, dict(machines=[0, 0, 1]), "machines of unequal rank counts are not supported"),
+    (2, dict(machines=[0]), "machines has 1 labels but the process group has 2 ranks"),
+    (4, dict(machines=3), "does not divide the 4 ranks"),
+    (2, dict(machines="two"), "one label per rank"),
+    (2, dict(machines=1, density="auto", density_floor=0.5, density_ceiling=0.1),
+     r"density_floor \(0.5\) is above density_ceiling \(0.1\)"),
+    (2, dict(machines=1, between_machines="int2"), "between_machines must be one of"),
+    (2, dict(machines=1, inside_dtype="float8"), "inside_dtype must be one of"),
+])
+def test_bad_layouts_and_settings_raise_clear_errors(world_size, settings_, pattern):
+    for kind, message in run_ranks(world_size, two_level_construction_error, settings_):
+        assert kind == "ValueError" and re.search(pattern, message), message
+
+
+@pytest.mark.parametrize("numel,local_size,unit", [(1, 2, 16), (100, 2, 16), (4096, 3, 64),
+                                                   (33, 4, 8), (7, 1, 4)])
+def test_shares_partition_the_bucket_in_whole_units(numel, local_size, unit):
+    covered = []
+    for rank in range(local_size):
+        shares = Shares(numel, local_size, rank, unit)
+        assert (shares.start % unit == 0 or shares.start == numel) and shares.start <= shares.stop <= numel
+        covered.extend(range(shares.start, shares.stop))
+    assert covered == list(range(numel))
+    flat = torch.arange(numel, dtype=torch.float32)
+    staged = torch.full((local_size * shares.slot,), float("nan"))
+    shares.stage(flat, staged, 0.5)
+    assert (shares.flags(staged) == 0).all()
+    out = torch.empty(numel)
+    shares.unstage(staged, out)
+    torch.testing.assert_close(out, flat * 0.5)
+
+
+def test_machine_layout_groups_ranks_by_label():
+    layout = MachineLayout(["b", "a", "b", "a"])
+    assert layout.machines == 2 and layout.local_size == 2
+    assert layout.ranks_of_machine == ((0, 2), (1, 3))
+    assert layout.rail(1) == (2, 3) and layout.local_rank(3) == 1
+
+
+def test_automatic_density_hides_the_exchange_and_follows_a_changing_link():
+    """Synthetic measurements: a link of 1 MB/s and a 0.1 s window afford 100 KB a step."""
+    auto = AutoDensity(0.01, 0.5, wire_bytes_per_value=1, segment_size=512)
+    values = 2_000_000  # per step, between machines
+    density = 0.5
+
+    def step(bandwidth, window=0.1):
+        nonlocal density
+        sent = values * auto.bytes_per_value(density)
+        auto.add_exchange(int(sent), sent / bandwidth, 0.0)
+        density = auto.propose(window, density)
+        return density
+
+    for _ in range(12):
+        step(1e6)
+    assert math.isclose(values * auto.bytes_per_value(density), 1e6 * 0.1, rel_tol=0.05)
+    for _ in range(6):  # the link becomes 4x faster: followed within 6 steps
+        step(4e6)
+    assert math.isclose(values * auto.bytes_per_value(density), 4e5, rel_tol=0.1)
+    for _ in range(20):  # far too slow: the floor
+        step(1e3)
+    assert density == 0.01
+
+
+def test_int4_quantization_round_trips_within_half_a_step():
+    values = torch.randn(1000)
+    packed, scales = quantize_int4(values, 64)
+    assert packed.dtype == torch.uint8 and packed.numel() == 16 * 64 // 2
+    back = dequantize_int4(packed, scales, 1000)
+    step = torch.repeat_interleave(scales, 64)[:1000]
+    assert (torch.abs(back - values) <= step / 2 + 1e-6).all()
+
