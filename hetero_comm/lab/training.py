@@ -69,7 +69,9 @@ class TrainConfig:
     ``slow_worker_cores`` puts the last worker under a CPU quota of that many cores (root and
     cgroup v1 only); every rank's speed is then measured with equal shares too (weighted
     hooks only). ``max_steps`` stops early (step timing); ``evaluate_every`` also evaluates
-    every that many steps (outside the timed training); ``bucket_cap_mb``, given, is DDP's
+    every that many steps (outside the timed training); ``progress_file``: rank 0 writes
+    "<step> <total steps>" there after every step (a benchmark's parent process watches it,
+    e.g. to change a link halfway); ``bucket_cap_mb``, given, is DDP's
     bucket cap and also caps its first bucket (else 1 MB)."""
 
     hook: str = "dense"
@@ -93,6 +95,7 @@ class TrainConfig:
     model: str = "mlp"
     max_steps: Optional[int] = None
     evaluate_every: Optional[int] = None
+    progress_file: Optional[str] = None
     bucket_cap_mb: Optional[float] = None
     batching: str = "equal"
     replan_every: Optional[int] = None
@@ -285,6 +288,7 @@ class _Run:
                 self.state.prepare_optimizer(self.optimizer)
         if self.units is not None:
             self.units.attach(self.optimizer)
+        self.total_steps = total_steps
         self.step = 0
         self.bytes_sent = {"bytes": 0}
         self.history: Dict[str, List[float]] = {"step": [], "loss": [], "bytes": [], "seconds": []}
@@ -344,6 +348,9 @@ class _Run:
             every = self.config.evaluate_every
             if every and self.step % every == 0:
                 self.record_evaluation(self.training_seconds + seconds)
+            if self.config.progress_file and dist.get_rank() == 0:
+                with open(self.config.progress_file, "w") as f:
+                    f.write(f"{self.step} {self.total_steps}")
         self.training_seconds += seconds
         test_loss, accuracy = self.evaluate()
         for name, value in (("epoch", epoch + 1), ("step", self.step), ("test_accuracy", accuracy),

@@ -1,0 +1,234 @@
+"""Two machines of two ranks on a real slow link: time to the dense run's final loss for flat
+dense, the flat recipe, the two-level sync (the recipe fixed, at other fixed ratios, and
+automatic) and ZeRO++'s int4 scheme (issue 36).
+
+The network (:class:`hetero_comm.lab.netlab.RateLimitedNetwork` with sites): each machine's two
+ranks on an unshaped bridge of their own, the machines joined by uplinks shaped to the link's
+rate in both directions. Links: ``100mbit``, ``1gbit``, and ``100mbit>1gbit`` (each run starts
+on the first rate and the uplinks change to the second when it reaches half its steps).
+
+Rows (``--rows``):
+
+* ``dense``: flat dense allreduce (the target: its final validation loss).
+* ``flat``: ``hetero_comm.compress`` on every rank alike (the recipe of the optimizer).
+* ``two_level``: ``compress(machines=2)``: dense inside each machine, the recipe between them.
+* ``two_level_auto``: ``compress(machines=2, ratio="auto")``: the density chosen from the link.
+* ``two_level_16x``, ``two_level_64x``: fixed ratios at the automatic range's ends (with
+  ``two_level``, the fixed densities the automatic setting is measured against).
+* ``int4``: ZeRO++ qgZ's scheme, int4 between machines without error feedback (a baseline
+  written from the paper: DeepSpeed's own is CUDA-only), with the dense optimizer.
+
+Workloads: ``gpt_adamw``, bench_convergence's byte-level transformer (0.83M parameters, AdamW at
+3e-3, 4 epochs, warm-up and cosine); ``mlp_sgd``, the digits MLP with SGD at 0.05, momentum 0.9,
+8 epochs. The global batch is the workload's (8 or 16 samples per rank).
+
+Each run evaluates every ``--evaluate-every`` steps (outside the timed training). "to dense
+loss": the training seconds at which its validation loss first came within 2% of the dense
+run's final loss on the same link. One table; ``--json`` keeps every record. Root only.
+
+Usage: python benchmarks/bench_two_level.py [--workloads gpt_adamw,mlp_sgd]
+       [--links 100mbit,1gbit,100mbit>1gbit] [--rows dense,flat,...] [--quick] [--json PATH]
+"""
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+WORKLOADS = {
+    "gpt_adamw": dict(model="gpt", hidden=128, optimizer="adamw", lr=3e-3, weight_decay=0.01,
+                      lr_warmup_steps=30, lr_schedule="cosine", clip_norm=1.0, epochs=4,
+                      global_batch=32, evaluate_every=30),
+    "mlp_sgd": dict(model="mlp", optimizer="sgd", lr=0.05, momentum=0.9, epochs=8,
+                    global_batch=64, evaluate_every=5),
+}
+ROWS = {
+    "dense": ("flat dense allreduce", dict(hook="dense")),
+    "flat": ("flat recipe (compress)", dict(hook="recipe")),
+    "two_level": ("two-level recipe (compress, machines=2)", dict(hook="recipe", hook_settings=dict(machines=2))),
+    "two_level_auto": ("two-level, ratio='auto'", dict(hook="recipe", hook_settings=dict(machines=2, ratio="auto"))),
+    "two_level_16x": ("two-level, ratio=16", dict(hook="recipe", hook_settings=dict(machines=2, ratio=16.0))),
+    "two_level_64x": ("two-level, ratio=64", dict(hook="recipe", hook_settings=dict(machines=2, ratio=64.0))),
+    "int4": ("ZeRO++ qgZ int4 between machines (baseline)", dict(hook="int4_qgz", hook_settings=dict(machines=2))),
+}
+LINKS = ("100mbit", "1gbit", "100mbit>1gbit")
+SITES = [0, 0, 1, 1]
+PORT = 29500
+TARGET_GAP = 0.02  # "reached dense's final loss": within 2% of it
+
+
+def worker() -> None:
+    """One rank: every configuration of ``HC_CONFIGS`` in turn; rank 0 prints a JSON line each."""
+    import torch
+    import torch.distributed as dist
+
+    from hetero_comm.lab.training import TrainConfig, train_rank
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{PORT}",
+                            rank=rank, world_size=len(SITES), timeout=datetime.timedelta(minutes=10))
+    for entry in json.loads(os.environ["HC_CONFIGS"]):
+        record = train_rank(rank, TrainConfig(**entry["config"]))
+        if rank == 0:
+            keep = ("history", "evaluations", "epochs", "final_accuracy", "steps", "ranks_identical")
+            stats = record["hook_stats"] or {}
+            print(json.dumps({"key": entry["key"], **{k: record[k] for k in keep},
+                              "hook_stats": {k: v for k, v in stats.items() if k != "pool"}}),
+                  flush=True)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # as multiprocessing's children do: gloo's thread destructors can abort an exit
+
+
+def follow_progress(net, progress_file: str, rates, done: threading.Event) -> None:
+    """Keep the uplinks at ``rates[0]`` in a run's first half and ``rates[1]`` in its second
+    (rank 0 writes "<step> <total>" to ``progress_file`` after every step)."""
+    current = rates[0]
+    while not done.wait(0.02):
+        try:
+            with open(progress_file) as f:
+                step, total = (int(x) for x in f.read().split())
+        except (OSError, ValueError):
+            continue
+        wanted = rates[1] if 2 * step >= total else rates[0]
+        if wanted != current:
+            net.set_inter_site_rate(wanted)
+            current = wanted
+
+
+def run_link(link: str, entries: list) -> dict:
+    """Run ``entries`` on the four ranks over ``link``; rank 0's records by key."""
+    from hetero_comm.lab.netlab import RateLimitedNetwork
+
+    rates = link.split(">")
+    argv = [sys.executable, os.path.abspath(__file__), "--worker"]
+    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryFile("w+") as output:
+        progress = os.path.join(folder, "progress")
+        for entry in entries:
+            entry["config"]["progress_file"] = progress
+        env = dict(HC_CONFIGS=json.dumps(entries))
+        done = threading.Event()
+        with RateLimitedNetwork(len(SITES), None, sites=SITES, inter_site_rate=rates[0]) as net:
+            follower = threading.Thread(target=follow_progress, daemon=True,
+                                        args=(net, progress, rates * 2 if len(rates) == 1 else rates, done))
+            follower.start()
+            try:
+                processes = [net.popen(rank, argv, env=dict(env, RANK=rank, MASTER_ADDR=net.address(0)),
+                                       stdout=output if rank == 0 else subprocess.DEVNULL)
+                             for rank in range(len(SITES))]
+                for process in processes:
+                    if process.wait() != 0:
+                        raise RuntimeError(f"a worker exited with code {process.returncode}")
+            finally:
+                done.set()
+                follower.join()
+        output.seek(0)
+        return _records(output)
+
+
+def _records(output) -> dict:
+    records = {}
+    for line in output:
+        if line.startswith("{"):
+            record = json.loads(line)
+            records[record.pop("key")] = record
+    return records
+
+
+def seconds_to_loss(record: dict, target: float):
+    for seconds, loss in zip(record["evaluations"]["seconds"], record["evaluations"]["test_loss"]):
+        if loss <= target:
+            return seconds
+    return None
+
+
+def summary(record: dict, dense: dict) -> dict:
+    final = record["epochs"]["test_loss"][-1]
+    target = dense["epochs"]["test_loss"][-1] * (1 + TARGET_GAP)
+    stats = record["hook_stats"] or {}
+    steps = record["steps"]
+    return dict(final_loss=final, final_accuracy=record["final_accuracy"],
+                seconds=sum(record["epochs"]["seconds"]), to_dense_loss=seconds_to_loss(record, target),
+                step_ms=1000 * statistics.median(record["history"]["seconds"][3:]),
+                bytes_per_step=stats.get("bytes_sent", 0) / steps if stats else None,
+                density=stats.get("density"), ranks_identical=record["ranks_identical"])
+
+
+def table(results: dict, rows) -> str:
+    lines = ["| workload | link | hook | final val loss | val acc | training s | to dense loss (+2%), s "
+             "| vs flat recipe | ms/step (median) | bytes/step, rank 0 | last density |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (workload, link), records in results.items():
+        if "dense" not in records:
+            continue
+        summaries = {row: summary(records[row], records["dense"]) for row in rows if row in records}
+        flat = summaries.get("flat", {}).get("to_dense_loss")
+        for row, s in summaries.items():
+            reach = s["to_dense_loss"]
+            versus = f"{flat / reach:.2f}x" if flat and reach else ""
+            sent = f"{s['bytes_per_step']:,.0f}" if s["bytes_per_step"] is not None else ""
+            density = f"{s['density']:.3f}" if row.startswith("two_level") else ""
+            lines.append(f"| {workload} | {link} | {ROWS[row][0]} | {s['final_loss']:.3f} | "
+                         f"{100 * s['final_accuracy']:.1f}% | {s['seconds']:.0f} | "
+                         f"{'not reached' if reach is None else f'{reach:.0f}'} | {versus} | "
+                         f"{s['step_ms']:.0f} | {sent} | {density} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--links", default=",".join(LINKS))
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--epochs", type=int, default=None, help="override every workload's epochs")
+    parser.add_argument("--quick", action="store_true", help="20 steps per run (a smoke test)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.worker:
+        worker()
+        return 0
+    from hetero_comm.lab.netlab import netlab_unavailable
+    reason = netlab_unavailable()
+    if reason is not None:
+        print(f"bench_two_level needs rate-limited links: {reason}")
+        return 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: delete the namespaces
+    rows = args.rows.split(",")
+    for name, chosen, known in (("workloads", args.workloads, WORKLOADS), ("links", args.links, LINKS),
+                                ("rows", args.rows, ROWS)):
+        unknown = set(chosen.split(",")) - set(known)
+        if unknown:
+            parser.error(f"--{name}: unknown {', '.join(sorted(unknown))}; known: {', '.join(known)}")
+    print("python " + " ".join(sys.argv))
+    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {os.cpu_count()} "
+          f"logical CPUs; 2 machines x 2 ranks (network namespaces), unshaped inside", flush=True)
+    results = {}
+    for workload in args.workloads.split(","):
+        config = dict(WORKLOADS[workload], workers=len(SITES))
+        if args.epochs:
+            config["epochs"] = args.epochs
+        if args.quick:
+            config.update(epochs=1, max_steps=20, evaluate_every=5, lr_warmup_steps=0)
+        for link in args.links.split(","):
+            entries = [dict(key=row, config=dict(config, **ROWS[row][1])) for row in rows]
+            began = time.perf_counter()
+            results[workload, link] = run_link(link, entries)
+            print(f"  {workload} over {link}: {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
+    print(table(results, rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{w} {l}": records for (w, l), records in results.items()}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
