@@ -132,54 +132,45 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *,
              process_group: Optional[dist.ProcessGroup] = None) -> SegmentSparseState:
     """Send a small fraction of the gradient bytes, with the recipe for ``optimizer``.
 
-    Keep the optimizer, learning rate and schedule you use for dense training: the recipe
-    sets the optimizer hyperparameters it needs and scales the rate inside each step only
-    (AdamW: ``betas=(0, 0)`` and 1.5x; SGD with momentum: momentum 0, moved into the hook,
-    and about 2.1x; see :func:`recipe_for`). Call it on every rank, after creating both and
-    before the first step. Nothing is registered or changed when it raises.
+    Keep your dense optimizer, rate and schedule: the recipe sets what it needs and scales
+    the rate inside each step only (AdamW: ``betas=(0, 0)``, 1.5x; SGD: momentum moved into
+    the hook, about 2.1x; :func:`recipe_for`). Call it on every rank before the first step.
+    Nothing is registered or changed when it raises.
 
     Args:
         ddp_model: a ``DistributedDataParallel`` model without a communication hook.
         optimizer: its optimizer (or a framework wrapper holding one in ``.optimizer``); its
             parameters must be the model's.
         ratio: target compression of the gradient bytes, in [4, 256] (``None``: the
-            recipe's own, about 37x for AdamW and 29-35x for SGD), or ``"auto"``: chosen
-            each step from the measured link and backward pass, between 16x and 64x
-            (:data:`AUTO_RATIOS`), so the exchange hides behind compute. ``state.stats()``
-            reports what was achieved.
-        machines: for ranks sharing machines, the two-level sync
-            (:class:`~hetero_comm.hooks.TwoLevelState`): a dense sum inside each machine and
-            the recipe between machines. ``"auto"`` (from the launcher's ``LOCAL_WORLD_SIZE``
-            or the host names), ranks per machine (an int), or one machine label per rank.
-            ``None`` (default): every rank alike, unless ``ratio="auto"``, which detects them.
-        process_group: the group to reduce in (``None``: the DDP model's own).
+            recipe's own, about 37x for AdamW and 29-35x for SGD; ``stats()`` reports what
+            was achieved), or ``"auto"``: chosen each step from the measured link and
+            backward pass within :data:`AUTO_RATIOS`, so the exchange hides behind compute.
+        machines: ``"auto"``, ranks per machine, or one label per rank: the two-level sync
+            (dense inside each machine, the recipe between; docs/machines.md). ``None``:
+            every rank alike (with ``ratio="auto"``: ``"auto"``).
+        process_group: the group to reduce in (``None``: the DDP model's).
 
     Returns:
-        The hook's :class:`~hetero_comm.hooks.SegmentSparseState` (a
-        :class:`~hetero_comm.hooks.TwoLevelState` with ``machines`` or ``ratio="auto"``): ``stats()``, and
-        ``state_dict()`` / ``load_state_dict()`` for checkpoints (call both on every rank; to
-        resume, call ``compress`` on the new model and optimizer, before or after loading the
-        optimizer's dict, then ``state.load_state_dict``).
+        The hook's :class:`~hetero_comm.hooks.SegmentSparseState` (two-level: a
+        :class:`~hetero_comm.hooks.TwoLevelState`): ``stats()``, ``state_dict()`` and
+        ``load_state_dict()`` (call both on every rank; to resume, call ``compress`` on the
+        new model and optimizer, then ``state.load_state_dict``).
 
     Raises:
-        TypeError: ``ddp_model`` is not ``DistributedDataParallel``, or no recipe serves the
-            optimizer.
+        TypeError: ``ddp_model`` is not DDP, or no recipe serves the optimizer.
         ValueError: the optimizer holds parameters that are not the model's, the model already
-            has a communication hook, ``ratio`` is out of range, or the optimizer has a
+            has a communication hook, ``ratio`` or ``machines`` is bad, or the optimizer has a
             setting the recipe cannot take over.
 
     Example::
 
-        >>> ddp_model = DistributedDataParallel(model)
         >>> optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=3e-4)
-        >>> state = hetero_comm.compress(ddp_model, optimizer)
+        >>> state = hetero_comm.compress(ddp_model, optimizer)  # or machines="auto"
     """
     inner = unwrap_optimizer(optimizer)
     _check_model(ddp_model, inner)
     recipe = recipe_for(inner, ratio)
-    if process_group is None:
-        process_group = ddp_model.process_group
-    state, hook = _recipe_state(recipe, ratio, machines, process_group)
+    state, hook = _recipe_state(recipe, ratio, machines, process_group, ddp_model)
     state.handed_step().fit(inner)  # raises for a setting the recipe cannot take over, before any change
     _warn_where_unmeasured(ddp_model, recipe, ratio)
     ddp_model.register_comm_hook(state, hook)
@@ -188,8 +179,11 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *,
     return state
 
 
-def _recipe_state(recipe: Recipe, ratio, machines, process_group):
-    """The recipe's state and hook: flat, or two-level for machines or an automatic ratio."""
+def _recipe_state(recipe: Recipe, ratio, machines, process_group, ddp_model):
+    """The recipe's state and hook: flat, or two-level for machines or an automatic ratio, in
+    ``process_group`` (``None``: the DDP model's)."""
+    if process_group is None:
+        process_group = ddp_model.process_group
     if machines is None and ratio != "auto":
         return SegmentSparseState(process_group=process_group, **recipe.settings), segment_sparse_hook
     settings = dict(recipe.settings)

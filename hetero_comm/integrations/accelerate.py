@@ -2,7 +2,7 @@
 call, the recipe from the optimizer) or :func:`register_comm_hook` (a hook and state of your
 choice), each with the state in ``accelerator.save_state`` / ``load_state``."""
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from torch.nn.parallel import DistributedDataParallel
 
@@ -12,10 +12,12 @@ from ..hooks import HookState, SegmentSparseState
 __all__ = ["compress", "register_comm_hook"]
 
 
-def compress(accelerator, model, optimizer, *, ratio: Optional[float] = None) -> SegmentSparseState:
-    """:func:`hetero_comm.compress` on ``model`` and ``optimizer`` as returned by
-    ``accelerator.prepare``, with the state registered for ``accelerator.save_state`` /
-    ``load_state`` (which then resume exactly; call both on every process).
+def compress(accelerator, model, optimizer, *, ratio: Union[None, float, str] = None,
+             machines=None) -> SegmentSparseState:
+    """:func:`hetero_comm.compress` (``ratio`` and ``machines`` as there) on ``model`` and
+    ``optimizer`` as returned by ``accelerator.prepare``, with the state registered for
+    ``accelerator.save_state`` / ``load_state`` (which then resume exactly; call both on
+    every process).
 
     Raises:
         ValueError: ``model`` is not a DistributedDataParallel (see :func:`register_comm_hook`);
@@ -27,7 +29,7 @@ def compress(accelerator, model, optimizer, *, ratio: Optional[float] = None) ->
         >>> state = compress(accelerator, model, optimizer)
     """
     _check_ddp(model)
-    state = recipes.compress(model, optimizer, ratio=ratio)
+    state = recipes.compress(model, optimizer, ratio=ratio, machines=machines)
     accelerator.register_for_checkpointing(state)
     return state
 

@@ -3,7 +3,7 @@
 :class:`HeteroCommCallback` (a hook and state of your choice)."""
 
 import warnings
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Union
 
 from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
@@ -89,7 +89,7 @@ class CompressCallback(Callback):
     """:func:`hetero_comm.compress` on Lightning's DDP model and its optimizer at the start of
     ``fit``: the recipe for the optimizer of ``configure_optimizers`` (kept as for dense
     training), and the hook state in Lightning's checkpoints (``trainer.fit(ckpt_path=)``
-    resumes it exactly). ``ratio``: as :func:`hetero_comm.compress`'s. The state is
+    resumes it exactly). ``ratio`` and ``machines``: as :func:`hetero_comm.compress`'s. The state is
     :attr:`state` once ``fit`` has started.
 
     Example::
@@ -98,10 +98,10 @@ class CompressCallback(Callback):
         ...                   callbacks=[CompressCallback()])
     """
 
-    def __init__(self, ratio: Optional[float] = None) -> None:
-        if ratio is not None:
+    def __init__(self, ratio: Union[None, float, str] = None, machines=None) -> None:
+        if ratio not in (None, "auto"):
             density_for_ratio(ratio)  # a clear error now rather than at fit
-        self.ratio = ratio
+        self.ratio, self.machines = ratio, machines
         self.state: Optional[SegmentSparseState] = None
         self._saved: Optional[Dict[str, Any]] = None  # a checkpoint loaded before fit started
 
@@ -115,7 +115,7 @@ class CompressCallback(Callback):
             raise ValueError(f"CompressCallback fits one optimizer; configure_optimizers returned "
                              f"{len(trainer.optimizers)}: use HeteroCommCallback with a state "
                              f"of your own")
-        self.state = compress(model, trainer.optimizers[0], ratio=self.ratio)
+        self.state = compress(model, trainer.optimizers[0], ratio=self.ratio, machines=self.machines)
         if self._saved is not None:
             self.state.load_state_dict(self._saved)
             self._saved = None
