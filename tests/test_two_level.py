@@ -191,7 +191,7 @@ def test_automatic_density_hides_the_exchange_and_follows_a_changing_link():
         nonlocal density
         sent = values * auto.bytes_per_value(density)
         auto.add_exchange(int(sent), sent / bandwidth, 0.0)
-        density = auto.propose(window, density)
+        density = auto.propose(window, window, density)
         return density
 
     for _ in range(12):
@@ -203,6 +203,17 @@ def test_automatic_density_hides_the_exchange_and_follows_a_changing_link():
     for _ in range(20):  # far too slow: the floor
         step(1e3)
     assert density == 0.01
+
+
+def test_without_a_window_the_exchange_takes_a_quarter_of_the_compute():
+    """One bucket leaves no backward window: 0.4 s of compute affords 0.1 s of a 1 MB/s link."""
+    auto = AutoDensity(0.01, 0.5, wire_bytes_per_value=1, segment_size=512)
+    density, values = 0.5, 2_000_000
+    for _ in range(12):
+        sent = values * auto.bytes_per_value(density)
+        auto.add_exchange(int(sent), sent / 1e6, 0.0)
+        density = auto.propose(0.0, 0.4, density)
+    assert math.isclose(values * auto.bytes_per_value(density), 1e5, rel_tol=0.05)
 
 
 def test_int4_quantization_round_trips_within_half_a_step():

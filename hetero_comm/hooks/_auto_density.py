@@ -1,11 +1,14 @@
 """The density chosen from the link: the exchange between machines sized to hide behind the
 backward pass.
 
-Each step the two-level sync measures three things: the backward pass's window (from DDP's
-first bucket to its last, the time the exchange can overlap), the bytes its exchange between
-machines sent and the seconds those collectives took (the measured bandwidth ``R``), and the
-seconds it spent encoding and decoding. The bytes a step can afford are then
-``R * (window - codec seconds)``; the density that sends them follows from how the recipe's
+Each step the two-level sync measures: the backward pass's window (from DDP's first bucket to
+its last, the time the exchange can overlap), the step's compute (from the previous step's
+result to this step's last bucket: optimizer, forward and backward), the bytes its exchange
+between machines sent and the seconds those collectives took (the measured bandwidth ``R``),
+and the seconds it spent encoding and decoding. The time a step can give the exchange is the
+window, or a quarter of the compute where that is longer (a model of one bucket has no window:
+its exchange then adds at most a quarter to the step); the bytes it can afford are ``R`` times
+that time less the codec's; the density that sends them follows from how the recipe's
 bytes grow with the density: ``wire_bytes * density + 4 / segment`` per value (the selected
 values, and one float32 importance per segment). Ranks agree on the smallest proposal (the
 slowest link decides) by a one-float allreduce issued at a step's end and read at the next
@@ -27,6 +30,9 @@ DEFAULT_CEILING = 0.25
 # Each step's measurement moves the smoothed affordable bytes (in log space) this far: a link that
 # changes is followed within a few steps, one slow step does not swing the density.
 SMOOTHING = 0.5
+# Where the backward pass leaves no window to hide in, the exchange may take this share of the
+# step's compute.
+COMPUTE_SHARE = 0.25
 # At most this factor up or down per step: a collective whose time was mostly latency must
 # not swing the density from ceiling to floor at once.
 MAX_STEP_FACTOR = 2.0
@@ -68,13 +74,14 @@ class AutoDensity:
     def bytes_per_value(self, density: float) -> float:
         return self.wire_bytes * density + self.importance_bytes
 
-    def propose(self, window_seconds: float, density: float) -> float:
+    def propose(self, window_seconds: float, compute_seconds: float, density: float) -> float:
         """The density for the coming steps from this step's measurements (``density``: the
         one this step ran at)."""
         proposal = density
         if self.sent_bytes and self.link_seconds > 0:
             bandwidth = self.sent_bytes / self.link_seconds
-            affordable = bandwidth * max(window_seconds - self.codec_seconds, 0.0)
+            budget = max(window_seconds, COMPUTE_SHARE * compute_seconds)
+            affordable = bandwidth * max(budget - self.codec_seconds, 0.0)
             log_affordable = math.log(max(affordable, 1.0))
             if self._log_affordable is None:
                 self._log_affordable = log_affordable
@@ -85,7 +92,8 @@ class AutoDensity:
             proposal = (per_value - self.importance_bytes) / self.wire_bytes
             proposal = min(max(proposal, density / MAX_STEP_FACTOR), density * MAX_STEP_FACTOR)
         proposal = min(max(proposal, self.floor), self.ceiling)
-        self.history.append(dict(window_seconds=window_seconds, link_seconds=self.link_seconds,
+        self.history.append(dict(window_seconds=window_seconds, compute_seconds=compute_seconds,
+                                 link_seconds=self.link_seconds,
                                  codec_seconds=self.codec_seconds, sent_bytes=self.sent_bytes,
                                  density=density, proposal=proposal))
         self.reset_step()

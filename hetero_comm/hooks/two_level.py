@@ -184,7 +184,8 @@ class TwoLevelState(SegmentSparseState):
                          density=auto_density.ceiling if auto else density, **settings)
         self.finite_checks = _HostFiniteChecks(type(self).__name__)
         self._exchanges = _ExchangeThread()
-        self._step_began: Optional[float] = None
+        self._step_began: Optional[float] = None  # the first bucket of the step in flight
+        self._result_at: Optional[float] = None  # when the last step's result was ready
         self._stats["bytes_inside_machines"] = 0
         self.last_step_density = self.density  # what the optimizer's step follows
 
@@ -240,25 +241,27 @@ class TwoLevelState(SegmentSparseState):
         if self._step_began is None:
             self._exchanges.wait_idle()
             self._step_began = now
-        window = None
+        timing = None  # the last bucket: (backward window, compute since the last result)
         if bucket.is_last():
-            window, self._step_began = now - self._step_began, None
+            timing = (now - self._step_began, now - (self._result_at or self._step_began))
+            self._step_began = None
         base_run = super().run
 
         def job() -> torch.Tensor:
             result = base_run(bucket, send).wait()
-            if window is not None:
-                self._end_step(window)
+            if timing is not None:
+                self._end_step(*timing)
+                self._result_at = time.perf_counter()
             return result
 
         return self._exchanges.submit(job)
 
-    def _end_step(self, window_seconds: float) -> None:
+    def _end_step(self, window_seconds: float, compute_seconds: float) -> None:
         """On the exchange thread, after a step's last bucket: the automatic density."""
         self.last_step_density = self.density
         if self.auto_density is None:
             return
-        proposal = self.auto_density.propose(window_seconds, self.density)
+        proposal = self.auto_density.propose(window_seconds, compute_seconds, self.density)
         agreed = self.auto_density.agree(proposal, self.groups.control)
         if agreed is not None:
             self.density = agreed
@@ -312,7 +315,8 @@ class TwoLevelState(SegmentSparseState):
         """:meth:`ErrorFeedbackState.__getstate__` without the groups and the thread."""
         self.wait()
         state = super().__getstate__()
-        state["groups"], state["_exchanges"], state["_step_began"] = None, None, None
+        state["groups"], state["_exchanges"] = None, None
+        state["_step_began"], state["_result_at"] = None, None
         return state
 
     def __setstate__(self, state: dict) -> None:
