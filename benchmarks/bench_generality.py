@@ -1,6 +1,7 @@
 """Do the recipes hold on models they were not tuned on? Dense against the one-call recipe
-(issue 34, "Proof: Generality") on a small residual CNN on the digits (``resnet``) and a
-byte-level GRU language model on the transformer's text (``gru``), with AdamW and with SGD
+(issue 34, "Proof: Generality") on a small residual CNN on the digits (``resnet``), a
+byte-level GRU language model on the transformer's text (``gru``) and bench_convergence's
+transformer at 10x its size (``gpt_large``: width 416, 8.46M parameters), with AdamW and with SGD
 (momentum 0.9), at several learning rates and at 2 and 4 gloo ranks.
 
 Each case trains the model twice from the same seed: dense allreduce, and the recipe for its
@@ -8,8 +9,8 @@ optimizer as a user runs it: ``hetero_comm.compress`` on the DDP model and the d
 rate and schedule (the lab's hook ``"recipe"``; cases measured before it ran the same recipe
 written out, which ``tests/test_compress.py`` shows trains bitwise alike). The global batch grows with the ranks (the same per-rank
 batch). The ResNet (38K parameters) trains 20 epochs at a constant rate; the GRU (165K
-parameters) 4 epochs with a warm-up of 30 steps, a cosine schedule and clipping 1.0 (as
-``bench_convergence.py``'s transformer). One seed per case.
+parameters) and the large transformer 4 epochs with a warm-up of 30 steps, a cosine schedule
+and clipping 1.0 (as ``bench_convergence.py``'s transformer). One seed per case.
 
 Prints one table: final validation loss and accuracy of both, the recipe's loss gap (%) and
 accuracy gap (points) to dense, its compression (dense bytes per step / bytes per step), and
@@ -19,7 +20,7 @@ with what it missed.
 ``--json PATH`` keeps every case's record; cases already in that file are not run again, so a
 sweep can be run in parts and the table printed over all of them (``--fresh`` ignores the file).
 
-Usage: python benchmarks/bench_generality.py [--models resnet,gru] [--optimizers adamw,sgd]
+Usage: python benchmarks/bench_generality.py [--models resnet,gru,gpt_large] [--optimizers adamw,sgd]
        [--lrs 1e-3,3e-3] [--ranks 2,4] [--epochs N] [--json PATH] [--fresh] [--quick]
        python benchmarks/bench_generality.py --json PATH --table   (the table only)
 """

@@ -149,7 +149,7 @@ class TwoLevelState(SegmentSparseState):
         inside_dtype: ``None`` (default): the sums inside a machine are in the gradient's
             dtype; ``"bfloat16"``: half the bytes there (that rounding is not fed back).
         density: the fraction of segments sent per step, as for
-            :class:`SegmentSparseState`, or ``"auto"``: chosen each step within
+            :class:`SegmentSparseState` (default 0.10), or ``"auto"``: chosen each step within
             ``[density_floor, density_ceiling]`` so that the exchange between machines hides
             behind the backward pass (:mod:`._auto_density`), starting at the ceiling.
         density_floor, density_ceiling: the bounds of ``density="auto"``, ``0 < floor <=
