@@ -24,7 +24,8 @@ Workloads: ``gpt_adamw``, bench_convergence's byte-level transformer (0.83M para
 
 Each run evaluates every ``--evaluate-every`` steps (outside the timed training). "to dense
 loss": the training seconds at which its validation loss first came within 2% of the dense
-run's final loss on the same link. One table; ``--json`` keeps every record. Root only.
+run's final loss on the same link. One table; ``--json`` keeps every record (written after
+each link). Root only.
 
 Usage: python benchmarks/bench_two_level.py [--workloads gpt_adamw,mlp_sgd]
        [--links 100mbit,1gbit,100mbit>1gbit] [--rows dense,flat,...] [--quick] [--json PATH]
@@ -223,10 +224,10 @@ def main() -> int:
             began = time.perf_counter()
             results[workload, link] = run_link(link, entries)
             print(f"  {workload} over {link}: {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
+            if args.json:  # after every link: a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({f"{w} {l}": records for (w, l), records in results.items()}, f)
     print(table(results, rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({f"{w} {l}": records for (w, l), records in results.items()}, f)
     return 0
 
 

@@ -2,9 +2,12 @@
 
     torchrun --nproc_per_node 2 examples/torchrun_example.py --optimizer adamw
     torchrun --nproc_per_node 2 examples/torchrun_example.py --optimizer sgd
+    torchrun --nnodes 2 --nproc_per_node 4 ... examples/torchrun_example.py --machines auto
 
 Trains a small network on a synthetic task with the optimizer set up as for dense training;
-``hetero_comm.compress`` picks the recipe for it. Halfway, it saves a checkpoint (the hook
+``hetero_comm.compress`` picks the recipe for it (with ``--machines``, the two-level sync:
+dense inside each machine, the recipe between machines; ``--ratio auto`` sizes it to the
+link). Halfway, it saves a checkpoint (the hook
 state's dict, gathered on every rank and written by rank 0) and resumes from it in new objects.
 """
 
@@ -43,14 +46,19 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--machines", default=None,
+                        help="'auto' (torchrun's LOCAL_WORLD_SIZE) or ranks per machine")
+    parser.add_argument("--ratio", default=None, help="a compression ratio, or 'auto'")
     args = parser.parse_args()
+    machines = int(args.machines) if args.machines and args.machines.isdigit() else args.machines
+    ratio = float(args.ratio) if args.ratio not in (None, "auto") else args.ratio
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 8))
     ddp = DistributedDataParallel(model)
     optimizer = make_optimizer(args.optimizer, ddp.parameters())
-    state = hetero_comm.compress(ddp, optimizer)
+    state = hetero_comm.compress(ddp, optimizer, ratio=ratio, machines=machines)
     half = args.steps // 2
     first_loss = train(ddp, optimizer, 1, 0, rank)
     train(ddp, optimizer, half - 1, 1, rank)
@@ -67,7 +75,8 @@ def main():
     model.load_state_dict(restored["model"])
     ddp = DistributedDataParallel(model)
     optimizer = make_optimizer(args.optimizer, ddp.parameters())
-    state = hetero_comm.compress(ddp, optimizer)  # first: it reads the optimizer as you set it up
+    # compress first: it reads the optimizer as you set it up
+    state = hetero_comm.compress(ddp, optimizer, ratio=ratio, machines=machines)
     optimizer.load_state_dict(restored["optimizer"])
     state.load_state_dict(restored["hook"])
     last_loss = train(ddp, optimizer, args.steps - half, half, rank)

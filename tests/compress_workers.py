@@ -136,3 +136,21 @@ def resume_either_order(rank, world_size, load_optimizer_first):
     steps(ddp, optimizer, 3, 2)
     resumed = [p.detach().clone() for p in ddp.parameters()]
     return state.momentum, all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+def two_level_steps(rank, world_size, optimizer_kind, ratio):
+    """compress(machines=2) on 4 ranks for 6 steps: the state's type, its stats and the
+    parameters (which every rank must share)."""
+    ddp = make_ddp()
+    optimizer = (torch.optim.AdamW(ddp.parameters(), lr=1e-3) if optimizer_kind == "adamw"
+                 else torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
+    state = hetero_comm.compress(ddp, optimizer, machines=2, ratio=ratio)
+    for step in range(6):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(torch.randn(8, 20, generator=g)),
+                               torch.randn(8, 5, generator=g)).backward()
+        optimizer.step()
+    stats = state.stats()
+    return (type(state).__name__, {k: stats[k] for k in ("steps", "density", "compression_ratio")},
+            torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))

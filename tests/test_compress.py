@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import compress_workers
 from hetero_comm.lab.launch import run_ranks
 from hetero_comm.lab.training import TrainConfig, run_training
-from hetero_comm.recipes import MAX_RATIO, MIN_RATIO, Recipe, density_for_ratio, recipe_for
+from hetero_comm.recipes import AUTO_RATIOS, MAX_RATIO, MIN_RATIO, Recipe, density_for_ratio, recipe_for
 
 
 def params():
@@ -165,3 +165,19 @@ def test_resume_loads_the_optimizer_before_or_after_the_call(load_optimizer_firs
     for momentum, identical in run_ranks(2, compress_workers.resume_either_order, load_optimizer_first):
         assert momentum == 0.9
         assert identical
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("ratio", [None, "auto"])
+def test_machines_set_up_the_two_level_sync_with_the_recipe(optimizer, ratio):
+    results = run_ranks(4, compress_workers.two_level_steps, optimizer, ratio)
+    for kind, stats, params in results:
+        assert kind == "TwoLevelState" and stats["steps"] == 6
+        assert torch.equal(params, results[0][2])
+        low, high = (density_for_ratio(r) for r in AUTO_RATIOS[::-1]) if ratio else (0.0, 1.0)
+        assert low <= stats["density"] <= high
+    ratios = [stats["compression_ratio"] for _, stats, _ in results]
+    if optimizer == "sgd":
+        assert min(ratios) > 4
+    else:  # AdamW's DCT groups of 32,768 values: this 1,669-parameter bucket is one local rank's
+        assert ratios[0] > 1 and math.isnan(ratios[1])  # the other sends nothing between machines

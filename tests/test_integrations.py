@@ -79,6 +79,7 @@ def test_hook_runs_and_resumes_exactly_through_the_frameworks_checkpoint(framewo
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 @pytest.mark.parametrize("example,launch,brief", [
     ("torchrun_example.py", "torchrun", ("--steps", "20")),
+    ("torchrun_example.py", "torchrun", ("--steps", "20", "--machines", "auto", "--ratio", "auto")),
     ("accelerate_example.py", "torchrun", ("--steps", "20")),
     ("lightning_example.py", "python", ("--epochs", "2")),  # Lightning starts its second process
 ])

@@ -140,6 +140,21 @@ def test_train_config_rejects_bad_settings(overrides, message):
         TrainConfig(**overrides).validate()
 
 
+def test_evaluations_every_few_steps_and_progress(tmp_path):
+    progress = tmp_path / "progress"
+    record = run_training(TrainConfig(hook="two_level", hook_settings=dict(machines=1, density=0.1),
+                                      epochs=2, max_steps=7, evaluate_every=3,
+                                      progress_file=str(progress)), timeout=300)
+    evaluations = record["evaluations"]
+    assert evaluations["step"] == [3, 6]
+    assert 0 < evaluations["seconds"][0] < evaluations["seconds"][1] <= sum(record["epochs"]["seconds"])
+    assert all(np.isfinite(evaluations["test_loss"]))
+    assert progress.read_text() == "7 7"
+    with pytest.raises(ValueError, match=re.escape("hook 'two_level' has no setting(s) ['machine']")):
+        TrainConfig(hook="two_level", hook_settings=dict(machine=1)).validate()
+    TrainConfig(hook="two_level", hook_settings=dict(machines=2, segment_size=64)).validate()
+
+
 SGD_RECIPE = dict(hook="sparse", prepare_optimizer=True, momentum=0.9,
                   hook_settings=dict(density=0.08, momentum=0.9, wire_dtype="int8", segment_size=512,
                                      min_segments_per_bucket=150))

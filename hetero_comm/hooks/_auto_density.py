@@ -15,6 +15,7 @@ slowest link decides) by a one-float allreduce issued at a step's end and read a
 step's end, so every rank changes density at the same step without waiting for it.
 """
 
+import collections
 import math
 from typing import Optional
 
@@ -33,6 +34,7 @@ SMOOTHING = 0.5
 # Where the backward pass leaves no window to hide in, the exchange may take this share of the
 # step's compute.
 COMPUTE_SHARE = 0.25
+HISTORY_STEPS = 256
 # At most this factor up or down per step: a collective whose time was mostly latency must
 # not swing the density from ceiling to floor at once.
 MAX_STEP_FACTOR = 2.0
@@ -57,7 +59,8 @@ class AutoDensity:
         self.importance_bytes = 4.0 / segment_size
         self._log_affordable: Optional[float] = None  # log(bytes a step can afford), smoothed
         self._pending: Optional[tuple] = None  # (work, tensor) of the last agreement
-        self.history: list = []  # per step: window, link seconds, bytes, proposal
+        # the last steps' measurements and proposals (bounded: a long run keeps no more)
+        self.history: collections.deque = collections.deque(maxlen=HISTORY_STEPS)
         self.reset_step()
 
     def reset_step(self) -> None:

@@ -282,9 +282,14 @@ class TwoLevelState(SegmentSparseState):
         ``bytes_sent`` counts the bytes this rank handed to collectives between machines
         (and to the dense warm-up), ``compression_ratio`` is the bytes a flat dense allreduce
         would hand per rank over those, plus ``bytes_inside_machines`` (handed to the
-        collectives inside the machine) and ``density`` (the current one)."""
+        collectives inside the machine), ``density`` (the current one) and, with
+        ``density="auto"``, ``auto_density``: the last step's measurements (backward window,
+        compute, link and codec seconds, bytes sent) and its proposal."""
         self.wait()
-        return dict(super().stats(), density=self.density)
+        stats = dict(super().stats(), density=self.density)
+        if self.auto_density is not None and self.auto_density.history:
+            stats["auto_density"] = dict(self.auto_density.history[-1])
+        return stats
 
     def state_dict(self) -> dict:
         """:meth:`ErrorFeedbackState.state_dict` plus the current density and the automatic

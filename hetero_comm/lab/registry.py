@@ -55,13 +55,29 @@ class HookSpec:
                 density_for_ratio(settings["ratio"])
             return None
         if self.collective and not dist.is_initialized():  # e.g. TrainConfig.validate's check
-            inspect.signature(self.state_class).bind(**dict(self.defaults, **settings))
+            unknown = sorted(set(settings) - _settings_of(self.state_class))
+            if unknown:
+                raise ValueError(f"hook {self.name!r} has no setting(s) {unknown}")
             return None
         if self.state_class is None:
             if settings:
                 raise ValueError(f"hook {self.name!r} takes no settings; got {sorted(settings)}")
             return None
         return self.state_class(**dict(self.defaults, **settings))
+
+
+def _settings_of(state_class: type) -> set:
+    """The keyword arguments ``state_class`` takes, through the ``**settings`` it hands on to
+    the classes it derives from."""
+    names = set()
+    for klass in state_class.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        parameters = inspect.signature(klass.__init__).parameters.values()
+        names |= {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+            break
+    return names - {"self"}
 
 
 def _torch_hooks() -> Tuple[HookSpec, ...]:

@@ -68,7 +68,7 @@ class TrainConfig:
     :class:`~hetero_comm.hetero.DynamicBatchController`); ``"equal"`` keeps equal shares.
     ``slow_worker_cores`` puts the last worker under a CPU quota of that many cores (root and
     cgroup v1 only); every rank's speed is then measured with equal shares too (weighted
-    hooks only). ``max_steps`` stops early (step timing); ``evaluate_every`` also evaluates
+    hooks only). ``max_steps`` stops early (step timing); ``evaluate_every``: rank 0 also evaluates
     every that many steps (outside the timed training); ``progress_file``: rank 0 writes
     "<step> <total steps>" there after every step (a benchmark's parent process watches it,
     e.g. to change a link halfway); ``bucket_cap_mb``, given, is DDP's
@@ -346,7 +346,7 @@ class _Run:
             self.train_step(index)
             seconds += time.perf_counter() - began
             every = self.config.evaluate_every
-            if every and self.step % every == 0:
+            if every and self.step % every == 0 and dist.get_rank() == 0:  # rank 0 reports
                 self.record_evaluation(self.training_seconds + seconds)
             if self.config.progress_file and dist.get_rank() == 0:
                 with open(self.config.progress_file, "w") as f:
