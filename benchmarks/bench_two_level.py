@@ -43,6 +43,8 @@ import tempfile
 import threading
 import time
 
+from netbench import _wait_all as wait_all  # this folder is on sys.path when run as a script
+
 WORKLOADS = {
     "gpt_adamw": dict(model="gpt", hidden=128, optimizer="adamw", lr=3e-3, weight_decay=0.01,
                       lr_warmup_steps=30, lr_schedule="cosine", clip_norm=1.0, epochs=4,
@@ -125,9 +127,7 @@ def run_link(link: str, entries: list) -> dict:
                 processes = [net.popen(rank, argv, env=dict(env, RANK=rank, MASTER_ADDR=net.address(0)),
                                        stdout=output if rank == 0 else subprocess.DEVNULL)
                              for rank in range(len(SITES))]
-                for process in processes:
-                    if process.wait() != 0:
-                        raise RuntimeError(f"a worker exited with code {process.returncode}")
+                wait_all(processes)  # one failing worker stops the others at once
             finally:
                 done.set()
                 follower.join()
