@@ -128,12 +128,13 @@ def conservation_run(rank, world_size, groups, steps, row_factors, max_staleness
                 initial=parameters_to_vector(make_model().parameters()).detach().numpy())
 
 
-def checkpoint_run(rank, world_size, groups, directory, first_steps, second_steps, mode):
+def checkpoint_run(rank, world_size, groups, directory, first_steps, second_steps, mode,
+                   wire_dtype=None):
     """``mode="through"``: first_steps, flush, second_steps without stopping. ``"save"``: first
     steps, flush, save a checkpoint per rank. ``"resume"``: load it, second_steps. Lockstep
     (max_staleness 0, period 2) makes the runs deterministic. Returns the final parameters."""
     model = make_model()
-    sync = GroupSync(model, Grouping(groups), period=2, max_staleness=0)
+    sync = GroupSync(model, Grouping(groups), period=2, max_staleness=0, wire_dtype=wire_dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR * sync.lr_scale, momentum=0.9)
     path = os.path.join(directory, f"rank{rank}.pt")
     if mode == "resume":

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hetero_comm.lab.launch import run_ranks
-from hetero_comm.sync import (Contribution, Grouping, VersionBook, groups_from_sites,
+from hetero_comm.sync import (Contribution, Grouping, SparseWire, VersionBook, groups_from_sites,
                               groups_from_speeds, inverse_staleness, periods_for_speeds)
 from hetero_comm.sync.parts import ForwardClock, split_into_parts
 from hetero_comm.sync.wire import Wire
@@ -263,6 +263,55 @@ def test_wire_formats_give_the_receiver_what_the_sender_counts_as_sent(name, dty
         Wire("int4", torch.float32)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("segment_size", [1, 3, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_sparse_wire_sends_the_largest_segments_and_decodes_what_it_counts_as_sent(
+        bits, segment_size, dtype):
+    wire, levels = SparseWire(0.1, bits, segment_size), 2 ** (bits - 1) - 1
+    g = torch.Generator().manual_seed(bits * 100 + segment_size)
+    for numel in (1, 5, 63, 64, 65, 1000, 4097):
+        values = (torch.randn(numel, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(
+            -3, 3, (numel,), generator=g)).to(dtype)
+        payload = torch.full((wire.payload_bytes(numel),), 0xAB, dtype=torch.uint8)
+        sent = wire.encode_(values, payload)
+        assert sent.dtype == dtype and sent.shape == values.shape
+        torch.testing.assert_close(wire.decode(payload, numel).to(dtype), sent, rtol=0, atol=0)
+        segments = -(-numel // segment_size)
+        selected = min(segments, max(1, -(-segments // 10)))
+        assert wire.payload_bytes(numel) == 8 * selected + -(-selected * segment_size * bits // 8)
+        padded = torch.zeros(segments * segment_size, dtype=torch.float64)
+        padded[:numel] = values.double()
+        norms = padded.float().view(segments, segment_size).norm(dim=1)
+        chosen = torch.zeros(segments, dtype=torch.bool)  # ties go to the lower index
+        chosen[norms.sort(descending=True, stable=True).indices[:selected]] = True
+        sent_padded = torch.zeros_like(padded)
+        sent_padded[:numel] = sent.double()
+        blocks, sent_blocks = padded.view(segments, segment_size), sent_padded.view(segments, segment_size)
+        assert torch.equal(sent_blocks[~chosen], torch.zeros_like(sent_blocks[~chosen]))
+        for block, sent_block in zip(blocks[chosen], sent_blocks[chosen]):
+            largest = block.abs().max().item()  # within half a step, and the dtype's rounding
+            tolerance = largest / levels / 2 * (1 + 1e-5) + largest * torch.finfo(dtype).eps
+            assert (sent_block - block).abs().max().item() <= tolerance
+
+
+def test_sparse_wire_refuses_bad_settings_and_non_finite_values():
+    for kwargs, name in [(dict(density=0.0), "density"), (dict(density=1.5), "density"),
+                         (dict(density=0.1, bits=3), "bits"), (dict(density=0.1, bits=2.0), "bits"),
+                         (dict(density=0.1, segment_size=0), "segment_size"),
+                         (dict(density=0.1, feedback_decay=1.5), "feedback_decay")]:
+        with pytest.raises(ValueError, match=name):
+            SparseWire(**kwargs)
+    wire = SparseWire(0.5, 4, 2)
+    values = torch.tensor([1.0, float("nan"), 2.0, 3.0])
+    payload = torch.full((wire.payload_bytes(4),), 0xAB, dtype=torch.uint8)
+    with pytest.raises(FloatingPointError, match="NaN or infinity"):
+        wire.encode_(values, payload)
+    assert bool((payload == 0xAB).all()) and torch.isnan(values[1])  # nothing written or changed
+    with pytest.raises(ValueError, match="bytes"):
+        wire.decode(payload[:-1], 4)
+
+
 # ----- real gloo ranks -------------------------------------------------------------------------
 def test_one_group_is_exactly_ddp():
     for with_sync, plain in run_ranks(2, sync_workers.one_group_against_ddp, 5, timeout=120):
@@ -281,7 +330,9 @@ def test_lockstep_groups_equal_synchronous_training(groups, momentum):
 
 
 @pytest.mark.parametrize("wire_dtype, layer_deadline", [
-    ("float32", False), ("bfloat16", False), ("int8", False), ("float32", True), ("int8", True)])
+    ("float32", False), ("bfloat16", False), ("int8", False), ("float32", True), ("int8", True),
+    (SparseWire(0.25, 2, 4), False), (SparseWire(0.25, 4, 4), True),
+    (SparseWire(0.1, 8, 1, feedback_decay=0.5), False)], ids=str)
 def test_no_contribution_is_lost_or_counted_twice(wire_dtype, layer_deadline):
     groups, row_factors = ((0,), (1, 2)), (1, 8)
     results = run_ranks(3, sync_workers.conservation_run, groups, 12, row_factors, 2, wire_dtype,
@@ -309,13 +360,15 @@ def test_no_contribution_is_lost_or_counted_twice(wire_dtype, layer_deadline):
     np.testing.assert_array_equal(results[1]["final"], results[2]["final"])
 
 
-def test_resume_equals_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("wire_dtype", [None, SparseWire(0.25, 2, 4)], ids=str)
+def test_resume_equals_an_uninterrupted_run(tmp_path, wire_dtype):
     groups = ((0,), (1, 2))
     through = run_ranks(3, sync_workers.checkpoint_run, groups, str(tmp_path), 6, 6, "through",
-                        timeout=120)
-    run_ranks(3, sync_workers.checkpoint_run, groups, str(tmp_path), 6, 6, "save", timeout=120)
+                        wire_dtype, timeout=120)
+    run_ranks(3, sync_workers.checkpoint_run, groups, str(tmp_path), 6, 6, "save", wire_dtype,
+              timeout=120)
     resumed = run_ranks(3, sync_workers.checkpoint_run, groups, str(tmp_path), 6, 6, "resume",
-                        timeout=120)
+                        wire_dtype, timeout=120)
     for a, b in zip(through, resumed):
         assert torch.equal(a, b)
 

@@ -16,7 +16,7 @@ from .grouping import Grouping
 from .link import Framing, GroupFailedError, LeaderLink, Message, MessageKind
 from .parts import ForwardClock, Part, split_into_parts
 from .versions import Contribution, VersionBook, inverse_staleness
-from .wire import Wire
+from .wire import SparseWire, Wire, make_wire
 
 __all__ = ["GroupSync", "GroupFailedError"]
 
@@ -64,7 +64,10 @@ class GroupSync:
         lr_scale: this group's learning-rate factor (> 0); default its sample share.
         wire_dtype: the exchange between groups: ``"float32"``, ``"bfloat16"``, or ``"int8"``
             (blocks of 256 values scaled to [-127, 127] by hetero_comm's ``quantize`` kernel,
-            1.016 bytes a value); ``None``: the parameters' dtype.
+            1.016 bytes a value); ``None``: the parameters' dtype; or a :class:`SparseWire`:
+            the most important segments of each contribution at 2, 4 or 8 bits (a few
+            hundredths of a byte a value), the rest held back in ``params - base`` for later
+            contributions.
         layer_deadline: the layer-wise soft deadline. Each contribution goes as
             one message per part (consecutive layers of at least ``part_bytes`` on the wire, in
             registration order, usually the order they run in), and a round no longer waits
@@ -97,7 +100,8 @@ class GroupSync:
     def __init__(self, module: torch.nn.Module, grouping: Grouping, *,
                  period: Union[int, Sequence[int]] = 1,
                  max_staleness: int = 4, staleness_scale: Callable[[int], float] = inverse_staleness,
-                 lr_scale: Optional[float] = None, wire_dtype: Optional[str] = None,
+                 lr_scale: Optional[float] = None,
+                 wire_dtype: Union[None, str, SparseWire] = None,
                  layer_deadline: bool = False, part_bytes: int = 1 << 18,
                  stall_timeout_s: float = 1800.0):
         _check_job(grouping)
@@ -111,7 +115,7 @@ class GroupSync:
         if not self.params:
             raise ValueError("module has no parameters to synchronise")
         self._numel = sum(p.numel() for p in self.params)
-        self.wire = Wire(wire_dtype, self.params[0].dtype)
+        self.wire = make_wire(wire_dtype, self.params[0].dtype)
         self.parts = _parts(module, self.params, self.wire, layer_deadline, part_bytes)
         self.book = VersionBook(len(grouping.groups), self.group_index, max_staleness=max_staleness,
                                 staleness_scale=staleness_scale, num_parts=len(self.parts))
@@ -196,16 +200,21 @@ class GroupSync:
 
     def _contribute(self, kind: MessageKind) -> None:
         """Send this group's progress since its last contribution, one message per part in order;
-        what the wire format leaves out stays in ``params - base`` for the next contribution."""
+        what the wire format leaves out stays in ``params - base`` for the next contribution
+        (a ``feedback_decay`` below 1 keeps that fraction of it)."""
         version = self.book.record_made()
         seen = list(self.book.seen())
         seen[self.group_index] = version
         progress = _flatten(self.params) - self._base
         for k, part in enumerate(self.parts):
             payload = torch.empty(self.link.framing.payload_bytes[k], dtype=torch.uint8)
-            sent = self.wire.encode_(progress[part.start:part.end], payload)
+            values = progress[part.start:part.end]
             # sent is on the host; the base where the parameters are
-            self._base[part.start:part.end].add_(sent.to(self._base))
+            sent = self.wire.encode_(values, payload).to(self._base)
+            self._base[part.start:part.end].add_(sent)
+            if self.wire.feedback_decay < 1.0:
+                self._base[part.start:part.end].add_(values - sent,
+                                                     alpha=1.0 - self.wire.feedback_decay)
             self.link.send(Message(kind, self.group_index, version, k, tuple(seen), payload))
 
     def _combine(self, ready: List[Contribution]) -> Optional[torch.Tensor]:
@@ -281,7 +290,7 @@ def _periods(grouping: Grouping, period: Union[int, Sequence[int]]) -> List[int]
     return [check_int("period", p, 1) for p in periods]
 
 
-def _parts(module: torch.nn.Module, params: List[torch.nn.Parameter], wire: Wire,
+def _parts(module: torch.nn.Module, params: List[torch.nn.Parameter], wire: Union[Wire, SparseWire],
            layer_deadline: bool, part_bytes: int) -> List[Part]:
     """One part (everything) without the layer-wise deadline; with it, consecutive layers of at
     least ``part_bytes`` on the wire."""

@@ -1,14 +1,15 @@
 """How a contribution travels between groups: its bytes on the wire, and what the receiver
 reconstructs from them (the sender keeps the difference for its next contribution)."""
 
-from typing import Optional
+import math
+from typing import Optional, Tuple, Union
 
 import torch
 
 from .. import ops
-from .._checks import check_choice
+from .._checks import check_choice, check_float, check_int
 
-__all__ = ["WIRE_FORMATS", "Wire"]
+__all__ = ["WIRE_FORMATS", "Wire", "SparseWire", "make_wire"]
 
 WIRE_FORMATS = ("float32", "bfloat16", "int8")
 _INT8_BLOCK = 256  # elements per scale: 1/64 of a byte per element more than the integers
@@ -16,7 +17,7 @@ _INT8_LEVELS = 127
 
 
 class Wire:
-    r"""One wire format: ``None`` (the parameters' dtype), ``"float32"``, ``"bfloat16"``, or
+    r"""A dense wire format: ``None`` (the parameters' dtype), ``"float32"``, ``"bfloat16"``, or
     ``"int8"``: blocks of 256 values as integers in [-127, 127] times the block's largest
     magnitude / 127 (hetero_comm's ``quantize`` kernel; 1.016 bytes a value, 3.9x fewer than
     float32)."""
@@ -25,6 +26,8 @@ class Wire:
         self.name = None if name is None else check_choice("wire_dtype", name, WIRE_FORMATS)
         self.value_dtype = {None: param_dtype, "float32": torch.float32,
                             "bfloat16": torch.bfloat16, "int8": torch.int8}[self.name]
+
+    feedback_decay = 1.0  # what rounding leaves out is kept in full
 
     def _blocks(self, numel: int) -> int:
         return -(-numel // _INT8_BLOCK)
@@ -62,3 +65,120 @@ class Wire:
 
     def _dequantize(self, integers, scales, numel: int) -> torch.Tensor:
         return ops.dequantize(integers, scales, _INT8_LEVELS).view(-1)[:numel]
+
+
+SPARSE_BITS = (2, 4, 8)
+
+
+class SparseWire:
+    r"""Sparse contributions: of each part, the ``density`` fraction of its segments of
+    ``segment_size`` values with the largest L2 norm (hetero_comm's ``segment_accumulate_`` and
+    ``select_segments`` kernels), each segment's values as ``bits``-bit integers in
+    ``[-L, L]`` (``L = 2 ** (bits - 1) - 1``: 1, 7 or 127) times the segment's largest
+    magnitude / ``L`` (its shared scale).
+
+    A part's payload: the selected segments' float32 scales, their int32 indices, then the
+    integers offset by ``L`` and packed ``8 / bits`` to a byte. Its size depends only on the
+    part's length, so every contribution of a part is the same number of bytes.
+
+    What is not sent (the unselected segments and the rounding of the selected ones) stays in
+    GroupSync's ``params - base``: the error feedback that sends it with a later contribution.
+    ``feedback_decay`` < 1 keeps only that fraction of it after each contribution (SparseLoCo's
+    beta): the rest is never sent to the other groups (it stays in this group's model and
+    reaches them at :meth:`GroupSync.flush`'s average).
+
+    Args:
+        density: the fraction of segments sent, in (0, 1]; at least one segment per part.
+        bits: 2, 4 or 8 bits a value.
+        segment_size: values a segment (>= 1): the unit selected, with one scale and one index.
+        feedback_decay: in [0, 1].
+
+    Example::
+
+        sync = GroupSync(model, grouping, period=16, wire_dtype=SparseWire(density=0.02, bits=4))
+    """
+
+    def __init__(self, density: float, bits: int = 4, segment_size: int = 64,
+                 feedback_decay: float = 1.0):
+        self.density = check_float("density", density, 0.0, 1.0, low_open=True)
+        self.bits = check_choice("bits", check_int("bits", bits, 1), SPARSE_BITS)
+        self.segment_size = check_int("segment_size", segment_size, 1)
+        self.feedback_decay = check_float("feedback_decay", feedback_decay, 0.0, 1.0)
+        self.levels = 2 ** (self.bits - 1) - 1
+        self._per_byte = 8 // self.bits
+
+    def __repr__(self) -> str:
+        return (f"SparseWire(density={self.density}, bits={self.bits}, "
+                f"segment_size={self.segment_size}, feedback_decay={self.feedback_decay})")
+
+    def _counts(self, numel: int) -> Tuple[int, int]:
+        """(segments selected, segments in the part)."""
+        segments = -(-numel // self.segment_size)
+        return min(segments, max(1, math.ceil(self.density * segments))), segments
+
+    def _layout(self, numel: int) -> Tuple[int, int, int]:
+        """(selected, scale and index bytes, packed integer bytes) of a part of ``numel``."""
+        selected, _ = self._counts(numel)
+        return selected, 8 * selected, -(-selected * self.segment_size // self._per_byte)
+
+    def payload_bytes(self, numel: int) -> int:
+        _, header, packed = self._layout(numel)
+        return header + packed
+
+    def encode_(self, values: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
+        """Write the selected segments of 1-D ``values`` into ``payload``; return what
+        :meth:`decode` gives the receiver (zero outside them), in ``values``' dtype, on the
+        host. Raises ``FloatingPointError`` on NaN or infinity (nothing is written then)."""
+        numel = values.numel()
+        selected, segments = self._counts(numel)
+        copy = torch.zeros(numel, dtype=torch.float32)
+        norms = ops.segment_accumulate_(copy, values.detach().to("cpu", torch.float32),
+                                        self.segment_size)
+        if not bool(torch.isfinite(norms).all()):
+            raise FloatingPointError("a contribution holds NaN or infinity: the model diverged")
+        indices = ops.select_segments(norms, selected)
+        padded = torch.zeros(segments * self.segment_size, dtype=torch.float32)
+        padded[:numel] = copy
+        scales, wire_indices, packed = self._split(payload, numel)
+        scales.copy_(padded.view(segments, self.segment_size)[indices].abs().amax(dim=1))
+        wire_indices.copy_(indices)
+        integers = ops.pack_quantized_segments_(copy, indices, self.segment_size, scales,
+                                                self.levels, torch.int8)
+        packed.copy_(self._pack(integers))
+        return self.decode(payload, numel).to(values.dtype)
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        """The part's values from ``payload``: float32 [numel], zero outside the sent segments."""
+        scales, wire_indices, packed = self._split(payload, numel)
+        selected = scales.numel()
+        integers = self._unpack(packed, selected * self.segment_size)
+        values = ops.dequantize(integers.view(selected, self.segment_size), scales, self.levels)
+        return ops.unpack_segments(values.view(-1), wire_indices.long(), self.segment_size, numel)
+
+    def _split(self, payload: torch.Tensor, numel: int):
+        selected, header, packed = self._layout(numel)
+        if payload.numel() != header + packed:
+            raise ValueError(f"a sparse payload of a part of {numel} values is {header + packed} "
+                             f"bytes; got {payload.numel()}")
+        return (payload[:4 * selected].view(torch.float32),
+                payload[4 * selected:header].view(torch.int32), payload[header:])
+
+    def _pack(self, integers: torch.Tensor) -> torch.Tensor:
+        codes = (integers.to(torch.int16) + self.levels).to(torch.uint8)
+        padding = -codes.numel() % self._per_byte
+        codes = torch.cat([codes, codes.new_zeros(padding)]).view(-1, self._per_byte)
+        packed = codes[:, 0].clone()
+        for j in range(1, self._per_byte):
+            packed |= codes[:, j] << (self.bits * j)
+        return packed
+
+    def _unpack(self, packed: torch.Tensor, count: int) -> torch.Tensor:
+        mask = (1 << self.bits) - 1
+        codes = torch.stack([(packed >> (self.bits * j)) & mask for j in range(self._per_byte)],
+                            dim=1).view(-1)[:count]
+        return (codes.to(torch.int16) - self.levels).to(torch.int8)
+
+
+def make_wire(spec: Union[None, str, SparseWire], param_dtype: torch.dtype):
+    """GroupSync's ``wire_dtype``: a dense format's name (or ``None``) or a :class:`SparseWire`."""
+    return spec if isinstance(spec, SparseWire) else Wire(spec, param_dtype)
