@@ -27,7 +27,13 @@ Methods (``--methods``):
   staleness bound S, default 2; 0 is lockstep);
 * ``group_sync_deadline_H[_S]``: the same with the layer-wise soft deadline
   (``layer_deadline=True``); either with ``_bfloat16`` or ``_int8`` at the end: that wire format
-  between the groups.
+  between the groups, or ``_dPbB``: sparse contributions (:class:`hetero_comm.sync.SparseWire`,
+  P percent of the segments of 64 values at B bits, e.g. ``group_sync_16_d1b2``);
+* ``sparseloco_H`` or ``sparseloco_H_dP``: SparseLoCo's scheme written from the paper
+  (:class:`hetero_comm.lab.baselines.SparseLoCo`, a baseline: no package provides it): DDP
+  inside each site, synchronous rounds every H steps between the sites' leaders, top-k of each
+  chunk of 4096 values (P percent, default 1.5625, the paper's k=64) at 2 bits, error feedback
+  with beta 0.95, outer rate 1.
 
 Workloads (``--workloads``): ``cnn`` (the digits CNN, SGD lr 0.05 momentum 0.9; accuracy) and
 ``gpt`` (the byte-level transformer, AdamW lr 3e-3; validation loss in nats per byte on 64
@@ -35,7 +41,9 @@ windows). The target of "time to target" is ``--target`` / ``--gpt-target``, by 
 dense DDP reached at the end of its budget.
 
 Output: one table (method, final metric, time to target, steps of rank 0, bytes that left each
-site, wall seconds, and for GroupSync the seconds site a's leader waited and its late parts), a JSON of every number and a PNG of the metric against
+site during the training budget (the sites' uplink counters sampled every 0.2 s and
+interpolated at the budget's start and end: set-up, the final flush and the teardown excluded)
+and in all, wall seconds, and for GroupSync the seconds site a's leader waited and its late parts), a JSON of every number and a PNG of the metric against
 wall time, one line per method, in ``--out``.
 
 ``HC_VERBOSE=1`` shows every rank's stderr (torchft's logs included).
@@ -60,7 +68,8 @@ WORKLOADS = {
     "cnn": dict(model="cnn", optimizer="sgd", lr=0.05, metric="accuracy"),
     "gpt": dict(model="gpt", optimizer="adamw", lr=3e-3, metric="val_loss"),
 }
-KINDS = ("ddp_sparse", "ddp_dynamic", "ddp", "local_sgd", "diloco", "group_sync_deadline", "group_sync")
+KINDS = ("ddp_sparse", "ddp_dynamic", "ddp", "local_sgd", "diloco", "group_sync_deadline", "group_sync",
+         "sparseloco")
 DEFAULT_METHODS = ("ddp", "ddp_sparse", "ddp_dynamic", "local_sgd_4", "local_sgd_16", "diloco_4", "diloco_16",
                    "group_sync_4", "group_sync_16")
 
@@ -154,18 +163,21 @@ class Trainer:
         method = self.run["method"]
         kind = next(k for k in KINDS if method == k or method.startswith(k + "_"))
         tokens = [x for x in method[len(kind) + 1:].split("_") if x]
-        self.wire = next((x for x in tokens if x in ("bfloat16", "int8")), None)
-        self.options = [float(x) for x in tokens if x != self.wire]
+        self.wire, self.density = wire_of(tokens), density_of(tokens)
+        self.options = [float(x) for x in tokens if x[0].isdigit()]
         body = {"ddp": self.train_ddp, "ddp_sparse": self.train_ddp, "ddp_dynamic": self.train_dynamic,
                 "local_sgd": self.train_local_sgd, "diloco": self.train_diloco,
-                "group_sync": self.train_group_sync, "group_sync_deadline": self.train_group_sync}[kind]
+                "group_sync": self.train_group_sync, "group_sync_deadline": self.train_group_sync,
+                "sparseloco": self.train_sparseloco}[kind]
         dist.barrier()  # every rank's clock starts together (a throttled rank loads slower)
         self.start, self.last_eval = time.perf_counter(), 0.0
+        self.start_monotonic = time.monotonic()  # the parent's byte samples use this clock
         self.record_progress(force=True)
         extra = body() or {}
         self.record_progress(force=True)
         return dict(self.run, history=self.history, steps=self.steps,
-                    seconds=time.perf_counter() - self.start, **extra)
+                    seconds=time.perf_counter() - self.start, start_monotonic=self.start_monotonic,
+                    **extra)
 
     def inner_step(self, module, optimizer):
         self.loss(module).backward()
@@ -286,6 +298,22 @@ class Trainer:
         dist.all_reduce(speeds)
         return speeds.tolist()
 
+    def train_sparseloco(self):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from hetero_comm.lab.baselines import SparseLoCo
+        sites = [[r for r, s in enumerate(SITES) if s == site] for site in dict.fromkeys(SITES)]
+        baseline = SparseLoCo(self.model, sites, period=int(self.options[0]),
+                              density=self.density or 1 / 64)
+        ddp = DDP(self.model, process_group=baseline.process_group)
+        optimizer = self.optimizer()
+        while True:
+            for _ in range(baseline.period):  # a round ends each period: every site stops together
+                self.inner_step(ddp, optimizer)
+                baseline.step()
+            if self.out_of_time():
+                break
+        return dict(leader_bytes_sent=baseline.bytes_sent)
+
     def train_group_sync(self):
         from torch.nn.parallel import DistributedDataParallel as DDP
         from hetero_comm.sync import GroupSync, groups_from_sites, periods_for_speeds
@@ -305,6 +333,24 @@ class Trainer:
         sync.close()  # the fast site waits here for the slow one's last contribution
         return dict(group_sync_stats=sync.stats(), trained_seconds=trained, periods=periods,
                     speeds=speeds)
+
+
+def wire_of(tokens):
+    """GroupSync's wire from a method's tokens: ``bfloat16``, ``int8``, ``dPbB`` (sparse) or none."""
+    import re
+    from hetero_comm.sync import SparseWire
+    for token in tokens:
+        if token in ("bfloat16", "int8"):
+            return token
+        sparse = re.fullmatch(r"d([0-9.]+)b([0-9])", token)
+        if sparse:
+            return SparseWire(float(sparse.group(1)) / 100, int(sparse.group(2)))
+    return None
+
+
+def density_of(tokens):
+    """SparseLoCo's density from a ``dP`` token (percent), or ``None``."""
+    return next((float(t[1:]) / 100 for t in tokens if t.startswith("d") and "b" not in t), None)
 
 
 # ----------------------------------------------------------------------------- launching
@@ -329,17 +375,30 @@ def run_method(run: dict, args) -> dict:
             if SITES[rank] == "b":
                 quota.add(processes[-1].pid)
         deadline = time.monotonic() + run["seconds"] + 300
+        samples = []  # (monotonic seconds, bytes out of each site)
         while any(p.poll() is None for p in processes):
             failed = [p.returncode for p in processes if p.returncode not in (None, 0)]
             if failed or time.monotonic() > deadline:
                 raise RuntimeError(f"{run['method']}: a rank failed ({failed}) or overran")
+            samples.append((time.monotonic(), [net.site_tx_bytes(site) for site in range(2)]))
             time.sleep(0.2)
         if any(p.returncode != 0 for p in processes):
             raise RuntimeError(f"{run['method']}: a rank exited with an error")
         site_bytes = [net.site_tx_bytes(site) - before[site] for site in range(2)]
         output.seek(0)
         record = [json.loads(line) for line in output if line.startswith("{")][-1]
-    return dict(record, site_bytes=site_bytes)
+    start = record["start_monotonic"]
+    window = [bytes_at(samples, start + run["seconds"], site) - bytes_at(samples, start, site)
+              for site in range(2)]
+    return dict(record, site_bytes=site_bytes, window_site_bytes=window)
+
+
+def bytes_at(samples, moment: float, site: int) -> float:
+    """Site ``site``'s counter at ``moment``, linear between the samples around it."""
+    for (t0, b0), (t1, b1) in zip(samples, samples[1:]):
+        if t0 <= moment <= t1:
+            return b0[site] + (b1[site] - b0[site]) * (moment - t0) / max(t1 - t0, 1e-9)
+    raise RuntimeError("the byte samples do not cover the training budget")
 
 
 def time_to_target(record: dict, target: float, metric: str):
@@ -366,15 +425,28 @@ def group_sync_waits(record) -> str:
     return "" if stats is None else f"{stats['waited_s']:.1f} / {stats['late_parts']}"
 
 
+def megabytes(pair) -> str:
+    return " / ".join(f"{b / 1e6:.3f}" if b < 1e6 else f"{b / 1e6:.1f}" for b in pair)
+
+
+def fewer_than_ddp(records, record) -> str:
+    """How many times fewer bytes left the busier site in the budget than under ddp."""
+    dense = [r for r in records if r["workload"] == record["workload"] and r["method"] == "ddp"]
+    if not dense:
+        return ""
+    return f"{max(dense[0]['window_site_bytes']) / max(max(record['window_site_bytes']), 1):.0f}x"
+
+
 def report(records, args) -> str:
     targets = ", ".join(f"{w}: {target_for(records, w, args):.3f}"
                         for w in dict.fromkeys(r["workload"] for r in records))
     lines = [f"2 sites x 2 ranks, {args.inter_site_rate} between sites, unshaped inside; site b "
              f"under {args.slow_site_cores} CPUs; {args.seconds} s of training per method; "
              f"targets ({targets})",
-             "| workload | method | final | time to target | rank 0 steps | bytes out of a / b "
-             "(MB) | wall s | GroupSync: site a waited s / late parts |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| workload | method | final | time to target | rank 0 steps | MB out of a / b in the "
+             "budget | fewer than ddp's | MB out of a / b in all | wall s | GroupSync: site a "
+             "waited s / late parts |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for record in records:
         metric = WORKLOADS[record["workload"]]["metric"]
         target = target_for(records, record["workload"], args)
@@ -383,9 +455,9 @@ def report(records, args) -> str:
         shown = f"{100 * final:.1f}%" if metric == "accuracy" else f"{final:.3f}"
         lines.append(f"| {record['workload']} | {record['method']} | {shown} | "
                      f"{'not reached' if reached is None else f'{reached:.1f} s'} | "
-                     f"{record['steps']} | {record['site_bytes'][0] / 1e6:.1f} / "
-                     f"{record['site_bytes'][1] / 1e6:.1f} | {record['seconds']:.0f} | "
-                     f"{group_sync_waits(record)} |")
+                     f"{record['steps']} | {megabytes(record['window_site_bytes'])} | "
+                     f"{fewer_than_ddp(records, record)} | {megabytes(record['site_bytes'])} | "
+                     f"{record['seconds']:.0f} | {group_sync_waits(record)} |")
     return "\n".join(lines)
 
 

@@ -107,6 +107,14 @@ def conservation_run(rank, world_size, groups, steps, row_factors, max_staleness
         return tau, scale
 
     sync.book.accept = recording_accept
+    sent_log, encode = [], sync.wire.encode_
+
+    def recording_encode(values, payload):  # what this group counts as sent
+        sent = encode(values, payload)
+        sent_log.append(sent.double().numpy().copy())
+        return sent
+
+    sync.wire.encode_ = recording_encode
     optimizer = torch.optim.SGD(model.parameters(), lr=LR * sync.lr_scale, momentum=0.9)
     own = torch.zeros_like(parameters_to_vector(model.parameters()))
     ddp = DDP(model, process_group=sync.process_group)
@@ -122,6 +130,7 @@ def conservation_run(rank, world_size, groups, steps, row_factors, max_staleness
     sync.close()
     # numpy arrays travel by value (many tensors would go through shared file descriptors)
     return dict(applied=applied, own=own.numpy(), made=sync.book.made, stats=sync.stats(),
+                sent=sent_log,
                 checkpoint=sync.state_dict(),  # close() flushed: every part is in
                 parts=[(part.start, part.end) for part in sync.parts],
                 final=parameters_to_vector(model.parameters()).detach().numpy(),
@@ -296,3 +305,22 @@ def link_exchange(rank, world_size):
         received.append(str(error))
     links[1].close(close)  # its receiver has stopped at the bad frame
     return received
+
+
+def sparseloco_run(rank, world_size, sites, steps):
+    """The SparseLoCo baseline: DDP inside each site, a round every 2 steps. Returns this rank's
+    parameters at the end, the initial ones, and the bytes its leader sent."""
+    from hetero_comm.lab.baselines import SparseLoCo
+    model = make_model()
+    baseline = SparseLoCo(model, sites, period=2, density=0.25, chunk=16)
+    ddp = DDP(model, process_group=baseline.process_group)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for step in range(steps):
+        inputs, targets = batch(step, rank)
+        nn.functional.mse_loss(ddp(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        baseline.step()
+    return dict(final=parameters_to_vector(model.parameters()).detach().numpy(),
+                initial=parameters_to_vector(make_model().parameters()).detach().numpy(),
+                bytes_sent=baseline.bytes_sent)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from hetero_comm.lab.baselines import decode_top_k_2bit, encode_top_k_2bit
 from hetero_comm.lab.launch import run_ranks
 from hetero_comm.sync import (Contribution, Grouping, SparseWire, VersionBook, groups_from_sites,
                               groups_from_speeds, inverse_staleness, periods_for_speeds)
@@ -312,6 +313,40 @@ def test_sparse_wire_refuses_bad_settings_and_non_finite_values():
         wire.decode(payload[:-1], 4)
 
 
+def test_sparseloco_baseline_sends_k_values_a_chunk_on_four_levels_of_its_scale():
+    g = torch.Generator().manual_seed(0)
+    for numel, chunk, k in [(1, 4, 4), (1000, 64, 8), (4096 * 3 + 5, 4096, 64)]:
+        values = torch.randn(numel, generator=g)
+        payload, sent = encode_top_k_2bit(values, chunk, k)
+        chunks = -(-numel // chunk)
+        assert payload.dtype == torch.uint8 and payload.numel() == chunks * (4 + 2 * k + k // 4)
+        assert torch.equal(decode_top_k_2bit(payload, numel, chunk, k), sent)
+        padded = torch.zeros(chunks * chunk)
+        padded[:numel] = values
+        decoded = torch.zeros(chunks * chunk)  # the padding's values are sent but not kept
+        decoded[:numel] = sent
+        valid = torch.arange(chunks * chunk) < numel
+        for row, sent_row, kept in zip(padded.view(chunks, chunk), decoded.view(chunks, chunk),
+                                       valid.view(chunks, chunk)):
+            top = row.abs().topk(k).indices
+            outside = torch.ones(chunk, dtype=torch.bool)
+            outside[top] = False
+            assert not bool(sent_row[outside].any())
+            levels = torch.tensor([-1.0, -1 / 3, 1 / 3, 1.0]) * row.abs().max()
+            nearest = levels[(row[top].unsqueeze(1) - levels).abs().argmin(dim=1)]
+            torch.testing.assert_close(sent_row[top][kept[top]], nearest[kept[top]])
+
+
+def test_sparseloco_baseline_leaves_every_rank_with_the_same_model():
+    sites = ((0,), (1, 2))
+    results = run_ranks(3, sync_workers.sparseloco_run, sites, 6, timeout=120)
+    for result in results:
+        np.testing.assert_array_equal(result["final"], results[0]["final"])
+    assert not np.array_equal(results[0]["final"], results[0]["initial"])
+    numel = results[0]["final"].size
+    assert results[0]["bytes_sent"] == 3 * (-(-numel // 16)) * (4 + 2 * 4 + 1)  # 3 rounds
+
+
 # ----- real gloo ranks -------------------------------------------------------------------------
 def test_one_group_is_exactly_ddp():
     for with_sync, plain in run_ranks(2, sync_workers.one_group_against_ddp, 5, timeout=120):
@@ -354,6 +389,12 @@ def test_no_contribution_is_lost_or_counted_twice(wire_dtype, layer_deadline):
         for _, _, part, tau, scale, payload in leader["applied"]:
             start, end = parts[part]
             reached[start:end] += scale * payload
+        # what the other group applied (unscaled) is what this one counted as sent, in order
+        received = [payload for _, _, _, _, _, payload in sorted(
+            leaders[other]["applied"], key=lambda record: record[1:3])]  # (version, part)
+        assert len(received) == len(leader["sent"]) == leader["made"] * len(parts)
+        for sent, payload in zip(leader["sent"], received):
+            np.testing.assert_array_equal(sent, payload)
         expected_final += grouping.sample_share(g) * reached
     for result in results:  # close() averaged the groups: the same model everywhere
         np.testing.assert_allclose(result["final"], expected_final, rtol=0, atol=1e-12)

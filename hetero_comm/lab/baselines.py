@@ -5,16 +5,23 @@ quantized gradient exchange (qgZ, Wang et al. 2023, "ZeRO++: Extremely Efficient
 Communication for Giant Model Training") as a DDP hook: full precision inside a machine,
 blockwise int4 between machines (DeepSpeed's own is CUDA-only). It is a benchmark baseline,
 labelled as such, not part of the library's API: it keeps no error feedback, as qgZ keeps none.
+
+:class:`SparseLoCo` is SparseLoCo's scheme (Sarfi et al. 2025, "Communication Efficient LLM
+Pre-training with SparseLoCo", arXiv 2508.15706; no package provides it) between sites:
+synchronous rounds of top-k per chunk at 2 bits with error feedback, DDP inside each site.
 """
+
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector
 
-from .._checks import check_int
+from .._checks import check_float, check_int
 from ..hooks.two_level import Shares, TwoLevelState, two_level_hook
 
 __all__ = ["Int4BetweenMachinesState", "int4_between_machines_hook", "quantize_int4",
-           "dequantize_int4"]
+           "dequantize_int4", "SparseLoCo", "encode_top_k_2bit", "decode_top_k_2bit"]
 
 INT4_LEVELS = 7  # symmetric: -7..7 (one code of 16 unused)
 
@@ -94,3 +101,110 @@ def int4_between_machines_hook(state: Int4BetweenMachinesState, bucket: dist.Gra
     """:func:`~hetero_comm.hooks.two_level_hook` with :class:`Int4BetweenMachinesState`'s
     exchange between machines (ZeRO++ qgZ's int4 scheme, a baseline)."""
     return two_level_hook(state, bucket)
+
+
+# ----- SparseLoCo ----------------------------------------------------------------------------
+_TWO_BIT_CODES = torch.tensor([-3.0, -1.0, 1.0, 3.0]) / 3  # of the chunk's scale
+
+
+def _chunked(values: torch.Tensor, chunk: int) -> torch.Tensor:
+    chunks = -(-values.numel() // chunk)
+    padded = torch.zeros(chunks * chunk, dtype=torch.float32)
+    padded[:values.numel()] = values
+    return padded.view(chunks, chunk)
+
+
+def encode_top_k_2bit(values: torch.Tensor, chunk: int, k: int):
+    """The ``k`` largest magnitudes of each chunk of ``chunk`` values (zero-padded), each
+    rounded to the nearest of 4 levels ``{-1, -1/3, 1/3, 1}`` times the chunk's largest selected
+    magnitude; indices as int16 within the chunk, codes 4 to a byte, one float32 scale a chunk.
+
+    Returns:
+        (payload uint8 [chunks * (2k + k/4 + 4)], what it decodes to: float32 [numel]).
+    """
+    rows = _chunked(values, chunk)
+    top = rows.abs().topk(k, dim=1)
+    scales = torch.empty(rows.shape[0]).copy_(top.values[:, 0])  # dense strides for the byte view
+    picked = rows.gather(1, top.indices) / scales.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
+    codes = (picked.unsqueeze(-1) - _TWO_BIT_CODES).abs().argmin(dim=-1).to(torch.uint8)
+    codes = codes.view(-1, 4)
+    packed = codes[:, 0] | codes[:, 1] << 2 | codes[:, 2] << 4 | codes[:, 3] << 6
+    payload = torch.cat([scales.view(torch.uint8), top.indices.to(torch.int16).view(-1).view(torch.uint8),
+                         packed])
+    return payload, decode_top_k_2bit(payload, values.numel(), chunk, k)
+
+
+def decode_top_k_2bit(payload: torch.Tensor, numel: int, chunk: int, k: int) -> torch.Tensor:
+    """The float32 values of :func:`encode_top_k_2bit`'s payload (zero where none was sent)."""
+    chunks = -(-numel // chunk)
+    scales = payload[:4 * chunks].view(torch.float32)
+    indices = payload[4 * chunks:4 * chunks + 2 * chunks * k].view(torch.int16).view(chunks, k)
+    packed = payload[4 * chunks + 2 * chunks * k:]
+    codes = torch.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).view(chunks, k)
+    rows = torch.zeros(chunks, chunk, dtype=torch.float32)
+    rows.scatter_(1, indices.long(), _TWO_BIT_CODES[codes.long()] * scales[:, None])
+    return rows.view(-1)[:numel]
+
+
+class SparseLoCo:
+    r"""SparseLoCo between sites, as a benchmark baseline (written from the paper).
+
+    Every rank builds it and trains its site's DDP module on :attr:`process_group` with the
+    inner optimizer; after each optimizer step every rank calls :meth:`step`. Every ``period``
+    steps, synchronously on every site:
+
+    1. the site's leader forms the pseudo-gradient ``delta = base - params``, adds it to its
+       error feedback ``e = beta * e + delta``, sends ``Q(top_k(e))`` (:func:`encode_top_k_2bit`,
+       ``k = density * chunk`` per chunk) and keeps ``e -= Q(top_k(e))``;
+    2. the leaders all-gather what they sent; ``base -= outer_lr * mean``;
+    3. the leader broadcasts ``base`` inside its site; every rank's parameters become ``base``.
+
+    Args:
+        module: the model (every rank starts from the same parameters).
+        sites: the ranks of each site (the first of each is its leader).
+        period: local steps a round (``H``).
+        density: the fraction of each chunk sent (``k / chunk``).
+        chunk: values a chunk (the paper's 4096).
+        beta: the error feedback's decay (0.95).
+        outer_lr: the outer step's rate (1.0).
+    """
+
+    def __init__(self, module: torch.nn.Module, sites: Sequence[Sequence[int]], *, period: int,
+                 density: float = 1 / 64, chunk: int = 4096, beta: float = 0.95,
+                 outer_lr: float = 1.0):
+        self.params = list(module.parameters())
+        self.period = check_int("period", period, 1)
+        self.chunk = check_int("chunk", chunk, 4)
+        self.k = max(4, 4 * round(check_float("density", density, 0.0, 1.0, low_open=True) * chunk / 4))
+        self.beta, self.outer_lr = check_float("beta", beta, 0.0, 1.0), outer_lr
+        rank = dist.get_rank()
+        groups = [dist.new_group(list(ranks)) for ranks in sites]
+        self.leaders_group = dist.new_group([ranks[0] for ranks in sites])
+        site = next(i for i, ranks in enumerate(sites) if rank in ranks)
+        self.process_group, self.leader = groups[site], sites[site][0]
+        self.num_sites, self.is_leader = len(sites), rank == sites[site][0]
+        self.base = parameters_to_vector([p.detach() for p in self.params]).clone()
+        self.error = torch.zeros_like(self.base)
+        self.local_step, self.bytes_sent = 0, 0
+
+    def step(self) -> None:
+        self.local_step += 1
+        if self.local_step % self.period == 0:
+            self._round()
+
+    @torch.no_grad()
+    def _round(self) -> None:
+        if self.is_leader:
+            self.error.mul_(self.beta).add_(self.base - parameters_to_vector(self.params))
+            payload, sent = encode_top_k_2bit(self.error, self.chunk, self.k)
+            self.error.sub_(sent)
+            gathered: List[torch.Tensor] = [torch.empty_like(payload) for _ in range(self.num_sites)]
+            dist.all_gather(gathered, payload, group=self.leaders_group)
+            self.bytes_sent += payload.numel()
+            mean = sum(decode_top_k_2bit(p, self.base.numel(), self.chunk, self.k) for p in gathered)
+            self.base.sub_(mean, alpha=self.outer_lr / self.num_sites)
+        dist.broadcast(self.base, self.leader, group=self.process_group)
+        offset = 0
+        for p in self.params:
+            p.copy_(self.base[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
