@@ -382,6 +382,7 @@ def run_method(run: dict, args) -> dict:
                 raise RuntimeError(f"{run['method']}: a rank failed ({failed}) or overran")
             samples.append((time.monotonic(), [net.site_tx_bytes(site) for site in range(2)]))
             time.sleep(0.2)
+        samples.append((time.monotonic(), [net.site_tx_bytes(site) for site in range(2)]))
         if any(p.returncode != 0 for p in processes):
             raise RuntimeError(f"{run['method']}: a rank exited with an error")
         site_bytes = [net.site_tx_bytes(site) - before[site] for site in range(2)]
@@ -394,7 +395,10 @@ def run_method(run: dict, args) -> dict:
 
 
 def bytes_at(samples, moment: float, site: int) -> float:
-    """Site ``site``'s counter at ``moment``, linear between the samples around it."""
+    """Site ``site``'s counter at ``moment``, linear between the samples around it (the
+    last sample, taken once every rank has exited, for a moment after it)."""
+    if moment >= samples[-1][0]:
+        return samples[-1][1][site]
     for (t0, b0), (t1, b1) in zip(samples, samples[1:]):
         if t0 <= moment <= t1:
             return b0[site] + (b1[site] - b0[site]) * (moment - t0) / max(t1 - t0, 1e-9)
