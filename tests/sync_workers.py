@@ -313,14 +313,8 @@ def sparseloco_run(rank, world_size, sites, steps):
     from hetero_comm.lab.baselines import SparseLoCo
     model = make_model()
     baseline = SparseLoCo(model, sites, period=2, density=0.25, chunk=16)
-    ddp = DDP(model, process_group=baseline.process_group)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    for step in range(steps):
-        inputs, targets = batch(step, rank)
-        nn.functional.mse_loss(ddp(inputs), targets).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        baseline.step()
+    _train(rank, baseline, model, optimizer, steps)  # it has GroupSync's process_group and step()
     return dict(final=parameters_to_vector(model.parameters()).detach().numpy(),
                 initial=parameters_to_vector(make_model().parameters()).detach().numpy(),
                 bytes_sent=baseline.bytes_sent)
