@@ -13,7 +13,7 @@ from hetero_comm.lab.launch import run_ranks
 from hetero_comm.sync import (Contribution, Grouping, SparseWire, VersionBook, groups_from_sites,
                               groups_from_speeds, inverse_staleness, periods_for_speeds)
 from hetero_comm.sync.parts import ForwardClock, split_into_parts
-from hetero_comm.sync.wire import Wire
+from hetero_comm.sync.wire import Wire, pack_codes, unpack_codes
 
 import sync_workers
 
@@ -313,13 +313,25 @@ def test_sparse_wire_refuses_bad_settings_and_non_finite_values():
         wire.decode(payload[:-1], 4)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_codes_pack_to_bytes_and_back(bits):
+    g = torch.Generator().manual_seed(bits)
+    for count in (0, 1, 7, 8, 9, 1000):
+        codes = torch.randint(0, 2 ** bits, (count,), generator=g, dtype=torch.uint8)
+        packed = pack_codes(codes, bits)
+        assert packed.dtype == torch.uint8 and packed.numel() == -(-count * bits // 8)
+        assert torch.equal(unpack_codes(packed, bits, count), codes)
+    assert pack_codes(torch.tensor([1, 2, 3, 0], dtype=torch.uint8), 2).item() == 0b00111001
+
+
 def test_sparseloco_baseline_sends_k_values_a_chunk_on_four_levels_of_its_scale():
     g = torch.Generator().manual_seed(0)
-    for numel, chunk, k in [(1, 4, 4), (1000, 64, 8), (4096 * 3 + 5, 4096, 64)]:
+    for numel, chunk, k in [(1, 4, 4), (1000, 64, 8), (1000, 64, 5), (4096 * 3 + 5, 4096, 64)]:
         values = torch.randn(numel, generator=g)
         payload, sent = encode_top_k_2bit(values, chunk, k)
         chunks = -(-numel // chunk)
-        assert payload.dtype == torch.uint8 and payload.numel() == chunks * (4 + 2 * k + k // 4)
+        assert payload.dtype == torch.uint8
+        assert payload.numel() == chunks * (4 + 2 * k) + -(-chunks * k // 4)
         assert torch.equal(decode_top_k_2bit(payload, numel, chunk, k), sent)
         padded = torch.zeros(chunks * chunk)
         padded[:numel] = values

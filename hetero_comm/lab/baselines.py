@@ -19,6 +19,7 @@ from torch.nn.utils import parameters_to_vector
 
 from .._checks import check_float, check_int
 from ..hooks.two_level import Shares, TwoLevelState, two_level_hook
+from ..sync.wire import pack_codes, unpack_codes
 
 __all__ = ["Int4BetweenMachinesState", "int4_between_machines_hook", "quantize_int4",
            "dequantize_int4", "SparseLoCo", "encode_top_k_2bit", "decode_top_k_2bit"]
@@ -40,12 +41,12 @@ def quantize_int4(values: torch.Tensor, block: int):
     scales = padded.abs().amax(dim=1) / INT4_LEVELS
     codes = torch.round(padded / scales.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1))
     codes = (codes.clamp_(-INT4_LEVELS, INT4_LEVELS) + 8).to(torch.uint8).view(-1)
-    return codes[0::2] | (codes[1::2] << 4), scales
+    return pack_codes(codes, 4), scales
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
     """The float32 values of :func:`quantize_int4`'s output (the first ``numel``)."""
-    codes = torch.stack((packed & 15, packed >> 4), dim=1).view(-1).to(torch.float32) - 8
+    codes = unpack_codes(packed, 4, 2 * packed.numel()).to(torch.float32) - 8
     block = codes.numel() // scales.numel()
     return (codes.view(-1, block) * scales.unsqueeze(1)).view(-1)[:numel]
 
@@ -120,15 +121,15 @@ def encode_top_k_2bit(values: torch.Tensor, chunk: int, k: int):
     magnitude; indices as int16 within the chunk, codes 4 to a byte, one float32 scale a chunk.
 
     Returns:
-        (payload uint8 [chunks * (2k + k/4 + 4)], what it decodes to: float32 [numel]).
+        (payload uint8 [chunks * (4 + 2k) + ceil(chunks * k / 4)], what it decodes to:
+        float32 [numel]).
     """
     rows = _chunked(values, chunk)
     top = rows.abs().topk(k, dim=1)
     scales = torch.empty(rows.shape[0]).copy_(top.values[:, 0])  # dense strides for the byte view
     picked = rows.gather(1, top.indices) / scales.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
     codes = (picked.unsqueeze(-1) - _TWO_BIT_CODES).abs().argmin(dim=-1).to(torch.uint8)
-    codes = codes.view(-1, 4)
-    packed = codes[:, 0] | codes[:, 1] << 2 | codes[:, 2] << 4 | codes[:, 3] << 6
+    packed = pack_codes(codes.view(-1), 2)
     payload = torch.cat([scales.view(torch.uint8), top.indices.to(torch.int16).view(-1).view(torch.uint8),
                          packed])
     return payload, decode_top_k_2bit(payload, values.numel(), chunk, k)
@@ -140,7 +141,7 @@ def decode_top_k_2bit(payload: torch.Tensor, numel: int, chunk: int, k: int) -> 
     scales = payload[:4 * chunks].view(torch.float32)
     indices = payload[4 * chunks:4 * chunks + 2 * chunks * k].view(torch.int16).view(chunks, k)
     packed = payload[4 * chunks + 2 * chunks * k:]
-    codes = torch.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).view(chunks, k)
+    codes = unpack_codes(packed, 2, chunks * k).view(chunks, k)
     rows = torch.zeros(chunks, chunk, dtype=torch.float32)
     rows.scatter_(1, indices.long(), _TWO_BIT_CODES[codes.long()] * scales[:, None])
     return rows.view(-1)[:numel]
@@ -175,8 +176,9 @@ class SparseLoCo:
         self.params = list(module.parameters())
         self.period = check_int("period", period, 1)
         self.chunk = check_int("chunk", chunk, 4)
-        self.k = max(4, 4 * round(check_float("density", density, 0.0, 1.0, low_open=True) * chunk / 4))
-        self.beta, self.outer_lr = check_float("beta", beta, 0.0, 1.0), outer_lr
+        self.k = max(1, round(check_float("density", density, 0.0, 1.0, low_open=True) * chunk))
+        self.beta = check_float("beta", beta, 0.0, 1.0)
+        self.outer_lr = check_float("outer_lr", outer_lr, 0.0, 1e9, low_open=True)
         rank = dist.get_rank()
         groups = [dist.new_group(list(ranks)) for ranks in sites]
         self.leaders_group = dist.new_group([ranks[0] for ranks in sites])

@@ -9,7 +9,7 @@ import torch
 from .. import ops
 from .._checks import check_choice, check_float, check_int
 
-__all__ = ["WIRE_FORMATS", "Wire", "SparseWire", "make_wire"]
+__all__ = ["WIRE_FORMATS", "Wire", "SparseWire", "make_wire", "pack_codes", "unpack_codes"]
 
 WIRE_FORMATS = ("float32", "bfloat16", "int8")
 _INT8_BLOCK = 256  # elements per scale: 1/64 of a byte per element more than the integers
@@ -105,7 +105,6 @@ class SparseWire:
         self.segment_size = check_int("segment_size", segment_size, 1)
         self.feedback_decay = check_float("feedback_decay", feedback_decay, 0.0, 1.0)
         self.levels = 2 ** (self.bits - 1) - 1
-        self._per_byte = 8 // self.bits
 
     def __repr__(self) -> str:
         return (f"SparseWire(density={self.density}, bits={self.bits}, "
@@ -119,7 +118,7 @@ class SparseWire:
     def _layout(self, numel: int) -> Tuple[int, int, int]:
         """(selected, scale and index bytes, packed integer bytes) of a part of ``numel``."""
         selected, _ = self._counts(numel)
-        return selected, 8 * selected, -(-selected * self.segment_size // self._per_byte)
+        return selected, 8 * selected, -(-selected * self.segment_size * self.bits // 8)
 
     def payload_bytes(self, numel: int) -> int:
         _, header, packed = self._layout(numel)
@@ -131,14 +130,13 @@ class SparseWire:
         host. Raises ``FloatingPointError`` on NaN or infinity (nothing is written then)."""
         numel = values.numel()
         selected, segments = self._counts(numel)
-        copy = torch.zeros(numel, dtype=torch.float32)
+        padded = torch.zeros(segments * self.segment_size, dtype=torch.float32)
+        copy = padded[:numel]  # the values, and their segments' norms, in one pass
         norms = ops.segment_accumulate_(copy, values.detach().to("cpu", torch.float32),
                                         self.segment_size)
         if not bool(torch.isfinite(norms).all()):
             raise FloatingPointError("a contribution holds NaN or infinity: the model diverged")
         indices = ops.select_segments(norms, selected)
-        padded = torch.zeros(segments * self.segment_size, dtype=torch.float32)
-        padded[:numel] = copy
         scales, wire_indices, packed = self._split(payload, numel)
         scales.copy_(padded.view(segments, self.segment_size)[indices].abs().amax(dim=1))
         wire_indices.copy_(indices)
@@ -164,19 +162,28 @@ class SparseWire:
                 payload[4 * selected:header].view(torch.int32), payload[header:])
 
     def _pack(self, integers: torch.Tensor) -> torch.Tensor:
-        codes = (integers.to(torch.int16) + self.levels).to(torch.uint8)
-        padding = -codes.numel() % self._per_byte
-        codes = torch.cat([codes, codes.new_zeros(padding)]).view(-1, self._per_byte)
-        packed = codes[:, 0].clone()
-        for j in range(1, self._per_byte):
-            packed |= codes[:, j] << (self.bits * j)
-        return packed
+        return pack_codes((integers.to(torch.int16) + self.levels).to(torch.uint8), self.bits)
 
     def _unpack(self, packed: torch.Tensor, count: int) -> torch.Tensor:
-        mask = (1 << self.bits) - 1
-        codes = torch.stack([(packed >> (self.bits * j)) & mask for j in range(self._per_byte)],
-                            dim=1).view(-1)[:count]
-        return (codes.to(torch.int16) - self.levels).to(torch.int8)
+        return (unpack_codes(packed, self.bits, count).to(torch.int16) - self.levels).to(torch.int8)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """1-D uint8 ``codes`` below ``2 ** bits`` (``bits`` 1, 2, 4 or 8), ``8 / bits`` to a byte,
+    the first of each byte's codes in its lowest bits (the last byte padded with zeros)."""
+    per_byte = 8 // bits
+    codes = torch.cat([codes, codes.new_zeros(-codes.numel() % per_byte)]).view(-1, per_byte)
+    packed = codes[:, 0].clone()
+    for j in range(1, per_byte):
+        packed |= codes[:, j] << (bits * j)
+    return packed
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The first ``count`` codes of :func:`pack_codes`'s bytes (uint8)."""
+    mask = (1 << bits) - 1
+    return torch.stack([(packed >> (bits * j)) & mask for j in range(8 // bits)],
+                       dim=1).view(-1)[:count]
 
 
 def make_wire(spec: Union[None, str, SparseWire], param_dtype: torch.dtype):
