@@ -4,6 +4,7 @@ plain DDP over the 4 ranks. No rate limit or CPU quota here: this checks converg
 speed (that is ``bench_sync``'s job).
 
 Usage: python benchmarks/experiments/group_sync_digits.py [--lr 0.05] [--optimizer sgd|adamw]
+       [--runs "DDP, 4 ranks;GroupSync async, period 4, bound 2"]  (a subset, ";" between names)
 """
 
 import argparse
@@ -15,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hetero_comm.lab.data import load_digits_split, make_model
 from hetero_comm.lab.launch import run_ranks
-from hetero_comm.sync import GroupSync, groups_from_sites
+from hetero_comm.sync import GroupSync, SparseWire, groups_from_sites
 
 ROWS, EPOCHS = 16, 8
 CONFIGS = {  # name: GroupSync settings (None: plain DDP over every rank)
@@ -31,6 +32,13 @@ CONFIGS = {  # name: GroupSync settings (None: plain DDP over every rank)
                                                           layer_deadline=True, part_bytes=4096),
     "GroupSync async, period 4, bound 2, layer deadline": dict(period=4, max_staleness=2,
                                                                 layer_deadline=True, part_bytes=4096),
+    # sparse contributions: 176 rounds at period 1, 44 at period 4 (rounds x density 5.3, 1.3)
+    "GroupSync async, period 1, bound 2, sparse 3% 2 bits": dict(
+        period=1, max_staleness=2, wire_dtype=SparseWire(0.03, bits=2)),
+    "GroupSync async, period 4, bound 2, sparse 3% 2 bits": dict(
+        period=4, max_staleness=2, wire_dtype=SparseWire(0.03, bits=2)),
+    "GroupSync async, period 4, bound 2, sparse 10% 2 bits": dict(
+        period=4, max_staleness=2, wire_dtype=SparseWire(0.10, bits=2)),
 }
 
 
@@ -71,12 +79,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    parser.add_argument("--runs", default=None, help="run names separated by ';' (default: all)")
     args = parser.parse_args()
+    chosen = CONFIGS if args.runs is None else {n: CONFIGS[n] for n in args.runs.split(";")}
     name = "SGD momentum 0.9" if args.optimizer == "sgd" else "AdamW (weight decay 0.01)"
     print(f"digits MLP, 4 ranks (groups {{0, 1}}, {{2, 3}}), {name} lr {args.lr}, {EPOCHS} epochs")
     print("| run | test accuracy | mean staleness | max staleness | waits | late parts |")
     print("|---|---|---|---|---|---|")
-    for name, settings in CONFIGS.items():
+    for name, settings in chosen.items():
         accuracy, stats = run_ranks(4, train, settings, args.lr, args.optimizer, timeout=600)[0]
         extra = ("| | | | |" if stats is None else
                  f"| {stats['mean_staleness']:.2f} | {stats['max_staleness_seen']} | {stats['waits']} "
