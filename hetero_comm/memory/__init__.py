@@ -1,0 +1,21 @@
+"""Fit a model's training step in less memory: keep, swap or recompute each block's activations.
+
+1. Profile: :func:`profile_memory` times each block and measures what it saves and adds at
+   its peak (:class:`MemoryMeter`), and the swap space's bandwidth.
+2. Plan: :func:`plan_memory` picks keep, swap or recompute per block for a memory budget, by
+   the seed's rule (:func:`seed_choices`) or exactly (integer program); :func:`predict` gives
+   the cost model's peak and step time for any choice.
+3. Apply: :func:`apply_memory_plan` wraps the blocks (``torch.utils.checkpoint`` to recompute,
+   ``saved_tensors_hooks`` to swap); the model trains as before, bit for bit.
+"""
+
+from .apply import AppliedMemoryPlan, apply_memory_plan
+from .meter import MemoryMeter
+from .plan import CHOICES, MemoryPlan, exhaustive_memory_plan, plan_memory, predict, seed_choices
+from .profile import MemoryProfile, chain_blocks, measure_swap_bandwidth, profile_memory
+from .swap import FileSwap, HostSwap, SwapSpace, make_swap_space
+
+__all__ = ["MemoryMeter", "MemoryProfile", "profile_memory", "measure_swap_bandwidth", "chain_blocks",
+           "MemoryPlan", "CHOICES", "plan_memory", "predict", "seed_choices", "exhaustive_memory_plan",
+           "apply_memory_plan", "AppliedMemoryPlan", "SwapSpace", "FileSwap", "HostSwap",
+           "make_swap_space"]

@@ -1,0 +1,291 @@
+"""The memory planner (hetero_comm.memory): plans change no value (bitwise gradients with
+keep, swap and recompute on a CNN and a transformer), the swap spaces return every byte, the
+integer program finds the exhaustive optimum of the cost model, and bad input is refused."""
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hetero_comm.memory import (CHOICES, FileSwap, MemoryMeter, MemoryPlan, MemoryProfile,
+                                apply_memory_plan, chain_blocks, exhaustive_memory_plan,
+                                plan_memory, predict, profile_memory, seed_choices)
+from hetero_comm.pipeline import LayerProfile
+
+
+class CausalBlock(nn.Module):
+    """Pre-norm attention and MLP, with dropout (recomputing must replay its random mask)."""
+
+    def __init__(self, width: int, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, h):
+        batch, length, width = h.shape
+        q, k, v = self.qkv(self.norm1(h)).view(batch, length, 3, self.heads, -1).unbind(2)
+        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                  v.transpose(1, 2), is_causal=True)
+        h = h + self.dropout(self.proj(attended.transpose(1, 2).reshape(batch, length, width)))
+        return h + self.dropout(self.mlp(self.norm2(h)))
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int, width: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+
+    def forward(self, tokens):
+        return self.embed(tokens)
+
+
+def transformer(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(Embed(32, 16), CausalBlock(16), CausalBlock(16), nn.LayerNorm(16),
+                         nn.Linear(16, 32)).to(dtype)
+
+
+def cnn(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),
+        nn.Sequential(nn.Conv2d(8, 16, 3, padding=1).to(memory_format=torch.channels_last), nn.ReLU()),
+        nn.Sequential(nn.Flatten(), nn.Linear(16 * 8 * 8, 10))).to(dtype)
+
+
+def batch(model_name, dtype):
+    generator = torch.Generator().manual_seed(1)
+    if model_name == "cnn":
+        return torch.randn(4, 3, 16, 16, generator=generator, dtype=dtype), \
+            torch.randint(0, 10, (4,), generator=generator)
+    tokens = torch.randint(0, 32, (3, 12), generator=generator)
+    return tokens, torch.randint(0, 32, (3 * 12,), generator=generator)
+
+
+def gradients_after_steps(model, inputs, targets, steps=2):
+    """Gradients of two training steps (the second after an SGD update) and the losses."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(5)  # dropout's masks
+    results = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
+        loss.backward()
+        results.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+        optimizer.step()
+    return results
+
+
+def plan_of(model, choices):
+    names, _ = chain_blocks(model)
+    return MemoryPlan(names, tuple(choices), 0.0, 0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("model_name", ["cnn", "transformer"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("pattern", ["all_swap", "all_recompute", "mixed", "alternate"])
+def test_planned_gradients_are_bitwise_the_unplanned(model_name, dtype, pattern, tmp_path):
+    make = cnn if model_name == "cnn" else transformer
+    inputs, targets = batch(model_name, dtype)
+    expected = gradients_after_steps(make(dtype), inputs, targets)
+    model = make(dtype)
+    count = len(model)
+    choices = {"all_swap": ["swap"] * count, "all_recompute": ["recompute"] * count,
+               "mixed": [CHOICES[i % 3] for i in range(count)],
+               "alternate": [("swap", "recompute")[i % 2] for i in range(count)]}[pattern]
+    with apply_memory_plan(model, plan_of(model, choices), swap_directory=str(tmp_path)):
+        got = gradients_after_steps(model, inputs, targets)
+    for (loss, grads), (want_loss, want_grads) in zip(got, expected):
+        assert torch.equal(loss, want_loss)
+        for grad, want in zip(grads, want_grads):
+            assert torch.equal(grad, want)
+
+
+def test_remove_restores_the_blocks_and_a_plan_applies_once(tmp_path):
+    model = cnn()
+    plan = plan_of(model, ["swap", "recompute", "keep", "swap"])
+    applied = apply_memory_plan(model, plan, swap_directory=str(tmp_path))
+    with pytest.raises(ValueError, match="already has a memory plan"):
+        apply_memory_plan(model, plan)
+    applied.remove()
+    assert all("forward" not in block.__dict__ for block in model)
+    assert not model[1]._forward_hooks  # the prefetch trigger went too
+    apply_memory_plan(model, plan, swap_directory=str(tmp_path)).remove()
+
+
+def test_swapping_frees_the_saved_activations_until_the_backward(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 2048), nn.Sequential(nn.GELU(), nn.Linear(2048, 256)))
+    inputs = torch.randn(512, 256)
+    meter = MemoryMeter(torch.device("cpu"))
+
+    def bytes_held_after_forward(space=None):
+        meter.reset()
+        output = model(inputs)
+        if space is not None:
+            space.drain()
+        held = meter.current_bytes() - meter.start_bytes
+        output.sum().backward()
+        return held
+
+    kept = bytes_held_after_forward()
+    with apply_memory_plan(model, plan_of(model, ["keep", "swap"]), swap_directory=str(tmp_path)) as applied:
+        swapped = bytes_held_after_forward(applied.space)
+    # The second Linear saves GELU's output (internal to block 1): it went to the file.
+    # GELU's input is block 1's input: it stays.
+    gelu_output_bytes = 512 * 2048 * 4
+    assert kept - swapped >= 0.9 * gelu_output_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64, torch.bool])
+def test_file_swap_returns_every_byte_of_any_view(dtype, tmp_path):
+    space = FileSwap(str(tmp_path))
+    base = (torch.randn(7, 9) * 100).to(dtype)
+    view = base.t()[2:, 1:]
+    from hetero_comm.memory.apply import _SwappedStorage, _SwappedTensor
+    from hetero_comm.memory.swap import storage_bytes
+    packed = _SwappedTensor(_SwappedStorage(space.offload(storage_bytes(view))), view)
+    restored = packed.restore(space)
+    assert restored.dtype == dtype and restored.stride() == view.stride()
+    assert torch.equal(restored, view)
+    assert torch.equal(packed.restore(space), view)  # fetched again
+    space.close()
+
+
+def test_file_swap_refuses_a_missing_directory(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        FileSwap(str(tmp_path / "missing"))
+
+
+def test_profile_counts_what_each_block_saves():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+    profile = profile_memory(model, torch.randn(32, 64), swap_bytes_per_s=1e9, repeats=1,
+                             min_sample_s=0)
+    assert profile.names == ("0", "1", "2")
+    # Linear saves its input (for its weight's gradient), ReLU its output; nothing else.
+    assert profile.saves_input == (True, False, True)
+    assert profile.saves_output == (False, True, False)
+    assert profile.internal_bytes == (0, 0, 0)
+    assert profile.layers.output_bytes == (32 * 128 * 4, 32 * 128 * 4, 32 * 8 * 4)
+    assert profile.swap_bytes(1) == 32 * 128 * 4
+    for peaks in profile.forward_peak_bytes + profile.backward_peak_bytes:
+        assert len(peaks) == 3 and all(peak >= 0 for peak in peaks)
+
+
+def test_profile_refuses_blocks_that_are_not_a_chain_of_modules():
+    with pytest.raises(TypeError, match="block '1'.*not an nn.Module"):
+        chain_blocks([nn.Linear(2, 2), lambda x: x])
+
+    class TwoOutputs(nn.Module):
+        def forward(self, x):
+            return x, x
+
+    with pytest.raises(TypeError, match="block 'pair'.*one tensor"):
+        profile_memory([("pair", TwoOutputs())], torch.randn(2, 2), swap_bytes_per_s=1e9)
+    with pytest.raises(ValueError, match="distinct"):
+        chain_blocks([("a", nn.ReLU()), ("a", nn.ReLU())])
+
+
+def test_apply_refuses_a_plan_made_for_other_blocks():
+    with pytest.raises(ValueError, match="made for blocks"):
+        apply_memory_plan(nn.Sequential(nn.ReLU(), nn.ReLU()), plan_of(cnn(), ["keep"] * 4))
+    with pytest.raises(ValueError, match="choice of block"):
+        MemoryPlan(("a",), ("offload",), 0, 0, 0, 0)
+
+
+@st.composite
+def small_profiles(draw):
+    count = draw(st.integers(1, 5))
+    sizes = st.integers(0, 100)
+
+    def column(strategy):
+        return tuple(draw(st.lists(strategy, min_size=count, max_size=count)))
+
+    layers = LayerProfile(column(st.floats(0.01, 1.0)), column(st.floats(0.01, 2.0)),
+                          column(st.integers(1, 50)), column(sizes), column(st.integers(0, 20)), 8)
+    triples = st.tuples(sizes, sizes, sizes)
+    return MemoryProfile(tuple(f"b{i}" for i in range(count)), layers, column(sizes),
+                         column(st.booleans()), column(st.booleans()), column(triples),
+                         column(triples), draw(st.floats(10.0, 1000.0)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_profiles(), st.floats(0.3, 1.2))
+def test_the_integer_program_finds_the_exhaustive_optimum(profile, budget_share):
+    unplanned_peak, _ = predict(profile, ("keep",) * profile.num_blocks)
+    budget = budget_share * unplanned_peak
+    best = exhaustive_memory_plan(profile, budget)
+    if best is None:
+        with pytest.raises(ValueError, match="no plan fits"):
+            plan_memory(profile, budget)
+        return
+    plan = plan_memory(profile, budget)
+    assert plan.predicted_peak_bytes <= budget * (1 + 1e-9)
+    assert plan.predicted_step_s == pytest.approx(predict(profile, best)[1], rel=1e-6, abs=1e-9)
+    seed = plan_memory(profile, budget, method="seed") if predict(
+        profile, seed_choices(profile))[0] <= budget else None
+    if seed is not None:  # the seed's rule fits too; it is never faster than the optimum
+        assert seed.predicted_peak_bytes <= budget * (1 + 1e-9)
+        assert seed.predicted_step_s >= plan.predicted_step_s - 1e-9
+
+
+def make_profile(count=3, internal=100, output=10, forward_s=0.01, swap_bytes_per_s=1e4):
+    layers = LayerProfile((forward_s,) * count, (2 * forward_s,) * count, (output,) * count,
+                          (internal,) * count, (0,) * count, 8)
+    return MemoryProfile(tuple(f"b{i}" for i in range(count)), layers, (internal,) * count,
+                         (True,) * count, (False,) * count, ((internal + output, internal + output, output),) * count,
+                         ((2 * output, 2 * output + internal, 2 * output + internal),) * count, swap_bytes_per_s)
+
+
+def test_the_seed_rule_swaps_what_is_slow_to_compute_and_recomputes_the_rest():
+    slow_link = make_profile(swap_bytes_per_s=1e3)  # 100 bytes: 0.2 s out and back > 0.01 s
+    assert seed_choices(slow_link) == ("recompute",) * 3
+    fast_link = make_profile(swap_bytes_per_s=1e6)  # 0.0002 s < 0.01 s
+    assert seed_choices(fast_link) == ("swap",) * 3
+    assert plan_memory(fast_link).choices == ("swap",) * 3
+
+
+def test_predict_counts_each_block_once():
+    profile = make_profile()
+    keep_peak, keep_s = predict(profile, ("keep",) * 3)
+    recompute_peak, recompute_s = predict(profile, ("recompute",) * 3)
+    assert recompute_peak < keep_peak
+    assert recompute_s == pytest.approx(keep_s + 3 * 0.01)
+    with pytest.raises(ValueError, match="one choice per block"):
+        predict(profile, ("keep",))
+
+
+def test_plan_memory_refuses_an_impossible_budget_and_bad_settings():
+    profile = make_profile()
+    with pytest.raises(ValueError, match="no plan fits a budget"):
+        plan_memory(profile, 1)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        plan_memory(profile, -5)
+    with pytest.raises(ValueError, match="method"):
+        plan_memory(profile, 1e9, method="greedy")
+    no_swap = plan_memory(profile, 0.7 * predict(profile, ("keep",) * 3)[0], allow_swap=False)
+    assert "swap" not in no_swap.choices and "recompute" in no_swap.choices
+
+
+def test_recompute_is_priced_as_the_pipeline_planner_prices_it():
+    """Both planners take a recomputed layer's cost as one more forward of the same profile."""
+    from hetero_comm.pipeline import Cluster, DeviceKind
+    from hetero_comm.pipeline.cost import stage_estimates
+    profile = make_profile(count=1, forward_s=0.25)
+    cluster = Cluster((DeviceKind("d", profile.layers),), 1)
+    kept, recomputed = (stage_estimates(cluster, cluster.devices, [0, 1], [flag], 1, "gpipe")[0]
+                        for flag in (False, True))
+    extra_pipeline = recomputed.backward_s - kept.backward_s
+    extra_memory = predict(profile, ("recompute",))[1] - predict(profile, ("keep",))[1]
+    assert extra_pipeline == pytest.approx(extra_memory) == pytest.approx(0.25)
