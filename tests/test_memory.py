@@ -217,7 +217,7 @@ def small_profiles(draw):
     triples = st.tuples(sizes, sizes, sizes)
     return MemoryProfile(tuple(f"b{i}" for i in range(count)), layers, column(sizes),
                          column(st.booleans()), column(st.booleans()), column(triples),
-                         column(triples), draw(st.floats(10.0, 1000.0)))
+                         column(triples), draw(st.floats(10.0, 1000.0)), draw(st.booleans()))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -289,3 +289,17 @@ def test_recompute_is_priced_as_the_pipeline_planner_prices_it():
     extra_pipeline = recomputed.backward_s - kept.backward_s
     extra_memory = predict(profile, ("recompute",))[1] - predict(profile, ("keep",))[1]
     assert extra_pipeline == pytest.approx(extra_memory) == pytest.approx(0.25)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host swap, side stream)")
+@pytest.mark.parametrize("pattern", [("swap", "swap", "keep", "swap"), ("recompute", "swap", "swap", "keep")])
+def test_cuda_plans_are_bitwise_the_unplanned(pattern):
+    inputs, targets = batch("cnn", torch.float32)
+    inputs, targets = inputs.cuda(), targets.cuda()
+    expected = gradients_after_steps(cnn().cuda(), inputs, targets)
+    model = cnn().cuda()
+    with apply_memory_plan(model, plan_of(model, pattern)):
+        got = gradients_after_steps(model, inputs, targets)
+    for (loss, grads), (want_loss, want_grads) in zip(got, expected):
+        assert torch.equal(loss, want_loss)
+        assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))

@@ -16,7 +16,8 @@ parameters ``p_l``, forward peaks ``f_l`` and backward peaks ``b_l`` from the pr
   (fetching, recomputing and the backward itself, measured alone);
 * time: the profile's forward and backward, one more forward per recomputed block, and per
   swapped block what its transfer (each way) does not hide behind the next block's forward
-  (offload) or backward (prefetch).
+  (offload) or backward (prefetch); all of it where the transfer runs on the cores that
+  compute (the CPU).
 
 :func:`predict` evaluates these expressions for a choice; :func:`plan_memory` minimises the
 time under a budget, by the seed's rule or exactly (``scipy.optimize.milp``, the same
@@ -140,7 +141,7 @@ class _CostModel:
         """Transfer time of ``block`` that the next block's forward and backward do not hide."""
         p, layers = self.profile, self.profile.layers
         transfer = p.swap_bytes(block) / p.swap_bytes_per_s
-        if block + 1 == p.num_blocks:
+        if block + 1 == p.num_blocks or not p.swap_overlaps_compute:
             return 2 * transfer
         return max(0.0, transfer - layers.forward_s[block + 1]) + \
             max(0.0, transfer - layers.backward_s[block + 1])

@@ -39,6 +39,9 @@ class MemoryProfile:
         backward_peak_bytes: the same for its backward, above what is in memory when it starts
             (what the forward left, the output's gradient).
         swap_bytes_per_s: the swap space's bandwidth, one way (:func:`measure_swap_bandwidth`).
+        swap_overlaps_compute: whether a transfer runs beside the compute (CUDA's copy engines)
+            rather than on the cores that compute (the CPU): then the next block's forward and
+            backward hide it.
     """
 
     names: Tuple[str, ...]
@@ -49,12 +52,13 @@ class MemoryProfile:
     forward_peak_bytes: Tuple[int, ...]
     backward_peak_bytes: Tuple[int, ...]
     swap_bytes_per_s: float
+    swap_overlaps_compute: bool = True
 
     def __post_init__(self) -> None:
         count = self.layers.num_layers
         for field in fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, tuple) and len(value) != count:
+            if isinstance(value, tuple) and field.name != "layers" and len(value) != count:
                 raise ValueError(f"MemoryProfile.{field.name} has {len(value)} entries for "
                                  f"{count} blocks")
         if not (isinstance(self.swap_bytes_per_s, (int, float)) and self.swap_bytes_per_s > 0):
@@ -96,21 +100,33 @@ def measure_swap_bandwidth(device, directory: Optional[str] = None, nbytes: int 
                            repeats: int = 3) -> float:
     """Bytes per second, one way, through the swap space the planner will use on ``device``
     (pinned host memory for CUDA, a file in ``directory`` for the CPU): the median of
-    ``repeats`` round trips of ``nbytes``, halved."""
+    ``repeats`` round trips of ``nbytes``, halved.
+
+    On the CPU the copies run on the cores that compute, so each round trip is timed while
+    this thread keeps multiplying matrices, as the training step would: the bandwidth left
+    to swapping while the model computes (a few times less than on idle cores)."""
     check_int("nbytes", nbytes, 1)
     check_int("repeats", repeats, 1)
     device = torch.device(device)
     space = make_swap_space(device, directory)
+    busy = None
+    if device.type == "cpu":
+        left, right = torch.randn(256, 256), torch.randn(256, 256)
+        busy = functools.partial(torch.mm, left, right)
     samples = []
     try:
         for _ in range(repeats + 1):  # the first trip warms the file or the pinned pool
             data = torch.ones(nbytes, dtype=torch.uint8, device=device)
             _synchronize(device)
             start = time.perf_counter()
-            back = space.fetch(space.offload(data))
+            ticket = space.offload(data)
+            del data
+            space.prefetch(ticket)
+            while busy is not None and not space.ready(ticket):
+                busy()
+            space.fetch(ticket)
             _synchronize(device)
             samples.append(time.perf_counter() - start)
-            del back
     finally:
         space.close()
     median = sorted(samples[1:])[len(samples[1:]) // 2]
@@ -229,4 +245,5 @@ def profile_memory(blocks, sample: torch.Tensor, *, swap_directory: Optional[str
     if swap_bytes_per_s is None:
         swap_bytes_per_s = measure_swap_bandwidth(sample.device, swap_directory)
     columns = {key: tuple(row[key] for row in rows) for key in rows[0]}
-    return MemoryProfile(names=names, layers=layers, swap_bytes_per_s=swap_bytes_per_s, **columns)
+    return MemoryProfile(names=names, layers=layers, swap_bytes_per_s=swap_bytes_per_s,
+                         swap_overlaps_compute=sample.device.type == "cuda", **columns)

@@ -49,6 +49,10 @@ class SwapSpace:
     def drain(self) -> None:
         """Wait until every offload so far has completed."""
 
+    def ready(self, ticket) -> bool:
+        """Whether a prefetch of ``ticket`` has arrived (``fetch`` would not wait)."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Release what the space holds (files, threads)."""
 
@@ -132,6 +136,9 @@ class FileSwap(SwapSpace):
     def drain(self) -> None:
         self._worker.submit(lambda: None).result()
 
+    def ready(self, ticket: _FileTicket) -> bool:
+        return ticket.read is not None and ticket.read.done()
+
     def close(self) -> None:
         self._worker.shutdown(wait=True)
         if self._fd is not None:
@@ -190,6 +197,9 @@ class HostSwap(SwapSpace):
 
     def drain(self) -> None:
         self._stream.synchronize()
+
+    def ready(self, ticket: _HostTicket) -> bool:
+        return ticket.arrived is not None and ticket.arrived.query()
 
     def fetch(self, ticket: _HostTicket) -> torch.Tensor:
         self.prefetch(ticket)
