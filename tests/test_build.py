@@ -190,3 +190,14 @@ def test_every_subpackage_is_installed():
     found = {".".join(init.parent.relative_to(REPO).parts)
              for init in (REPO / "hetero_comm").rglob("__init__.py")}
     assert found == listed
+
+
+def test_every_subpackage_is_installed():
+    """``pip install .`` copies only the packages pyproject.toml lists: a new subpackage missing
+    there works from the source tree and is absent from the installed library."""
+    import tomllib
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(path.parent.relative_to(root).parts)
+               for path in (root / "hetero_comm").rglob("__init__.py")}
+    assert on_disk == listed
