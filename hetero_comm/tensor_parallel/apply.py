@@ -1,0 +1,125 @@
+"""Split an existing model's MLP blocks over a process group, and pick the chunk count."""
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .._checks import check_int
+from ..pipeline.profile import _median_seconds
+from .layers import TensorParallelMLP
+from .shards import shard_sizes
+
+__all__ = ["find_mlps", "parallelize_mlps", "tune_chunks", "measure_speeds"]
+
+
+def _is_activation(module: nn.Module) -> bool:
+    return not isinstance(module, nn.Linear) and not any(True for _ in module.parameters())
+
+
+def find_mlps(model: nn.Module) -> List[str]:
+    """Names of the ``nn.Sequential(Linear, activation, Linear)`` blocks of ``model`` (the
+    activation a module without parameters), in model order."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Sequential) and len(module) == 3 and isinstance(module[0], nn.Linear) \
+                and _is_activation(module[1]) and isinstance(module[2], nn.Linear):
+            names.append(name)
+    return names
+
+
+def _mlp_parts(model: nn.Module, name: str):
+    try:
+        block = model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"the model has no submodule {name!r}") from None
+    if not (isinstance(block, nn.Sequential) and len(block) == 3):
+        raise TypeError(f"{name!r} is a {type(block).__name__}, not an nn.Sequential(Linear, "
+                        "activation, Linear): only such blocks can be split")
+    for index in (0, 2):
+        if not isinstance(block[index], nn.Linear):
+            raise TypeError(f"{name}.{index} is a {type(block[index]).__name__}, not an nn.Linear")
+    if not _is_activation(block[1]):
+        raise TypeError(f"{name}.1 ({type(block[1]).__name__}) has parameters: not an activation")
+    return block
+
+
+def parallelize_mlps(model: nn.Module, group=None, *, speeds: Optional[Sequence[float]] = None,
+                     names: Optional[Sequence[str]] = None, chunks: int = 1,
+                     multiple: int = 1) -> Dict[str, TensorParallelMLP]:
+    """Replace MLP blocks of ``model`` in place by :class:`TensorParallelMLP` over ``group``.
+
+    Collective: every rank of the group calls it on its copy of the same model (the group's
+    first rank's weights are used). The rest of the model stays as it is, replicated.
+
+    Args:
+        speeds: one per rank of the group (e.g. :func:`measure_speeds`, or the batch controller's
+            samples per second): each rank's hidden neurons are proportional. ``None``: equal.
+        names: the blocks to split (``model.get_submodule`` names); ``None``: every block
+            :func:`find_mlps` finds (an error if there is none).
+        chunks: pieces per allreduce (:func:`tune_chunks` measures the best).
+        multiple: each shard a multiple of this many neurons.
+
+    Returns:
+        the new modules by name.
+    """
+    ranks = dist.get_world_size(group)
+    speeds = [1.0] * ranks if speeds is None else list(speeds)
+    if len(speeds) != ranks:
+        raise ValueError(f"{len(speeds)} speeds for {ranks} ranks in the group; give one per rank")
+    names = find_mlps(model) if names is None else list(names)
+    if not names:
+        raise ValueError("the model has no nn.Sequential(Linear, activation, Linear) block; name "
+                         "the blocks to split with names=")
+    replaced = {}
+    for name in names:
+        block = _mlp_parts(model, name)
+        sizes = shard_sizes(block[0].out_features, speeds, multiple)
+        replaced[name] = TensorParallelMLP(block[0], block[1], block[2], sizes, group, chunks=chunks)
+    for name, module in replaced.items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+    return replaced
+
+
+def _median_step_seconds(model: nn.Module, sample: torch.Tensor, repeats: int) -> float:
+    """Median seconds of a forward and backward, each sample at least 0.05 s of calls (a CPU
+    quota shows only over many of its periods)."""
+    def step():
+        model(sample).sum().backward()
+
+    seconds = _median_seconds(step, repeats, warmup=1, min_sample_s=0.05, device=sample.device)
+    model.zero_grad(set_to_none=True)
+    return seconds
+
+
+def tune_chunks(model: nn.Module, sample: torch.Tensor, group=None,
+                candidates: Sequence[int] = (1, 2, 4, 8), repeats: int = 3) -> int:
+    """Time a forward and backward of ``model`` on ``sample`` with each chunk count of its
+    :class:`TensorParallelMLP` blocks and set the fastest (the slowest rank's time decides).
+    Collective. Returns the chosen count."""
+    check_int("repeats", repeats, 1)
+    blocks = [m for m in model.modules() if isinstance(m, TensorParallelMLP)]
+    if not blocks:
+        raise ValueError("the model has no TensorParallelMLP block to tune")
+    times = []
+    for candidate in candidates:
+        for block in blocks:
+            block.chunks = check_int("chunk count", candidate, 1)
+        elapsed = torch.tensor([_median_step_seconds(model, sample, repeats)], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        times.append(elapsed.item())
+    best = candidates[times.index(min(times))]
+    for block in blocks:
+        block.chunks = best
+    return best
+
+
+def measure_speeds(block: nn.Module, sample: torch.Tensor, group=None, repeats: int = 3) -> List[float]:
+    """Every rank's speed on ``block`` (an unsplit copy of one MLP): forward and backward passes
+    per second on ``sample``, gathered over the group. Collective."""
+    seconds = _median_step_seconds(block, sample, repeats)
+    speeds = [None] * dist.get_world_size(group)
+    dist.all_gather_object(speeds, 1.0 / max(seconds, 1e-9), group=group)
+    return speeds
