@@ -12,6 +12,8 @@ For each workload (a CNN and a transformer, trained with AdamW on one micro-batc
    (``torch.utils.checkpoint`` around every block) and ``torch.autograd.graph.save_on_cpu``.
 4. Run each for ``--steps`` steps after ``--warmup``; print one table: measured peak, the
    planner's predicted peak and its error, median step time and its ratio to the unplanned.
+5. On the CPU, the unplanned step and the larger budget's optimal plan again with the pooled
+   CPU allocator (freed storages reused by size class) instead of malloc.
 
 Every configuration runs in this one process, in turn, on the same model and batch.
 
@@ -30,7 +32,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from hetero_comm.memory import MemoryMeter, apply_memory_plan, plan_memory, predict, profile_memory
+from hetero_comm.memory import (MemoryMeter, apply_memory_plan, empty_pooled_cpu_cache, plan_memory,
+                                pooled_cpu_allocator,
+                                pooled_cpu_allocator_stats, predict, profile_memory)
 
 
 class CausalBlock(nn.Module):
@@ -89,26 +93,37 @@ def cnn_workload(device):
 WORKLOADS = {"cnn": cnn_workload, "transformer": transformer_workload}
 
 
-def run_steps(model, inputs, targets, forward, steps, warmup, meter):
-    """Median peak bytes (above the step's start) and median seconds of ``steps`` AdamW steps."""
+def run_steps(model, inputs, targets, forward, steps, warmup, meter, pooled=False):
+    """Median peak bytes (above the step's start) and median seconds of ``steps`` AdamW steps.
+    ``pooled``: CPU tensors from the pooled allocator; the memory its free lists hold at the
+    step's start is resident but not in use, so it counts as part of the step's peak."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     peaks, seconds = [], []
-    for index in range(warmup + steps):
-        optimizer.zero_grad(set_to_none=True)
-        meter.reset()
-        start = time.perf_counter()
-        logits = forward(inputs)
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets).backward()
-        if inputs.device.type == "cuda":
-            torch.cuda.synchronize(inputs.device)
-        elapsed = time.perf_counter() - start
-        peak = meter.added_peak_bytes()
-        del logits
-        optimizer.step()
-        if index >= warmup:
-            peaks.append(peak)
-            seconds.append(elapsed)
+    if pooled:
+        empty_pooled_cpu_cache()  # what an earlier configuration left on the free lists
+    with pooled_cpu_allocator() if pooled else contextlib.nullcontext():
+        for index in range(warmup + steps):
+            optimizer.zero_grad(set_to_none=True)
+            meter.reset()
+            held_free = _pool_free_bytes() if pooled else 0
+            start = time.perf_counter()
+            logits = forward(inputs)
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets).backward()
+            if inputs.device.type == "cuda":
+                torch.cuda.synchronize(inputs.device)
+            elapsed = time.perf_counter() - start
+            peak = meter.added_peak_bytes() + held_free
+            del logits
+            optimizer.step()
+            if index >= warmup:
+                peaks.append(peak)
+                seconds.append(elapsed)
     return statistics.median(peaks), statistics.median(seconds)
+
+
+def _pool_free_bytes() -> int:
+    stats = pooled_cpu_allocator_stats()
+    return stats["bytes_reserved"] - stats["bytes_in_use"]
 
 
 def full_checkpointing(model):
@@ -130,7 +145,9 @@ def bench_workload(name, args, device):
     model, inputs, targets = WORKLOADS[name](device)
     meter = MemoryMeter(device)
     profile = profile_memory(model, inputs, swap_directory=args.swap_directory)
-    run = lambda forward: run_steps(model, inputs, targets, forward, args.steps, args.warmup, meter)
+    def run(forward, pooled=False):
+        return run_steps(model, inputs, targets, forward, args.steps, args.warmup, meter, pooled)
+
     unplanned_peak, unplanned_s = run(model)
     rows = [dict(config="no plan", peak=unplanned_peak, seconds=unplanned_s,
                  predicted=predict(profile, ("keep",) * profile.num_blocks)[0], choices="")]
@@ -152,9 +169,27 @@ def bench_workload(name, args, device):
                            ("save_on_cpu", save_on_cpu(model))):
         peak, seconds = run(forward)
         rows.append(dict(config=label, peak=peak, seconds=seconds, predicted=None, choices=""))
+    if device.type == "cpu":
+        rows += pooled_rows(model, profile, run, max(args.budget_share) * unplanned_peak, args)
     for row in rows:
         row.update(workload=name, unplanned_s=unplanned_s)
     return rows, profile
+
+
+def pooled_rows(model, profile, run, budget, args):
+    """The pooled CPU allocator instead of malloc: unplanned, and the optimal plan at ``budget``."""
+    peak, seconds = run(model, pooled=True)
+    rows = [dict(config="no plan, pooled", peak=peak, seconds=seconds, predicted=None, choices="")]
+    try:
+        plan = plan_memory(profile, budget)
+    except ValueError:  # no plan fits: the unplanned row is the comparison
+        return rows
+    with apply_memory_plan(model, plan, swap_directory=args.swap_directory):
+        peak, seconds = run(model, pooled=True)
+    rows.append(dict(config=f"optimal @{max(args.budget_share):g}, pooled", peak=peak,
+                     seconds=seconds, predicted=None,
+                     choices=" ".join(choice[0] for choice in plan.choices)))
+    return rows
 
 
 def print_table(rows, swap_bytes_per_s):

@@ -303,3 +303,31 @@ def test_cuda_plans_are_bitwise_the_unplanned(pattern):
     for (loss, grads), (want_loss, want_grads) in zip(got, expected):
         assert torch.equal(loss, want_loss)
         assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+
+
+def test_pooled_cpu_allocator_reuses_freed_storages_and_changes_no_value():
+    from hetero_comm._backend import extension_loaded
+    from hetero_comm.memory import pooled_cpu_allocator, pooled_cpu_allocator_stats
+    assert extension_loaded(), "the pooled allocator is compiled code: build the extension"
+    inputs, targets = batch("transformer", torch.float32)
+    expected = gradients_after_steps(transformer(), inputs, targets)
+    before = pooled_cpu_allocator_stats()
+    with pooled_cpu_allocator():
+        with pooled_cpu_allocator():  # nested: the inner exit leaves the pool on
+            pass
+        got = gradients_after_steps(transformer(), inputs, targets)
+        survivor = torch.arange(1000.0)  # allocated from the pool, used after the context
+    after = pooled_cpu_allocator_stats()
+    assert after["reuses"] > before["reuses"] and after["allocations"] > before["allocations"]
+    assert after["bytes_in_use"] > before["bytes_in_use"]  # the survivor, at least
+    for (loss, grads), (want_loss, want_grads) in zip(got, expected):
+        assert torch.equal(loss, want_loss)
+        assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+    assert survivor.sum().item() == 499500.0
+    in_use = pooled_cpu_allocator_stats()["bytes_in_use"]
+    del survivor, got
+    released = pooled_cpu_allocator_stats()["bytes_in_use"]
+    assert released < in_use
+    fresh = torch.empty(1 << 20)  # after the context: from torch's own allocator again
+    assert pooled_cpu_allocator_stats()["bytes_in_use"] == released
+    del fresh

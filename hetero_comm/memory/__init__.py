@@ -12,10 +12,12 @@
 from .apply import AppliedMemoryPlan, apply_memory_plan
 from .meter import MemoryMeter
 from .plan import CHOICES, MemoryPlan, exhaustive_memory_plan, plan_memory, predict, seed_choices
+from .pool import empty_pooled_cpu_cache, pooled_cpu_allocator, pooled_cpu_allocator_stats
 from .profile import MemoryProfile, chain_blocks, measure_swap_bandwidth, profile_memory
 from .swap import FileSwap, HostSwap, SwapSpace, make_swap_space
 
 __all__ = ["MemoryMeter", "MemoryProfile", "profile_memory", "measure_swap_bandwidth", "chain_blocks",
            "MemoryPlan", "CHOICES", "plan_memory", "predict", "seed_choices", "exhaustive_memory_plan",
            "apply_memory_plan", "AppliedMemoryPlan", "SwapSpace", "FileSwap", "HostSwap",
-           "make_swap_space"]
+           "make_swap_space", "pooled_cpu_allocator", "pooled_cpu_allocator_stats",
+           "empty_pooled_cpu_cache"]

@@ -1,0 +1,187 @@
+"""Tensor-parallel MLP blocks on unequal CPU ranks: shards by speed, communication overlapped,
+against ``torch.distributed.tensor.parallel`` (even shards, no overlap).
+
+Two gloo ranks, each pinned to its own core under a CPU quota (cgroup v1, root only): rank 0
+``--fast-cores``, rank 1 ``--slow-cores``. The model is the MLP blocks of a transformer: a stack
+of ``--blocks`` pre-norm residual blocks ``x + fc2(gelu(fc1(norm(x))))`` (width ``--width``, 4x
+hidden), on ``--rows`` token rows per step. Every configuration trains with SGD on the same
+rows, in turn, on the same two ranks:
+
+* ``torch TP``: ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` (even).
+* ``even``: :class:`TensorParallelMLP` with even shards, one chunk (no overlap).
+* ``by speed``: shards from :func:`measure_speeds` (each rank times an unsplit block), one chunk.
+* ``by speed + overlap``: the same with the chunk count from :func:`tune_chunks`.
+
+For the last two, the parts run apart: *compute* = the slower rank's step with its shards as
+plain local layers (no communication), *communication* = the step's allreduces alone (one of
+rows x width per block forward, one backward). Hidden share = (compute + communication - step)
+/ communication.
+
+Usage: python benchmarks/bench_tensor_parallel.py [--fast-cores 1.0] [--slow-cores 0.5]
+       [--width 512] [--blocks 4] [--rows 1024] [--steps 12] [--json PATH]
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hetero_comm.lab.launch import run_ranks
+from hetero_comm.lab.throttle import CpuQuota, cpu_quota_unavailable
+from hetero_comm.tensor_parallel import (measure_speeds, parallelize_mlps,
+                                         shard_range, shard_sizes, tune_chunks)
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def make_model(width: int, blocks: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Residual(width, 4 * width) for _ in range(blocks)])
+
+
+def step_seconds(model, rows, steps: int, warmup: int = 2) -> float:
+    """Median seconds of a forward, backward and SGD step (ranks start each step together)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    seconds = []
+    for index in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        model(rows).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if index >= warmup:
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def torch_tensor_parallel(model):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model:
+        parallelize_module(block.mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model
+
+
+def local_shards(model, sizes):
+    """The same model with this rank's shards as plain layers: its compute, no communication."""
+    rank = dist.get_rank()
+    for block in model:
+        start, end = shard_range(sizes, rank)
+        fc1, fc2 = block.mlp[0], block.mlp[2]
+        block.mlp = nn.Sequential(nn.Linear(fc1.in_features, end - start), nn.GELU(),
+                                  nn.Linear(end - start, fc2.out_features))
+    return model
+
+
+def communication_seconds(rows_shape, blocks: int, steps: int, chunks: int) -> float:
+    """The step's allreduces alone: per block one forward and one backward, in ``chunks``."""
+    buffers = [torch.randn(rows_shape) for _ in range(2 * blocks)]
+    seconds = []
+    for index in range(steps + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        for buffer in buffers:
+            pending = [dist.all_reduce(part, async_op=True) for part in torch.tensor_split(buffer, chunks)]
+            for work in pending:
+                work.wait()
+        if index >= 2:
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def bench_rank(rank, world_size, args):
+    torch.manual_seed(1)
+    rows = torch.randn(args.rows, args.width)
+    results = {"torch TP": step_seconds(torch_tensor_parallel(make_model(args.width, args.blocks)),
+                                        rows, args.steps)}
+    hidden = 4 * args.width
+    even = make_model(args.width, args.blocks)
+    parallelize_mlps(even)
+    results["even"] = step_seconds(even, rows, args.steps)
+    speeds = measure_speeds(make_model(args.width, 1)[0].mlp, rows)
+    sizes = shard_sizes(hidden, speeds, multiple=16)
+    by_speed = make_model(args.width, args.blocks)
+    parallelize_mlps(by_speed, speeds=speeds, multiple=16)
+    results["by speed"] = step_seconds(by_speed, rows, args.steps)
+    chunks = tune_chunks(by_speed, rows, candidates=(1, 2, 4, 8))
+    results["by speed + overlap"] = step_seconds(by_speed, rows, args.steps)
+    compute = torch.tensor([step_seconds(local_shards(make_model(args.width, args.blocks), sizes),
+                                         rows, args.steps)])
+    dist.all_reduce(compute, op=dist.ReduceOp.MAX)
+    parts = {1: communication_seconds(rows.shape, args.blocks, args.steps, 1),
+             chunks: communication_seconds(rows.shape, args.blocks, args.steps, chunks)}
+    return dict(steps=results, speeds=speeds, sizes=sizes, chunks=chunks,
+                compute=compute.item(), communication=parts)
+
+
+@contextlib.contextmanager
+def quotas(cores):
+    """Rank r under a quota of ``cores[r]``, pinned to its own core."""
+    with contextlib.ExitStack() as stack:
+        groups = [stack.enter_context(CpuQuota(share)) for share in cores]
+        cpus = sorted(os.sched_getaffinity(0))
+
+        def on_start(processes):
+            for rank, (process, quota) in enumerate(zip(processes, groups)):
+                quota.add(process.pid)
+                os.sched_setaffinity(process.pid, {cpus[rank % len(cpus)]})
+
+        yield on_start
+
+
+def print_table(result, args) -> None:
+    steps, torch_tp = result["steps"], result["steps"]["torch TP"]
+    print(f"2 gloo ranks: rank 0 {args.fast_cores} core, rank 1 {args.slow_cores} core; "
+          f"{args.blocks} MLP blocks {args.width} -> {4 * args.width} -> {args.width}, {args.rows} rows")
+    print(f"measured speeds {[round(s, 2) for s in result['speeds']]} -> hidden shards "
+          f"{list(result['sizes'])}; tuned chunks {result['chunks']}")
+    print(f"{'configuration':<22}{'step ms':>9}{'vs torch TP':>13}")
+    for name, seconds in steps.items():
+        print(f"{name:<22}{seconds * 1e3:>9.1f}{torch_tp / seconds:>12.2f}x")
+    for name, chunks in (("by speed", 1), ("by speed + overlap", result["chunks"])):
+        communication = result["communication"][chunks]
+        hidden = (result["compute"] + communication - steps[name]) / communication
+        print(f"{name}: compute alone {result['compute'] * 1e3:.1f} ms + communication alone "
+              f"{communication * 1e3:.1f} ms ({chunks} chunks) = "
+              f"{(result['compute'] + communication) * 1e3:.1f} ms; step {steps[name] * 1e3:.1f} ms: "
+              f"{hidden * 100:.0f}% of the communication hidden")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--fast-cores", type=float, default=1.0)
+    parser.add_argument("--slow-cores", type=float, default=0.5)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    reason = cpu_quota_unavailable()
+    if reason is not None:
+        raise SystemExit(f"this benchmark throttles a rank with a CPU quota: {reason}")
+    with quotas((args.fast_cores, args.slow_cores)) as on_start:
+        results = run_ranks(2, bench_rank, args, timeout=1800, on_start=on_start)
+    print_table(results[0], args)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
