@@ -4,7 +4,8 @@ CUDA: the caching allocator's statistics (``max_memory_allocated``). CPU: the pr
 resident set, whose high-water mark Linux resets on request (``/proc/self/clear_refs``);
 so that the resident set follows the live tensors, the meter sets glibc's mmap threshold to
 a fixed 64 KiB once (every block of 64 KiB or more is then returned to the system when freed,
-instead of staying in the heap under glibc's moving threshold).
+instead of staying in the heap under glibc's moving threshold), and each reset trims the
+heap's free memory (``malloc_trim``).
 """
 
 import ctypes
@@ -18,19 +19,20 @@ __all__ = ["MemoryMeter"]
 
 _MMAP_THRESHOLD_BYTES = 64 * 1024
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
-_fixed_threshold = False
+_libc = None
 
 
-def _fix_mmap_threshold() -> None:
-    global _fixed_threshold
-    if _fixed_threshold:
-        return
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is None or not hasattr(libc, "mallopt") or libc.mallopt(_M_MMAP_THRESHOLD,
-                                                                   _MMAP_THRESHOLD_BYTES) != 1:
-        raise RuntimeError("measuring CPU memory needs glibc's mallopt (Linux with glibc)")
-    _fixed_threshold = True
+def _glibc():
+    """glibc, with the mmap threshold fixed (once per process)."""
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        libc = ctypes.CDLL(name) if name else None
+        if libc is None or not hasattr(libc, "mallopt") or not hasattr(libc, "malloc_trim") or \
+                libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES) != 1:
+            raise RuntimeError("measuring CPU memory needs glibc's mallopt (Linux with glibc)")
+        _libc = libc
+    return _libc
 
 
 def _status_kib(field: str) -> int:
@@ -55,7 +57,7 @@ class MemoryMeter:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         if self.device.type == "cpu":
-            _fix_mmap_threshold()
+            _glibc()
         elif self.device.type != "cuda":
             raise ValueError(f"MemoryMeter measures cpu or cuda memory; got device {self.device}")
         self.start_bytes: Optional[int] = None
@@ -72,6 +74,9 @@ class MemoryMeter:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
+            # Free heap memory allocated before the threshold was fixed would serve new tensors
+            # without growing the resident set: hand it back to the system first.
+            _glibc().malloc_trim(0)
             try:
                 with open("/proc/self/clear_refs", "w") as clear_refs:
                     clear_refs.write("5")  # 5: reset the peak resident set size (Linux >= 4.0)
