@@ -15,10 +15,16 @@ For each workload (a CNN and a transformer, trained with AdamW on one micro-batc
 5. On the CPU, the unplanned step and the larger budget's optimal plan again with the pooled
    CPU allocator (freed storages reused by size class) instead of malloc.
 
+The meter fixes glibc's mmap threshold (so that the resident set follows the live tensors),
+which makes every large allocation fault its pages: the step times of that table are slower
+than with glibc's default. ``--allocators-only`` times malloc (its default) against the
+pooled allocator in a process without the meter.
+
 Every configuration runs in this one process, in turn, on the same model and batch.
 
 Usage: python benchmarks/bench_memory.py [--workloads cnn,transformer] [--steps 8]
        [--budget-share 0.5,0.65] [--swap-directory /tmp] [--device cpu] [--json PATH]
+       [--allocators-only]
 """
 
 import argparse
@@ -192,6 +198,35 @@ def pooled_rows(model, profile, run, budget, args):
     return rows
 
 
+def allocator_timings(args) -> None:
+    """Unplanned step times with glibc's default malloc and with the pooled allocator, in a
+    process that never makes a MemoryMeter (which fixes malloc's mmap threshold)."""
+    print(f"{'workload':<12}{'malloc ms':>10}{'pooled ms':>10}{'pooled / malloc':>16}")
+    for name in args.workloads.split(","):
+        model, inputs, targets = WORKLOADS[name](torch.device("cpu"))
+        timing = {}
+        for pooled in (False, True):
+            context = pooled_cpu_allocator() if pooled else contextlib.nullcontext()
+            with context:
+                timing[pooled] = _median_step_seconds(model, inputs, targets, args.steps, args.warmup)
+            empty_pooled_cpu_cache()
+        print(f"{name:<12}{timing[False] * 1e3:>10.1f}{timing[True] * 1e3:>10.1f}"
+              f"{timing[True] / timing[False]:>16.2f}")
+
+
+def _median_step_seconds(model, inputs, targets, steps, warmup) -> float:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    seconds = []
+    for index in range(warmup + steps):
+        optimizer.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        logits = model(inputs)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets).backward()
+        seconds.append(time.perf_counter() - start)
+        optimizer.step()
+    return statistics.median(seconds[warmup:])
+
+
 def print_table(rows, swap_bytes_per_s):
     print(f"{'workload':<12}{'configuration':<24}{'peak MiB':>9}{'/ none':>8}{'predicted':>10}"
           f"{'error':>7}{'step ms':>9}{'/ none':>8}  plan (k/s/r per block)")
@@ -217,7 +252,11 @@ def main() -> None:
     parser.add_argument("--swap-directory", default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--allocators-only", action="store_true",
+                        help="only time the unplanned step with malloc and with the pooled allocator")
     args = parser.parse_args()
+    if args.allocators_only:
+        return allocator_timings(args)
     args.budget_share = [float(share) for share in args.budget_share.split(",")]
     device = torch.device(args.device)
     rows, bandwidths = [], {}

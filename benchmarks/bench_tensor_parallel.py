@@ -17,14 +17,22 @@ plain local layers (no communication), *communication* = the step's allreduces a
 rows x width per block forward, one backward). Hidden share = (compute + communication - step)
 / communication.
 
+With ``--link RATE`` (e.g. ``1gbit``; root, network namespaces) each rank runs in its own
+namespace and their traffic crosses a real rate-limited link (``RateLimitedNetwork``), as
+between two machines; without it the ranks talk over loopback.
+
 Usage: python benchmarks/bench_tensor_parallel.py [--fast-cores 1.0] [--slow-cores 0.5]
-       [--width 512] [--blocks 4] [--rows 1024] [--steps 12] [--json PATH]
+       [--width 512] [--blocks 4] [--rows 1024] [--steps 12] [--link 1gbit] [--json PATH]
 """
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import statistics
 import time
 
@@ -144,9 +152,54 @@ def quotas(cores):
         yield on_start
 
 
+PORT = 29511
+
+
+def worker() -> None:
+    """One rank inside a namespace of the rate-limited network; rank 0 prints its results."""
+    args = argparse.Namespace(**json.loads(os.environ["HC_ARGS"]))
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{PORT}",
+                            rank=rank, world_size=2, timeout=datetime.timedelta(minutes=10))
+    result = bench_rank(rank, 2, args)
+    if rank == 0:
+        print(json.dumps(result), flush=True)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # as multiprocessing's children do: gloo's thread destructors can abort an exit
+
+
+def run_over_link(args, cores) -> dict:
+    """Both ranks in namespaces joined by links shaped to ``args.link``; rank 0's results."""
+    from hetero_comm.lab.netlab import RateLimitedNetwork
+    argv = [sys.executable, os.path.abspath(__file__), "--worker"]
+    env = dict(HC_ARGS=json.dumps(vars(args)), PYTHONPATH=os.pathsep.join(sys.path))
+    with tempfile.TemporaryFile("w+") as output, contextlib.ExitStack() as stack:
+        groups = [stack.enter_context(CpuQuota(share)) for share in cores]
+        net = stack.enter_context(RateLimitedNetwork(2, args.link))
+        cpus = sorted(os.sched_getaffinity(0))
+        processes = []
+        for rank in range(2):
+            process = net.popen(rank, argv, env=dict(env, RANK=rank, MASTER_ADDR=net.address(0)),
+                                stdout=output if rank == 0 else subprocess.DEVNULL)
+            groups[rank].add(process.pid)  # ip netns exec and env exec: the pid is python's
+            os.sched_setaffinity(process.pid, {cpus[rank % len(cpus)]})
+            processes.append(process)
+        for process in processes:
+            if process.wait(timeout=1800) != 0:
+                raise RuntimeError(f"a rank exited with code {process.returncode}")
+        output.seek(0)
+        lines = [line for line in output.read().splitlines() if line.startswith("{")]
+    result = json.loads(lines[-1])
+    result["communication"] = {int(k): v for k, v in result["communication"].items()}
+    return result
+
+
 def print_table(result, args) -> None:
     steps, torch_tp = result["steps"], result["steps"]["torch TP"]
-    print(f"2 gloo ranks: rank 0 {args.fast_cores} core, rank 1 {args.slow_cores} core; "
+    link = f"a {args.link} link" if args.link else "loopback"
+    print(f"2 gloo ranks over {link}: rank 0 {args.fast_cores} core, rank 1 {args.slow_cores} core; "
           f"{args.blocks} MLP blocks {args.width} -> {4 * args.width} -> {args.width}, {args.rows} rows")
     print(f"measured speeds {[round(s, 2) for s in result['speeds']]} -> hidden shards "
           f"{list(result['sizes'])}; tuned chunks {result['chunks']}")
@@ -170,18 +223,26 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--link", default=None, help="e.g. 1gbit: a rate-limited link between the ranks")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     reason = cpu_quota_unavailable()
     if reason is not None:
         raise SystemExit(f"this benchmark throttles a rank with a CPU quota: {reason}")
-    with quotas((args.fast_cores, args.slow_cores)) as on_start:
-        results = run_ranks(2, bench_rank, args, timeout=1800, on_start=on_start)
-    print_table(results[0], args)
+    cores = (args.fast_cores, args.slow_cores)
+    if args.link:
+        result = run_over_link(args, cores)
+    else:
+        with quotas(cores) as on_start:
+            result = run_ranks(2, bench_rank, args, timeout=1800, on_start=on_start)[0]
+    print_table(result, args)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(results, handle, indent=1, default=str)
+            json.dump(result, handle, indent=1, default=str)
 
 
 if __name__ == "__main__":
-    main()
+    if "--worker" in sys.argv:
+        worker()
+    else:
+        main()
