@@ -156,7 +156,10 @@ def test_file_swap_returns_every_byte_of_any_view(dtype, tmp_path):
     restored = packed.restore(space)
     assert restored.dtype == dtype and restored.stride() == view.stride()
     assert torch.equal(restored, view)
-    assert torch.equal(packed.restore(space), view)  # fetched again
+    again = _SwappedTensor(packed.storage, base)  # another tensor saved from the same storage
+    assert again.restore(space).untyped_storage().data_ptr() == restored.untyped_storage().data_ptr()
+    del restored, again
+    assert torch.equal(packed.restore(space), view)  # fetched again once nothing holds it
     space.close()
 
 

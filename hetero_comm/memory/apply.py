@@ -17,7 +17,8 @@ __all__ = ["apply_memory_plan", "AppliedMemoryPlan"]
 
 
 class _SwappedStorage:
-    """One storage in the swap space; the last copy fetched, while something still uses it."""
+    """One storage in the swap space; the copy fetched last, while a restored tensor uses it
+    (so the saved tensors that share a storage fetch it once)."""
 
     __slots__ = ("ticket", "fetched")
 
@@ -25,12 +26,12 @@ class _SwappedStorage:
         self.ticket = ticket
         self.fetched = lambda: None
 
-    def fetch(self, space: SwapSpace) -> torch.Tensor:
-        data = self.fetched()
-        if data is None:
-            data = space.fetch(self.ticket)
-            self.fetched = weakref.ref(data)
-        return data
+    def fetch(self, space: SwapSpace) -> torch.UntypedStorage:
+        storage = self.fetched()
+        if storage is None:
+            storage = space.fetch(self.ticket).untyped_storage()
+            self.fetched = weakref.ref(storage)  # torch keeps one Python object per storage
+        return storage
 
 
 class _SwappedTensor:
@@ -43,9 +44,9 @@ class _SwappedTensor:
         self.offset, self.size, self.stride = tensor.storage_offset(), tensor.size(), tensor.stride()
 
     def restore(self, space: SwapSpace) -> torch.Tensor:
-        data = self.storage.fetch(space)
-        return torch.empty(0, dtype=self.dtype, device=data.device).set_(
-            data.untyped_storage(), self.offset, self.size, self.stride)
+        storage = self.storage.fetch(space)
+        return torch.empty(0, dtype=self.dtype, device=storage.device).set_(
+            storage, self.offset, self.size, self.stride)
 
 
 class _SwapBlock:
