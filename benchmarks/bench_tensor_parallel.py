@@ -22,7 +22,8 @@ namespace and their traffic crosses a real rate-limited link (``RateLimitedNetwo
 between two machines; without it the ranks talk over loopback.
 
 Usage: python benchmarks/bench_tensor_parallel.py [--fast-cores 1.0] [--slow-cores 0.5]
-       [--width 512] [--blocks 4] [--rows 1024] [--steps 12] [--link 1gbit] [--json PATH]
+       [--width 512] [--blocks 4] [--rows 1024] [--steps 12] [--link 1gbit]
+       [--quota-period-us 5000] [--json PATH]
 """
 
 import argparse
@@ -138,10 +139,10 @@ def bench_rank(rank, world_size, args):
 
 
 @contextlib.contextmanager
-def quotas(cores):
+def quotas(cores, period_us):
     """Rank r under a quota of ``cores[r]``, pinned to its own core."""
     with contextlib.ExitStack() as stack:
-        groups = [stack.enter_context(CpuQuota(share)) for share in cores]
+        groups = [stack.enter_context(CpuQuota(share, period_us)) for share in cores]
         cpus = sorted(os.sched_getaffinity(0))
 
         def on_start(processes):
@@ -176,7 +177,7 @@ def run_over_link(args, cores) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), "--worker"]
     env = dict(HC_ARGS=json.dumps(vars(args)), PYTHONPATH=os.pathsep.join(sys.path))
     with tempfile.TemporaryFile("w+") as output, contextlib.ExitStack() as stack:
-        groups = [stack.enter_context(CpuQuota(share)) for share in cores]
+        groups = [stack.enter_context(CpuQuota(share, args.quota_period_us)) for share in cores]
         net = stack.enter_context(RateLimitedNetwork(2, args.link))
         cpus = sorted(os.sched_getaffinity(0))
         processes = []
@@ -223,6 +224,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--quota-period-us", type=int, default=5000,
+                        help="the CPU quota's period: a throttled rank runs, then pauses, within it")
     parser.add_argument("--link", default=None, help="e.g. 1gbit: a rate-limited link between the ranks")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -233,7 +236,7 @@ def main() -> None:
     if args.link:
         result = run_over_link(args, cores)
     else:
-        with quotas(cores) as on_start:
+        with quotas(cores, args.quota_period_us) as on_start:
             result = run_ranks(2, bench_rank, args, timeout=1800, on_start=on_start)[0]
     print_table(result, args)
     if args.json:

@@ -161,7 +161,7 @@ class RowParallelLinear(_TensorParallelLayer):
 class _ChunkedMLP(torch.autograd.Function):
     """``sum over ranks of act(x W1_r^T + b1_r) W2_r^T`` for rows ``x`` [N, d], in chunks of
     rows: each chunk's allreduce (forward: the output; backward: the input's gradient) runs
-    while the next chunk computes."""
+    while the next chunk computes; in the backward also while the chunk's weight gradients do."""
 
     @staticmethod
     def forward(ctx, rows, weight1, bias1, weight2, activation, chunks, group):
@@ -192,13 +192,14 @@ class _ChunkedMLP(torch.autograd.Function):
                 pre = pre.detach().requires_grad_()
                 hidden = ctx.activation(pre)
             pre_grad, = torch.autograd.grad(hidden, pre, output_grad @ weight2)
-            weight2_grad += output_grad.t() @ hidden.detach()
-            weight1_grad += pre_grad.t() @ part
-            bias1_grad += pre_grad.sum(0)
-            if ctx.needs_input_grad[0]:
+            if ctx.needs_input_grad[0]:  # first, so that its allreduce runs behind what follows
                 input_grad = pre_grad @ weight1  # this rank's part of the sum
                 pending.append(dist.all_reduce(input_grad, group=ctx.group, async_op=True))
                 input_grads.append(input_grad)
+            # Nothing waits for the weights' gradients: they hide this chunk's allreduce.
+            weight2_grad += output_grad.t() @ hidden.detach()
+            weight1_grad += pre_grad.t() @ part
+            bias1_grad += pre_grad.sum(0)
         for work in pending:
             work.wait()
         rows_grad = torch.cat(input_grads) if ctx.needs_input_grad[0] else None
