@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from .._checks import check_int
-from ..pipeline.profile import LayerProfile, profile_layers
+from ..pipeline.profile import LayerProfile, profile_layers, saved_storages
 from .meter import MemoryMeter
 from .swap import make_swap_space
 
@@ -143,17 +143,8 @@ def _parameter_pointers(modules: Sequence[nn.Module]) -> set:
 
 
 def _saved_storages(block: nn.Module, inputs: torch.Tensor, parameters: set):
-    """Run ``block`` once; its output and the storages autograd saved (pointer -> bytes)."""
-    saved: Dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor):
-        pointer = tensor.untyped_storage().data_ptr()
-        if pointer not in parameters:
-            saved[pointer] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        output = block(inputs)
+    """The pipeline profiler's count of saved storages, for a block that must return one tensor."""
+    output, saved = saved_storages(block, inputs, parameters)
     if not isinstance(output, torch.Tensor):
         raise TypeError(f"a block must return one tensor (the next block's input); got "
                         f"{type(output).__name__}")

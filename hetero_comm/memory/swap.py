@@ -8,6 +8,7 @@ Both move whole storages as bytes, so a view comes back with the same offset and
 and every value bit for bit.
 """
 
+import abc
 import os
 import tempfile
 import threading
@@ -25,7 +26,7 @@ def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),))
 
 
-class SwapSpace:
+class SwapSpace(abc.ABC):
     """A place to keep byte buffers while they are not needed on the device.
 
     ``offload(data)`` starts moving ``data`` (1-D uint8) away and returns a ticket; the device
@@ -37,24 +38,28 @@ class SwapSpace:
 
     device: torch.device
 
+    @abc.abstractmethod
     def offload(self, data: torch.Tensor):
-        raise NotImplementedError
+        """Start moving ``data`` away; return its ticket."""
 
+    @abc.abstractmethod
     def prefetch(self, ticket) -> None:
-        raise NotImplementedError
+        """Start bringing ``ticket``'s data back (nothing if already under way)."""
 
+    @abc.abstractmethod
     def fetch(self, ticket) -> torch.Tensor:
-        raise NotImplementedError
+        """``ticket``'s data on the device, waiting for it if needed."""
 
+    @abc.abstractmethod
     def drain(self) -> None:
         """Wait until every offload so far has completed."""
 
+    @abc.abstractmethod
     def ready(self, ticket) -> bool:
         """Whether a prefetch of ``ticket`` has arrived (``fetch`` would not wait)."""
-        raise NotImplementedError
 
     def close(self) -> None:
-        """Release what the space holds (files, threads)."""
+        """Release what the space holds (files, threads); nothing by default."""
 
 
 class _FileTicket:

@@ -71,21 +71,24 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _saved_bytes_of_forward(layer: nn.Module, inputs: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    """Run ``layer`` once and count the distinct storages autograd saves for its backward.
-    Parameters are excluded: they are counted as parameter memory."""
-    parameter_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+def saved_storages(layer: nn.Module, inputs: torch.Tensor,
+                   excluded: Optional[set] = None) -> Tuple[torch.Tensor, Dict[int, int]]:
+    """Run ``layer`` once; its output and the distinct storages autograd saves for its backward
+    (data pointer -> bytes). Storages in ``excluded`` (default: the layer's parameters, counted
+    as parameter memory) are left out."""
+    if excluded is None:
+        excluded = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     storages: Dict[int, int] = {}
 
     def pack(tensor: torch.Tensor):
         pointer = tensor.untyped_storage().data_ptr()
-        if pointer not in parameter_storages:
+        if pointer not in excluded:
             storages[pointer] = tensor.untyped_storage().nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         output = layer(inputs)
-    return output, sum(storages.values())
+    return output, storages
 
 
 def _median_seconds(action, repeats: int, warmup: int, min_sample_s: float,
@@ -150,7 +153,8 @@ def profile_layers(layers: Sequence[nn.Module], sample: torch.Tensor, *, repeats
 def _profile_layer(layer: nn.Module, current: torch.Tensor, optimizer, timing: dict):
     """One layer's row of :func:`profile_layers` on input ``current``, and its output."""
     inputs = current.detach().requires_grad_(current.is_floating_point())
-    output, saved = _saved_bytes_of_forward(layer, inputs)
+    output, storages = saved_storages(layer, inputs)
+    saved = sum(storages.values())
     gradient = torch.randn_like(output) if output.is_floating_point() else None
     with torch.no_grad():
         forward_s = _median_seconds(lambda: layer(inputs), **timing)

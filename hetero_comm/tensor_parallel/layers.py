@@ -94,11 +94,17 @@ class _GatherFeatures(torch.autograd.Function):
 
 
 class _TensorParallelLayer(nn.Module):
-    def __init__(self, sizes, group) -> None:
+    """What every split layer sets up: shard sizes checked against the ``features`` they split,
+    the group's first rank's weights of ``originals`` broadcast (a collective), and
+    :attr:`shard`, this rank's slice of the split features."""
+
+    def __init__(self, sizes, features: int, group, originals: Sequence[nn.Module]) -> None:
         super().__init__()
         self.group = group
-        self.sizes = tuple(sizes)
+        self.sizes = _check_sizes(sizes, features, group, type(self).__name__)
         self.rank = dist.get_rank(group)
+        self.shard = slice(*shard_range(self.sizes, self.rank))
+        _broadcast_from_first([p.data for m in originals for p in m.parameters()], group)
 
     def extra_repr(self) -> str:
         return f"shards={self.sizes}, rank={self.rank}"
@@ -119,12 +125,10 @@ class ColumnParallelLinear(_TensorParallelLayer):
     def __init__(self, linear: nn.Linear, sizes: Sequence[int], group=None, *,
                  gather_output: bool = False) -> None:
         linear = _check_linear(linear, "ColumnParallelLinear's layer")
-        super().__init__(_check_sizes(sizes, linear.out_features, group, "ColumnParallelLinear"), group)
+        super().__init__(sizes, linear.out_features, group, [linear])
         self.gather_output = gather_output
-        _broadcast_from_first([p.data for p in linear.parameters()], group)
-        start, end = shard_range(self.sizes, self.rank)
-        self.weight = nn.Parameter(linear.weight.detach()[start:end].clone())
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach()[start:end].clone())
+        self.weight = nn.Parameter(linear.weight.detach()[self.shard].clone())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach()[self.shard].clone())
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         output = F.linear(_AllReduceGradient.apply(inputs, self.group), self.weight, self.bias)
@@ -143,17 +147,14 @@ class RowParallelLinear(_TensorParallelLayer):
     def __init__(self, linear: nn.Linear, sizes: Sequence[int], group=None, *,
                  input_is_split: bool = True) -> None:
         linear = _check_linear(linear, "RowParallelLinear's layer")
-        super().__init__(_check_sizes(sizes, linear.in_features, group, "RowParallelLinear"), group)
+        super().__init__(sizes, linear.in_features, group, [linear])
         self.input_is_split = input_is_split
-        _broadcast_from_first([p.data for p in linear.parameters()], group)
-        start, end = shard_range(self.sizes, self.rank)
-        self.weight = nn.Parameter(linear.weight.detach()[:, start:end].clone())
+        self.weight = nn.Parameter(linear.weight.detach()[:, self.shard].clone())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         if not self.input_is_split:
-            start, end = shard_range(self.sizes, self.rank)
-            inputs = _AllReduceGradient.apply(inputs, self.group)[..., start:end]
+            inputs = _AllReduceGradient.apply(inputs, self.group)[..., self.shard]
         output = _AllReduceOutput.apply(F.linear(inputs, self.weight), self.group)
         return output if self.bias is None else output + self.bias
 
@@ -231,14 +232,12 @@ class TensorParallelMLP(_TensorParallelLayer):
             raise ValueError(f"fc1 gives {fc1.out_features} features, fc2 takes {fc2.in_features}")
         if not isinstance(activation, nn.Module) or any(True for _ in activation.parameters()):
             raise TypeError(f"the activation must be a module without parameters; got {activation!r}")
-        super().__init__(_check_sizes(sizes, fc1.out_features, group, "TensorParallelMLP"), group)
-        self.chunks = check_int("chunks", chunks, 1)
-        self.activation = activation
-        _broadcast_from_first([p.data for p in list(fc1.parameters()) + list(fc2.parameters())], group)
-        start, end = shard_range(self.sizes, self.rank)
-        self.fc1_weight = nn.Parameter(fc1.weight.detach()[start:end].clone())
-        self.fc1_bias = None if fc1.bias is None else nn.Parameter(fc1.bias.detach()[start:end].clone())
-        self.fc2_weight = nn.Parameter(fc2.weight.detach()[:, start:end].clone())
+        chunks = check_int("chunks", chunks, 1)  # before the collective in the base class
+        super().__init__(sizes, fc1.out_features, group, [fc1, fc2])
+        self.chunks, self.activation = chunks, activation
+        self.fc1_weight = nn.Parameter(fc1.weight.detach()[self.shard].clone())
+        self.fc1_bias = None if fc1.bias is None else nn.Parameter(fc1.bias.detach()[self.shard].clone())
+        self.fc2_weight = nn.Parameter(fc2.weight.detach()[:, self.shard].clone())
         self.fc2_bias = None if fc2.bias is None else nn.Parameter(fc2.bias.detach().clone())
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
