@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# One lease on a GPU machine: build the CUDA extension, record the compiler's resource usage, run
-# the CUDA tests. Everything lands under $OUT (default ./gpu_out). Steps are picked by name so
-# that one call can do what a short lease allows (bench_kernels.py has no CUDA mode yet):
+# One lease on a GPU machine: build the CUDA extension, record the compiler's resource usage,
+# benchmark, run the CUDA tests. Everything lands under $RESULTS (default ./gpu_out). Steps are
+# picked by name so that one call can do what a short lease allows:
 #
-#   bash benchmarks/gpu_check.sh build linkdiag kernels hooks
+#   bash benchmarks/gpu_check.sh build linkdiag bench hookcost tests
 #
+# "tests" runs the bisection of issue 35's bug 1 (benchmarks/gpu_bisect_numeric_error.py), the
+# kernel tests and the hook tests at once (they check, the benchmarks before them time).
 # Runs from the repository root with the machine's own python3 (which holds a CUDA torch). Wheels
 # in .whl/ are installed first: the workplace's GPU image lacks expecttest, which
 # torch.library.opcheck needs (pip download expecttest -d .whl, and carry .whl).
 set -uo pipefail
-OUT=${OUT:-gpu_out}
+OUT=${RESULTS:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # -P: the source tree must not shadow the installed package, which holds the compiled _C.
@@ -44,15 +46,36 @@ for step in "$@"; do
     for dev in cpu cuda; do
       $PY -X faulthandler -c "${bad//DEV/$dev}" 2>&1 | grep -E "Error|Segmentation" | head -2
     done
-    cuda-gdb -batch -ex run -ex bt --args python3 -P -c "${bad//DEV/cuda}" 2>&1 | grep -E "^#|signal" | head -30
+    echo "symbol bindings of _C's stream calls (LD_DEBUG) on the failing call:"
+    LD_DEBUG=bindings $PY -c "${bad//DEV/cuda}" 2>&1 | grep -E "_C\.[^ ]*so.*(_M_insert|num_put|locale|ostream)" | head -8
+    timeout 90 cuda-gdb -batch -ex run -ex bt --args python3 -P -c "${bad//DEV/cuda}" 2>&1 | grep -E "^#|signal" | head -30
+    ;;
+  bench)
+    $PY benchmarks/bench_kernels.py --device cuda --json "$OUT/bench_kernels_cuda.json" 2>&1 \
+      | tee "$OUT/bench_kernels_cuda.txt" | grep -A30 "^aims"
+    ;;
+  hookcost)
+    $PY benchmarks/bench_hook_cost.py --device cuda --json "$OUT/bench_hook_cost_cuda.json" 2>&1 \
+      | tee "$OUT/bench_hook_cost_cuda.txt" | tail -22
+    ;;
+  tests)
+    $PY benchmarks/gpu_bisect_numeric_error.py --out /tmp/bisect >"$OUT/bisect.txt" 2>&1 &
+    bisect=$!
+    bash "$0" kernels >/dev/null 2>&1 &
+    kernels=$!
+    bash "$0" hooks >/dev/null 2>&1
+    wait $kernels $bisect
+    tail -4 "$OUT/kernels.log"; grep -E "FAILED|passed|failed" "$OUT/hooks.log" | tail -12
+    cat "$OUT/bisect.txt" | tail -40
     ;;
   kernels)
-    PYTHONPATH=/tmp/site timeout 300 $PY -m pytest -q -p no:cacheprovider -n 8 -k cuda \
+    PYTHONPATH=/tmp/site timeout 300 $PY -m pytest -q -p no:cacheprovider -n 10 -k cuda --durations=10 \
       tests/test_cuda_kernels.py tests/test_segments.py tests/test_dct.py tests/test_quantize.py \
       tests/test_buffer_pool.py 2>&1 | tee "$OUT/kernels.log" | tail -30
     ;;
   hooks)
-    PYTHONPATH=/tmp/site timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_hooks.py ${HOOK_TESTS:-} \
+    PYTHONPATH=/tmp/site timeout 240 $PY -m pytest -q -p no:cacheprovider -n 4 tests/test_cuda_hooks.py \
+      tests/test_build.py::test_an_error_message_with_a_number_raises_instead_of_crashing ${HOOK_TESTS:-} \
       2>&1 | tee "$OUT/hooks.log" | tail -40
     ;;
   *) echo "unknown step $step"; exit 2 ;;

@@ -277,8 +277,6 @@ def steady_step_host_syncs(rank, world_size, hook, settings, warmup_steps=4):
     """NCCL on one GPU (world size 1): run ``warmup_steps`` steps, then one more under
     ``torch.cuda.set_sync_debug_mode("error")``. Returns "ok", or the error that step raised
     (a host synchronisation inside forward, backward with the hook, or the optimizer)."""
-    from hetero_comm import ops
-
     nccl = dist.new_group([0], backend="nccl")
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)]).cuda()
@@ -286,6 +284,28 @@ def steady_step_host_syncs(rank, world_size, hook, settings, warmup_steps=4):
     state, hook_function = make_hook(hook, dict(settings, process_group=nccl))
     ddp.register_comm_hook(state, hook_function)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    return _host_syncs_of_a_steady_step(ddp, optimizer, warmup_steps)
+
+
+def recipe_step_host_syncs(rank, world_size, optimizer_name, warmup_steps=4):
+    """As :func:`steady_step_host_syncs`, with ``hetero_comm.compress``'s recipe for
+    ``optimizer_name`` ("adamw", "sgd_momentum" or "sgd")."""
+    import hetero_comm
+
+    nccl = dist.new_group([0], backend="nccl")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)]).cuda()
+    ddp = DistributedDataParallel(model, process_group=nccl, bucket_cap_mb=1.5)
+    optimizer = {"adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
+                 "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+                 "sgd": lambda p: torch.optim.SGD(p, lr=0.01)}[optimizer_name](ddp.parameters())
+    hetero_comm.compress(ddp, optimizer, process_group=nccl)
+    return _host_syncs_of_a_steady_step(ddp, optimizer, warmup_steps)
+
+
+def _host_syncs_of_a_steady_step(ddp, optimizer, warmup_steps):
+    from hetero_comm import ops
+
     batch = torch.randn(64, 512, device="cuda")
     previous = ops.set_strict_checks(False)
     try:

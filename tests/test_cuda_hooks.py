@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hetero_comm.lab.launch import run_ranks
-from hook_workers import steady_step_host_syncs, train_on_cuda
+from hook_workers import recipe_step_host_syncs, steady_step_host_syncs, train_on_cuda
 from kernel_cases import cuda_skip_reason
 
 pytestmark = pytest.mark.skipif(bool(cuda_skip_reason()), reason=cuda_skip_reason() or "runs")
@@ -41,3 +41,9 @@ def test_a_steady_state_step_never_waits_for_the_gpu(hook, settings):
     """Issue 12: no host synchronisation in a hook's steady-state step (non-finite checks are
     device flags read later; kernel checks copy nothing without strict checks)."""
     assert run_ranks(1, steady_step_host_syncs, hook, settings)[0] == "ok"
+
+
+@pytest.mark.parametrize("optimizer_name", ["adamw", "sgd_momentum", "sgd"])
+def test_a_recipe_step_never_waits_for_the_gpu(optimizer_name):
+    """The hooks as ``hetero_comm.compress`` sets them up, the optimizer wrapper included."""
+    assert run_ranks(1, recipe_step_host_syncs, optimizer_name)[0] == "ok"

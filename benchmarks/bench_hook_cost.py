@@ -1,0 +1,168 @@
+"""What the recipe hooks add to a DDP step, against the allreduce they replace.
+
+On one GPU (or the CPU), a 25.2M-parameter MLP (6 x Linear(2048, 2048), 101 MB of float32
+gradient a step) trains with DDP, and each configuration gets the median of its timed steps
+(forward, backward with the hook, optimizer; the device synchronised around each step):
+
+- ``allreduce``: DDP's own hook;
+- ``no communication``: a hook that returns the bucket as it is (the compute alone);
+- ``AdamW recipe``, ``SGD recipe`` (momentum 0.9): ``hetero_comm.compress(ddp, optimizer)``.
+
+Two runs: world size 1 (NCCL on CUDA, gloo on the CPU), where the collective moves nothing
+and a recipe's added time (its step minus "no communication") is its kernels' cost; and 2 gloo
+ranks sharing the device, where the allreduce goes through the host, the path a GPU cluster
+without NCCL between its sites takes. Each run also times a bare ``dist.all_reduce`` of the
+same bytes. The table prints both and the ratio of a recipe's added time to the allreduce.
+
+    python benchmarks/bench_hook_cost.py --device cuda [--json PATH]
+    python benchmarks/bench_hook_cost.py --device cpu --width 512 --steps 5   # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+import hetero_comm
+from hetero_comm.lab.launch import run_ranks
+
+CONFIGS = ("allreduce", "no communication", "AdamW recipe", "SGD recipe")
+
+
+def _return_bucket(state, bucket):
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _build(config: str, device: torch.device, width: int, layers: int, group):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)])
+    ddp = DistributedDataParallel(model.to(device), process_group=group)
+    if config == "AdamW recipe":
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    else:
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
+    if config == "no communication":
+        ddp.register_comm_hook(None, _return_bucket)
+    elif config.endswith("recipe"):
+        hetero_comm.compress(ddp, optimizer, process_group=group)
+    return ddp, optimizer
+
+
+def _median_step_ms(ddp, optimizer, batch, device, warmup: int, steps: int) -> float:
+    times = []
+    for step in range(warmup + steps):
+        _synchronize(device)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=False)
+        ddp(batch).square().mean().backward()
+        optimizer.step()
+        _synchronize(device)
+        if step >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _median_allreduce_ms(numel: int, device, group, repeats: int) -> float:
+    flat = torch.randn(numel, device=device)
+    times = []
+    for repeat in range(repeats + 3):
+        _synchronize(device)
+        start = time.perf_counter()
+        dist.all_reduce(flat, group=group)
+        _synchronize(device)
+        if repeat >= 3:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure_rank(rank, world_size, device_name, width, layers, batch_size, warmup, steps, nccl):
+    """One rank's median step time per configuration and of a bare allreduce (ms)."""
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = dist.new_group(list(range(world_size)), backend="nccl") if nccl else None
+    batch = torch.randn(batch_size, width, generator=torch.Generator().manual_seed(rank)).to(device)
+    times = {}
+    for config in CONFIGS:
+        ddp, optimizer = _build(config, device, width, layers, group)
+        times[config] = _median_step_ms(ddp, optimizer, batch, device, warmup, steps)
+        del ddp, optimizer
+    numel = layers * (width * width + width)
+    times["bare allreduce"] = _median_allreduce_ms(numel, device, group, steps)
+    return {"parameters": numel, "times_ms": times}
+
+
+def print_run(title: str, result: dict) -> dict:
+    times = result["times_ms"]
+    compute = times["no communication"]
+    allreduce_in_step = times["allreduce"] - compute
+    bare = times["bare allreduce"]
+    print(f"\n{title}: {result['parameters'] / 1e6:.1f}M parameters, "
+          f"{4 * result['parameters'] / 1e6:.0f} MB of float32 gradient a step")
+    print(f"  bare dist.all_reduce of those bytes: {bare:.3f} ms; DDP's allreduce adds "
+          f"{allreduce_in_step:.3f} ms to the step")
+    print(f"  {'configuration':<18} {'step ms':>9} {'added ms':>9} {'added / bare allreduce':>23}")
+    summary = {}
+    for config in CONFIGS:
+        added = times[config] - compute
+        ratio = added / bare if bare > 0 else float("nan")
+        shown = "-" if config == "no communication" else f"{ratio:.0%}"
+        print(f"  {config:<18} {times[config]:>9.3f} {added:>9.3f} {shown:>23}")
+        summary[config] = {"step_ms": times[config], "added_ms": added, "added_over_allreduce": ratio}
+    return summary
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--warmup", type=int, default=8, help="untimed steps first (the recipes "
+                                                              "send the first step dense)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--json", metavar="PATH")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 1
+    backend = hetero_comm.kernel_backend(args.device)
+    where = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
+    print(f"hook cost: torch {torch.__version__}, {where}, kernels {backend}; median of "
+          f"{args.steps} steps after {args.warmup}; batch {args.batch}")
+    shape = (args.device, args.width, args.layers, args.batch, args.warmup, args.steps)
+    runs = {}
+    alone = "world size 1, NCCL" if args.device == "cuda" else "world size 1, gloo"
+    runs[alone] = run_ranks(1, measure_rank, *shape, args.device == "cuda")[0]
+    runs["2 gloo ranks on one device"] = run_ranks(2, measure_rank, *shape, False)[0]
+    report = {"device": where, "torch": torch.__version__, "settings": vars(args),
+              "runs": {title: dict(result, summary=print_run(title, result))
+                       for title, result in runs.items()}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"saved {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
