@@ -48,14 +48,14 @@ for step in "$@"; do
     done
     echo "symbol bindings of _C's stream calls (LD_DEBUG) on the failing call:"
     LD_DEBUG=bindings $PY -c "${bad//DEV/cuda}" 2>&1 | grep -E "_C\.[^ ]*so.*(_M_insert|num_put|locale|ostream)" | head -8
-    timeout 90 cuda-gdb -batch -ex run -ex bt --args python3 -P -c "${bad//DEV/cuda}" 2>&1 | grep -E "^#|signal" | head -30
+    timeout 45 cuda-gdb -batch -ex run -ex bt --args python3 -P -c "${bad//DEV/cuda}" 2>&1 | grep -E "^#|signal" | head -30
     ;;
   bench)
     $PY benchmarks/bench_kernels.py --device cuda --json "$OUT/bench_kernels_cuda.json" 2>&1 \
       | tee "$OUT/bench_kernels_cuda.txt" | grep -A30 "^aims"
     ;;
   hookcost)
-    $PY benchmarks/bench_hook_cost.py --device cuda --json "$OUT/bench_hook_cost_cuda.json" 2>&1 \
+    $PY benchmarks/bench_hook_cost.py --device cuda --steps 20 --warmup 5 --json "$OUT/bench_hook_cost_cuda.json" 2>&1 \
       | tee "$OUT/bench_hook_cost_cuda.txt" | tail -22
     ;;
   tests)
@@ -69,12 +69,12 @@ for step in "$@"; do
     cat "$OUT/bisect.txt" | tail -40
     ;;
   kernels)
-    PYTHONPATH=/tmp/site timeout 300 $PY -m pytest -q -p no:cacheprovider -n 10 -k cuda --durations=10 \
+    PYTHONPATH=/tmp/site timeout 240 $PY -m pytest -q -p no:cacheprovider -n 10 -k cuda --durations=10 \
       tests/test_cuda_kernels.py tests/test_segments.py tests/test_dct.py tests/test_quantize.py \
       tests/test_buffer_pool.py 2>&1 | tee "$OUT/kernels.log" | tail -30
     ;;
   hooks)
-    PYTHONPATH=/tmp/site timeout 240 $PY -m pytest -q -p no:cacheprovider -n 4 tests/test_cuda_hooks.py \
+    PYTHONPATH=/tmp/site timeout 200 $PY -m pytest -q -p no:cacheprovider -n 4 tests/test_cuda_hooks.py \
       tests/test_build.py::test_an_error_message_with_a_number_raises_instead_of_crashing ${HOOK_TESTS:-} \
       2>&1 | tee "$OUT/hooks.log" | tail -40
     ;;
