@@ -25,6 +25,22 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 LIBSTDCXX_LINK_ARGS = ["-Wl,--push-state,--no-as-needed,-Bdynamic", "-lstdc++", "-Wl,--pop-state"]
 
 
+def running_libstdcxx() -> list:
+    """The shared libstdc++ this process has loaded (torch needs one), as a link input by path.
+
+    -lstdc++ is not enough where the compiler's own library folder holds only the static
+    archive: the GPU image's /opt/gcc did, so every extension built there (torch's own
+    cpp_extension example too) defined about 980 of libstdc++'s stream and locale symbols
+    and crashed on the first error message that formats a number. The library torch runs on,
+    named by path ahead of -lstdc++, resolves them instead."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})
+    except OSError:  # no /proc (macOS): -lstdc++ alone
+        return []
+    return paths[:1]
+
+
 def _flag(name: str, default: str) -> str:
     return os.environ.get(name, default).strip().lower()
 
@@ -49,7 +65,7 @@ def _extensions():
     cxx_flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
     if _flag("HETERO_COMM_MARCH_NATIVE", "0") in ("1", "true", "yes"):
         cxx_flags.append("-march=native")
-    link_args = ["-fopenmp", *LIBSTDCXX_LINK_ARGS]
+    link_args = ["-fopenmp", *LIBSTDCXX_LINK_ARGS[:1], *running_libstdcxx(), *LIBSTDCXX_LINK_ARGS[1:]]
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     include_dirs = [os.path.join(ROOT, "csrc")]
     if with_cuda:

@@ -94,6 +94,7 @@ def measure_rank(rank, world_size, device_name, width, layers, batch_size, warmu
     """One rank's median step time per configuration and of a bare allreduce (ms)."""
     device = torch.device(device_name)
     if device.type == "cuda":
+        device = torch.device("cuda", 0)  # the ranks share the first GPU
         torch.cuda.set_device(device)
     group = dist.new_group(list(range(world_size)), backend="nccl") if nccl else None
     batch = torch.randn(batch_size, width, generator=torch.Generator().manual_seed(rank)).to(device)

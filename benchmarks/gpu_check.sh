@@ -69,7 +69,7 @@ for step in "$@"; do
     cat "$OUT/bisect.txt" | tail -40
     ;;
   kernels)
-    PYTHONPATH=/tmp/site timeout 240 $PY -m pytest -q -p no:cacheprovider -n 10 -k cuda --durations=10 \
+    PYTHONPATH=/tmp/site timeout 240 $PY -m pytest -q -p no:cacheprovider -n 14 -k cuda --durations=10 \
       tests/test_cuda_kernels.py tests/test_segments.py tests/test_dct.py tests/test_quantize.py \
       tests/test_buffer_pool.py 2>&1 | tee "$OUT/kernels.log" | tail -30
     ;;

@@ -1,11 +1,14 @@
 // dct_encode / dct_decode (and their out= forms dct_encode_into_ / dct_decode_into_):
-// blockwise orthonormal DCT-II, keeping the `keep` lowest frequencies, and its inverse. A
-// direct O(block_size * keep) sum per value, accumulated in double, with the cosines read from
-// a quarter-wave table computed in double (cospi), so the result is accurate to float32
-// rounding. Both forms of each op share one "write into a given tensor" function. See
-// hetero_comm/reference.py for the spec.
+// blockwise orthonormal DCT-II, keeping the `keep` lowest frequencies, and its inverse. Where
+// the kept basis rows fit in 64 MB, one matrix product with them (cuBLAS, float32; torch's
+// allow_tf32 setting applies), the basis built from a quarter-wave cosine table computed in
+// double (cospi). A direct sum per value was 30x slower on an H200 (benchmarks/NOTES.md);
+// it stays for larger bases, accumulated in double. Both forms of each op share one "write
+// into a given tensor" function. See hetero_comm/reference.py for the spec.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -87,6 +90,77 @@ dct_decode_kernel(const float* __restrict__ coeffs, uint32_t block_size, int64_t
   }
 }
 
+// basis[k, i] = s_k cos(pi (2 i + 1) k / (2 B)) for k < keep, as float32 [keep, B].
+__global__ void __launch_bounds__(kThreads)
+dct_basis_kernel(const double* __restrict__ table, uint32_t block_size, int64_t count,
+                 float* __restrict__ basis) {
+  const double scale_dc = sqrt(1.0 / block_size);
+  const double scale_ac = sqrt(2.0 / block_size);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
+       e += stride) {
+    const uint32_t k = static_cast<uint32_t>(e / block_size);
+    const uint32_t i = static_cast<uint32_t>(e % block_size);
+    basis[e] = static_cast<float>((k == 0 ? scale_dc : scale_ac) *
+                                  dct_cos(table, dct_phase(i, k, block_size), block_size));
+  }
+}
+
+// Largest kept basis (keep x B floats, 64 MB) for which the matrix product is used.
+constexpr int64_t kMaxGemmBasis = int64_t{1} << 24;
+
+at::Tensor cos_table(const at::Tensor& like, int64_t block_size, cudaStream_t stream);
+
+at::Tensor basis_rows(const at::Tensor& like, int64_t block_size, int64_t keep, cudaStream_t stream) {
+  const at::Tensor table = cos_table(like, block_size, stream);
+  at::Tensor basis = at::empty({keep, block_size}, like.options().dtype(at::kFloat));
+  dct_basis_kernel<<<grid_for(basis.numel()), kThreads, 0, stream>>>(
+      table.const_data_ptr<double>(), static_cast<uint32_t>(block_size), basis.numel(),
+      basis.mutable_data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return basis;
+}
+
+// coeffs = blocks(x) @ basis.T, the last block zero-padded. `coeffs` as in encode_into.
+void encode_by_product(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs,
+                       cudaStream_t stream) {
+  const int64_t keep = coeffs.size(1);
+  const at::Tensor x_f = x.to(at::kFloat).contiguous();
+  const at::Tensor basis_t = basis_rows(x, block_size, keep, stream).t();
+  const int64_t full = x.numel() / block_size, tail = x.numel() % block_size;
+  if (full > 0) {
+    at::Tensor head = coeffs.narrow(0, 0, full);
+    at::mm_out(head, x_f.narrow(0, 0, full * block_size).view({full, block_size}), basis_t);
+  }
+  if (tail > 0) {
+    at::Tensor padded = at::zeros({1, block_size}, x_f.options());
+    padded.narrow(1, 0, tail).copy_(x_f.narrow(0, full * block_size, tail).view({1, tail}));
+    at::Tensor last = coeffs.narrow(0, full, 1);
+    at::mm_out(last, padded, basis_t);
+  }
+}
+
+// x_hat = (coeffs @ basis) flattened, cut to its numel. `x_hat` as in decode_into.
+void decode_by_product(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat,
+                       cudaStream_t stream) {
+  const int64_t keep = coeffs.size(1), numel = x_hat.numel();
+  if (keep == 0) {
+    x_hat.zero_();
+    return;
+  }
+  const at::Tensor coeffs_c = coeffs.contiguous();
+  const at::Tensor basis = basis_rows(coeffs, block_size, keep, stream);
+  const int64_t full = numel / block_size, tail = numel % block_size;
+  if (full > 0) {
+    at::Tensor head = x_hat.narrow(0, 0, full * block_size).view({full, block_size});
+    at::mm_out(head, coeffs_c.narrow(0, 0, full), basis);
+  }
+  if (tail > 0) {
+    const at::Tensor last = at::mm(coeffs_c.narrow(0, full, 1), basis);
+    x_hat.narrow(0, full * block_size, tail).copy_(last.view({block_size}).narrow(0, 0, tail));
+  }
+}
+
 at::Tensor cos_table(const at::Tensor& like, int64_t block_size, cudaStream_t stream) {
   at::Tensor table = at::empty({block_size + 1}, like.options().dtype(at::kDouble));
   cos_table_kernel<<<grid_for(block_size + 1), kThreads, 0, stream>>>(
@@ -101,8 +175,12 @@ void encode_into(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
   const int64_t num_coeffs = coeffs.numel();
   if (num_coeffs == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor x_c = x.contiguous();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (coeffs.size(1) * block_size <= kMaxGemmBasis) {
+    encode_by_product(x, block_size, coeffs, stream);
+    return;
+  }
+  const at::Tensor x_c = x.contiguous();
   const at::Tensor table = cos_table(x, block_size, stream);
   dispatch_float_types(x.scalar_type(), "x", [&](auto tag) {
     using InT = decltype(tag);
@@ -132,8 +210,12 @@ void decode_into(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat
   const int64_t numel = x_hat.numel();
   if (numel == 0) return;
   const c10::cuda::CUDAGuard guard(coeffs.device());
-  const at::Tensor coeffs_c = coeffs.contiguous();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (coeffs.size(1) * block_size <= kMaxGemmBasis) {
+    decode_by_product(coeffs, block_size, x_hat, stream);
+    return;
+  }
+  const at::Tensor coeffs_c = coeffs.contiguous();
   const at::Tensor table = cos_table(coeffs, block_size, stream);
   dct_decode_kernel<<<grid_for(numel), kThreads, 0, stream>>>(
       coeffs_c.const_data_ptr<float>(), static_cast<uint32_t>(block_size), coeffs.size(1), numel,

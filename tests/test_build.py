@@ -161,35 +161,58 @@ def test_an_error_message_with_a_number_raises_instead_of_crashing(device):
     assert "as many elements as residual" in result.stdout and "11" in result.stdout, result.stdout
 
 
-def test_setup_link_flags_keep_libstdcxx_shared_under_a_static_toolchain(tmp_path):
-    # What a wrapper that adds -static-libstdc++ does to a link, with and without the flags.
+def setup_link_definitions() -> dict:
+    """setup.py's LIBSTDCXX_LINK_ARGS and running_libstdcxx, without running setup()."""
     tree = ast.parse((REPO / "setup.py").read_text())
-    link_args = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-                     and getattr(node.targets[0], "id", "") == "LIBSTDCXX_LINK_ARGS")
+    wanted = [node for node in tree.body
+              if (isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "LIBSTDCXX_LINK_ARGS")
+              or (isinstance(node, ast.FunctionDef) and node.name == "running_libstdcxx")]
+    namespace = {"os": os}
+    exec(compile(ast.Module(body=wanted, type_ignores=[]), "setup.py", "exec"), namespace)
+    return namespace
+
+
+def link_shared_object(tmp_path, name: str, extra: list) -> tuple:
+    """Link a library that formats an int through std::ostringstream, as a toolchain that adds
+    -static-libstdc++ does, with ``extra`` link arguments: (its NEEDED list, how many of
+    libstdc++'s stream and locale symbols it defines itself)."""
     source = tmp_path / "uses_std.cpp"
     source.write_text("#include <sstream>\n#include <string>\n"
                       "std::string text(int x) { std::ostringstream s; s << x; return s.str(); }\n")
     compiler = shutil.which("c++") or shutil.which("g++")
     assert compiler, "no C++ compiler on PATH (the extension build needs one)"
-    built = {}
-    for name, extra in (("static", []), ("fixed", link_args)):
-        target = tmp_path / f"{name}.so"
-        subprocess.run([compiler, "-shared", "-fPIC", "-static-libstdc++", str(source), *extra,
-                        "-o", str(target)], check=True, capture_output=True, timeout=120)
-        built[name] = (needed_libraries(target), len(private_libstdcxx_symbols(target)))
-    assert "libstdc++.so.6" not in built["static"][0] and built["static"][1] > 0, built  # what the flags prevent
-    assert "libstdc++.so.6" in built["fixed"][0] and built["fixed"][1] == 0, built
+    target = tmp_path / f"{name}.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-static-libstdc++", str(source), *extra,
+                    "-o", str(target)], check=True, capture_output=True, timeout=120)
+    return needed_libraries(target), len(private_libstdcxx_symbols(target))
 
 
-def test_every_subpackage_is_installed():
-    """pyproject.toml names its packages one by one: a new subpackage left out of that list
-    imports in an editable checkout but is missing from `pip install .` (as hetero_comm.nn was)."""
-    import tomllib
+def test_setup_link_flags_keep_libstdcxx_shared_under_a_static_toolchain(tmp_path):
+    # What a wrapper that adds -static-libstdc++ does to a link, with and without the flags.
+    link_args = setup_link_definitions()["LIBSTDCXX_LINK_ARGS"]
+    static, fixed = link_shared_object(tmp_path, "static", []), link_shared_object(tmp_path, "fixed", link_args)
+    assert "libstdc++.so.6" not in static[0] and static[1] > 0, static  # what the flags prevent
+    assert "libstdc++.so.6" in fixed[0] and fixed[1] == 0, fixed
 
-    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {".".join(init.parent.relative_to(REPO).parts)
-             for init in (REPO / "hetero_comm").rglob("__init__.py")}
-    assert found == listed
+
+def test_setup_links_the_running_libstdcxx_where_the_toolchain_has_only_the_archive(tmp_path):
+    # Issue 35: the GPU image's compiler found only libstdc++.a for -lstdc++, so the flags above
+    # still gave every extension a private copy (980 symbols), which crashed on a numeric message.
+    definitions = setup_link_definitions()
+    link_args, running = definitions["LIBSTDCXX_LINK_ARGS"], definitions["running_libstdcxx"]()
+    assert running and Path(running[0]).name.startswith("libstdc++.so"), running  # torch loaded it
+    compiler = shutil.which("c++") or shutil.which("g++")
+    archive = subprocess.run([compiler, "-print-file-name=libstdc++.a"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    assert Path(archive).is_file(), f"the compiler has no libstdc++.a to stand in for that toolchain: {archive}"
+    only_archive = tmp_path / "only_archive"
+    only_archive.mkdir()
+    (only_archive / "libstdc++.a").symlink_to(archive)
+    search = [f"-L{only_archive}"]
+    before = link_shared_object(tmp_path, "before", search + link_args)
+    after = link_shared_object(tmp_path, "after", search + link_args[:1] + running + link_args[1:])
+    assert before[1] > 0, before  # the toolchain's failure, reproduced
+    assert "libstdc++.so.6" in after[0] and after[1] == 0, after
 
 
 def test_every_subpackage_is_installed():

@@ -188,3 +188,25 @@ def test_out_overlapping_x_is_rejected(backend, device):
     aliased = x.view(-1).view(torch.int8)[:32].view(4, 8)   # int8 view of x's own bytes
     with untouched(x), pytest.raises(ValueError, match="out must not overlap x"):
         backend.quantize(x, torch.ones(4, device=device), 127, torch.int8, out=aliased)
+
+
+@DEVICES
+@pytest.mark.parametrize("offset", [0, 1, 2, 4])
+def test_quantize_and_dequantize_views_at_any_alignment(offset, device):
+    # The CUDA kernels take four values per access where the rows and pointers allow; views
+    # that start inside such a group must give the same bits through the per-value path.
+    x, scale = blocks_with_scales((50, 64), seed=4)
+
+    def view_at_offset(values, dtype):
+        wide = torch.zeros(offset + values.numel(), dtype=dtype, device=device)
+        view = wide[offset:].view(values.shape)
+        view.copy_(values)
+        return view
+
+    x_view = view_at_offset(x, torch.float32)
+    q_out = view_at_offset(torch.zeros(x.shape, dtype=torch.int8), torch.int8)
+    ops.quantize(x_view, scale.to(device), 127, torch.int8, out=q_out)
+    assert torch.equal(q_out.cpu(), reference.quantize(x, scale, 127, torch.int8))
+    x_hat = view_at_offset(torch.zeros(x.shape), torch.float32)
+    ops.dequantize(q_out, scale.to(device), 127, out=x_hat)
+    assert torch.equal(x_hat.cpu(), reference.dequantize(q_out.cpu(), scale, 127))
