@@ -342,7 +342,9 @@ def dct_encode(x: torch.Tensor, block_size: int, keep: int,
     The compiled CPU kernel uses a fast O(B log B) transform (Lee's algorithm) whose float32
     error grows with B: for data of standard deviation sigma, about 1e-7 * B * sigma (encode)
     and up to 2e-7 * B * sigma (decode), e.g. 1.5e-4 * sigma at B = 1024 (the kernel benchmark
-    prints the measured errors; the tests assert 3e-7 * B + 2e-6 for sigma = 1).
+    prints the measured errors; the tests assert 3e-7 * B + 2e-6 for sigma = 1). The CUDA
+    kernel is this matrix product (float32, so ``torch.backends.cuda.matmul.allow_tf32``
+    applies) where the kept basis rows fit in 64 MB, a direct double-precision sum beyond.
 
     Args:
         x: float32, bfloat16 or float16 [n].
