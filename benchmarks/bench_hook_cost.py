@@ -16,6 +16,11 @@ same bytes. The table prints both and the ratio of a recipe's added time to the 
 
     python benchmarks/bench_hook_cost.py --device cuda [--json PATH]
     python benchmarks/bench_hook_cost.py --device cpu --width 512 --steps 5   # a quick check
+    python benchmarks/bench_hook_cost.py --device cuda --profile hook_profile.txt
+
+``--profile PATH`` also profiles one steady step of each recipe at world size 1
+(``torch.profiler``, CPU and CUDA activity) and writes the ops sorted by their own host time,
+with the number of calls: where the added time goes.
 """
 
 from __future__ import annotations
@@ -90,7 +95,20 @@ def _median_allreduce_ms(numel: int, device, group, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_rank(rank, world_size, device_name, width, layers, batch_size, warmup, steps, nccl):
+def _profile_table(ddp, optimizer, batch, device, rows: int = 40) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        optimizer.zero_grad(set_to_none=False)
+        ddp(batch).square().mean().backward()
+        optimizer.step()
+        _synchronize(device)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def measure_rank(rank, world_size, device_name, width, layers, batch_size, warmup, steps, nccl,
+                 profile=False):
     """One rank's median step time per configuration and of a bare allreduce (ms)."""
     device = torch.device(device_name)
     if device.type == "cuda":
@@ -98,14 +116,16 @@ def measure_rank(rank, world_size, device_name, width, layers, batch_size, warmu
         torch.cuda.set_device(device)
     group = dist.new_group(list(range(world_size)), backend="nccl") if nccl else None
     batch = torch.randn(batch_size, width, generator=torch.Generator().manual_seed(rank)).to(device)
-    times = {}
+    times, profiles = {}, {}
     for config in CONFIGS:
         ddp, optimizer = _build(config, device, width, layers, group)
         times[config] = _median_step_ms(ddp, optimizer, batch, device, warmup, steps)
+        if profile and config.endswith("recipe"):
+            profiles[config] = _profile_table(ddp, optimizer, batch, device)
         del ddp, optimizer
     numel = layers * (width * width + width)
     times["bare allreduce"] = _median_allreduce_ms(numel, device, group, steps)
-    return {"parameters": numel, "times_ms": times}
+    return {"parameters": numel, "times_ms": times, "profiles": profiles}
 
 
 def print_run(title: str, result: dict) -> dict:
@@ -138,6 +158,8 @@ def parse_args(argv=None):
                                                               "send the first step dense)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--profile", metavar="PATH", help="write a profile of one step of each "
+                                                          "recipe at world size 1 to PATH")
     return parser.parse_args(argv)
 
 
@@ -153,8 +175,16 @@ def main(argv=None) -> int:
     shape = (args.device, args.width, args.layers, args.batch, args.warmup, args.steps)
     runs = {}
     alone = "world size 1, NCCL" if args.device == "cuda" else "world size 1, gloo"
-    runs[alone] = run_ranks(1, measure_rank, *shape, args.device == "cuda")[0]
+    runs[alone] = run_ranks(1, measure_rank, *shape, args.device == "cuda", bool(args.profile))[0]
+    if args.profile:
+        with open(args.profile, "w") as f:
+            for config, table in runs[alone].pop("profiles").items():
+                f.write(f"{config}, {alone}, one steady step ({where}):\n{table}\n\n")
+        print(f"saved {args.profile}")
+    else:
+        runs[alone].pop("profiles")
     runs["2 gloo ranks on one device"] = run_ranks(2, measure_rank, *shape, False)[0]
+    runs["2 gloo ranks on one device"].pop("profiles")
     report = {"device": where, "torch": torch.__version__, "settings": vars(args),
               "runs": {title: dict(result, summary=print_run(title, result))
                        for title, result in runs.items()}}

@@ -56,7 +56,7 @@ for step in "$@"; do
       | tee "$OUT/bench_kernels_cuda.txt" | grep -A30 "^aims"
     ;;
   hookcost)
-    $PY benchmarks/bench_hook_cost.py --device cuda --steps 20 --warmup 5 --json "$OUT/bench_hook_cost_cuda.json" 2>&1 \
+    $PY benchmarks/bench_hook_cost.py --device cuda --steps 20 --warmup 5 --json "$OUT/bench_hook_cost_cuda.json" --profile "$OUT/hook_profile_cuda.txt" 2>&1 \
       | tee "$OUT/bench_hook_cost_cuda.txt" | tail -22
     ;;
   bisect)  # issue 35 bug 1: which build step puts a private libstdc++ in an extension
