@@ -48,9 +48,9 @@ FULL_SIZES = (1_000_000, 4_000_000, 25_000_000)
 QUICK_SIZES = (1_000_000, 4_000_000)
 CUDA_SIZES = (4_000_000, 25_000_000, 100_000_000)
 QUANT_LEVELS = 127  # int8
-# (block_size, keep): the DCT hook's default (256, 32), the sparse AdamW recipe's full
-# transform of 512-element segments (512, 512), and a smaller and a larger block.
-DCT_CONFIGS = ((64, 8), (256, 32), (512, 512), (1024, 128))
+# (block_size, keep): the DCT hook's default (256, 32), the AdamW recipe's full transform of
+# 64-element blocks (its dct_block_size; 64, 64), and a larger block (1024, 128).
+DCT_CONFIGS = ((64, 8), (64, 64), (256, 32), (1024, 128))
 
 # Bytes each kernel must read plus write (n elements, S segments, k selected segments of
 # seg elements, rows/blocks = n / row length or block size); GB/s = bytes / median time.
@@ -493,7 +493,7 @@ CPU_AIMS = (
 # Issue 35: every streaming kernel at 70% of the device's copy on rows of 16 MB and more
 # (the DCT at the block sizes the hooks use), selection no slower than torch.topk.
 SIXTEEN_MB = 16 * 1024 * 1024
-RECIPE_DCT = ("B=256 keep=32", "B=512 keep=512")
+RECIPE_DCT = ("B=64 keep=64", "B=256 keep=32")
 CUDA_AIMS = (
     Aim("segment_accumulate_", "pct_of_copy", 70, largest_size_only=False, min_bytes=SIXTEEN_MB),
     Aim("select_segments", "speedup_vs_topk", 1.0, largest_size_only=False),
