@@ -1,0 +1,65 @@
+"""The benchmark scripts run end to end on the CPU (tiny sizes): their tables and JSON keep
+their shape, and the CUDA mode's aim rules pick the rows they say. No speed is asserted."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(name: str, *args: str) -> str:
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), *args],
+                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_kernel_benchmark_prints_and_saves_every_row(tmp_path):
+    saved = tmp_path / "kernels.json"
+    out = run_script("bench_kernels", "--sizes", "64K", "--quick", "--only", "quantize",
+                     "--json", str(saved))
+    assert "quantize(x, scale" in out and "dequantize(q, scale" in out and "aims" in out
+    report = json.loads(saved.read_text())
+    assert {row["kernel"] for row in report["rows"]} == {"quantize", "dequantize"}
+    assert all(row["compiled_ms"] > 0 and row["reference_ms"] > 0 for row in report["rows"])
+    assert report["copy_bandwidth"]["how"] == "dst.copy_(src)"
+    assert {aim["aim"].split()[0] for aim in report["aims"]} == {"quantize", "dequantize"}
+
+
+def test_cuda_aims_judge_rows_of_16_mb_and_the_named_dct_configurations():
+    bench = load_benchmark("bench_kernels")
+    bench.copy_bandwidth_gbps = 100.0
+    row = lambda kernel, config, numel, nbytes: bench.Row(kernel, config, numel, nbytes, 1.0, 0.5)  # noqa: E731
+    small = row("quantize", "n=1M", 1 << 20, 5 << 20)
+    large = row("quantize", "n=25M", 25 << 20, 125 << 20)
+    aim = next(a for a in bench.CUDA_AIMS if a.kernel == "quantize")
+    assert not aim.judges(small, largest_size=25 << 20) and aim.judges(large, largest_size=25 << 20)
+    encode = next(a for a in bench.CUDA_AIMS if a.kernel == "dct_encode")
+    recipe = row("dct_encode", "n=25M B=64 keep=64", 25 << 20, 200 << 20)
+    other = row("dct_encode", "n=25M B=1024 keep=128", 25 << 20, 200 << 20)
+    assert encode.judges(recipe, 0) and not encode.judges(other, 0)
+
+
+def test_hook_cost_benchmark_reports_every_configuration(tmp_path):
+    saved, profile = tmp_path / "cost.json", tmp_path / "profile.txt"
+    out = run_script("bench_hook_cost", "--device", "cpu", "--width", "64", "--layers", "2",
+                     "--batch", "8", "--steps", "2", "--warmup", "2", "--json", str(saved),
+                     "--profile", str(profile))
+    assert "world size 1, gloo" in out and "2 gloo ranks on one device" in out
+    report = json.loads(saved.read_text())
+    for run in report["runs"].values():
+        assert set(run["summary"]) == {"allreduce", "no communication", "AdamW recipe", "SGD recipe"}
+        assert run["summary"]["no communication"]["added_ms"] == 0
+        assert all(v > 0 for v in run["times_ms"].values())
+    assert "AdamW recipe" in profile.read_text() and "SGD recipe" in profile.read_text()
