@@ -205,6 +205,41 @@ def test_automatic_density_hides_the_exchange_and_follows_a_changing_link():
     assert density == 0.01
 
 
+def test_automatic_density_sees_through_a_latency_that_does_not_grow_with_the_bytes():
+    """A 1 Gbit/s link (125 MB/s) whose collectives also wait 37 ms (latency, the other
+    machine's ranks): a 0.1 s window affords 12.5 MB. Bytes over seconds would settle at 7.9 MB
+    (where 0.037 + bytes / 125e6 = 0.1); the slope of seconds against bytes finds 125 MB/s."""
+    auto = AutoDensity(0.01, 1.0, wire_bytes_per_value=1, segment_size=512)
+    values, density = 20_000_000, 1.0
+    for _ in range(30):
+        sent = values * auto.bytes_per_value(density)
+        auto.add_exchange(int(sent), 0.037 + sent / 125e6, 0.0)
+        density = auto.propose(0.1, 0.1, density)
+    assert math.isclose(values * auto.bytes_per_value(density), 12.5e6, rel_tol=0.05)
+    resumed = AutoDensity(0.01, 1.0, wire_bytes_per_value=1, segment_size=512)
+    resumed.load_state_dict(auto.state_dict())
+    for run in (auto, resumed):  # the fit is part of the checkpoint: both continue alike
+        run.add_exchange(int(values * run.bytes_per_value(density)), 0.2, 0.0)
+    assert auto.propose(0.1, 0.1, density) == resumed.propose(0.1, 0.1, density)
+
+
+def test_automatic_density_keeps_the_lower_bound_when_the_seconds_do_not_follow_the_bytes():
+    """Seconds that are noise around a constant (no line fits) leave bytes over seconds."""
+    auto = AutoDensity(0.01, 1.0, wire_bytes_per_value=1, segment_size=512)
+    noise = torch.Generator().manual_seed(0)
+    for step in range(20):
+        sent = 1e6 * (1 + step % 4)
+        auto.add_exchange(int(sent), 0.05 + 0.02 * float(torch.rand(1, generator=noise)), 0.0)
+        auto.propose(0.1, 0.1, 0.1)
+    assert auto._fitted_bandwidth == 0.0  # no line was trusted
+    slope_fitted = AutoDensity(0.01, 1.0, wire_bytes_per_value=1, segment_size=512)
+    for step in range(20):  # the same bytes, seconds on a line: fitted (the check above can fail)
+        sent = 1e6 * (1 + step % 4)
+        slope_fitted.add_exchange(int(sent), 0.05 + sent / 1e8, 0.0)
+        slope_fitted.propose(0.1, 0.1, 0.1)
+    assert math.isclose(slope_fitted._fitted_bandwidth, 1e8, rel_tol=1e-6)
+
+
 def test_without_a_window_the_exchange_takes_a_quarter_of_the_compute():
     """One bucket leaves no backward window: 0.4 s of compute affords 0.1 s of a 1 MB/s link."""
     auto = AutoDensity(0.01, 0.5, wire_bytes_per_value=1, segment_size=512)

@@ -5,7 +5,12 @@ Each step the two-level sync measures: the backward pass's window (from DDP's fi
 its last, the time the exchange can overlap), the step's compute (from the previous step's
 result to this step's last bucket: optimizer, forward and backward), the bytes its exchange
 between machines sent and the seconds those collectives took (the measured bandwidth ``R``),
-and the seconds it spent encoding and decoding. The time a step can give the exchange is the
+and the seconds it spent encoding and decoding. A collective's seconds include its latency and
+the wait for the other machines' ranks, which do not grow with the bytes: on a fast link they
+are most of it (37 ms for 1 ms of wire at 1 Gbit/s), so bytes over seconds underestimates the
+bandwidth there. ``R`` is therefore the slope of seconds against bytes over the last steps
+(whose bytes differ as the density moves), where that line fits, and never below this step's
+bytes over seconds (a lower bound). The time a step can give the exchange is the
 window, or a quarter of the compute where that is longer (a model of one bucket has no window:
 its exchange then adds at most a quarter to the step); the bytes it can afford are ``R`` times
 that time less the codec's; the density that sends them follows from how the recipe's
@@ -38,6 +43,11 @@ HISTORY_STEPS = 256
 # At most this factor up or down per step: a collective whose time was mostly latency must
 # not swing the density from ceiling to floor at once.
 MAX_STEP_FACTOR = 2.0
+# The bandwidth fit: over this many steps' (bytes, seconds), once the bytes spread by this
+# share of their mean and the line explains the seconds (correlation at least MIN_CORRELATION).
+FIT_STEPS = 16
+MIN_SPREAD = 0.1
+MIN_CORRELATION = 0.8
 
 
 class AutoDensity:
@@ -59,6 +69,8 @@ class AutoDensity:
         self.importance_bytes = 4.0 / segment_size
         self._log_affordable: Optional[float] = None  # log(bytes a step can afford), smoothed
         self._pending: Optional[tuple] = None  # (work, tensor) of the last agreement
+        self._exchanges: collections.deque = collections.deque(maxlen=FIT_STEPS)  # (bytes, s)
+        self._fitted_bandwidth = 0.0  # bytes per second from the last line that fitted
         # the last steps' measurements and proposals (bounded: a long run keeps no more)
         self.history: collections.deque = collections.deque(maxlen=HISTORY_STEPS)
         self.reset_step()
@@ -82,7 +94,7 @@ class AutoDensity:
         one this step ran at)."""
         proposal = density
         if self.sent_bytes and self.link_seconds > 0:
-            bandwidth = self.sent_bytes / self.link_seconds
+            bandwidth = self._bandwidth()
             budget = max(window_seconds, COMPUTE_SHARE * compute_seconds)
             affordable = bandwidth * max(budget - self.codec_seconds, 0.0)
             log_affordable = math.log(max(affordable, 1.0))
@@ -101,6 +113,22 @@ class AutoDensity:
                                  density=density, proposal=proposal))
         self.reset_step()
         return proposal
+
+    def _bandwidth(self) -> float:
+        """The link's bytes per second from this step's exchange and the last steps' (see the
+        module's docstring)."""
+        self._exchanges.append((float(self.sent_bytes), self.link_seconds))
+        if len(self._exchanges) >= 4:
+            count = len(self._exchanges)
+            mean_bytes = sum(b for b, _ in self._exchanges) / count
+            mean_seconds = sum(t for _, t in self._exchanges) / count
+            var_bytes = sum((b - mean_bytes) ** 2 for b, _ in self._exchanges) / count
+            var_seconds = sum((t - mean_seconds) ** 2 for _, t in self._exchanges) / count
+            covariance = sum((b - mean_bytes) * (t - mean_seconds) for b, t in self._exchanges) / count
+            spread = math.sqrt(var_bytes) >= MIN_SPREAD * mean_bytes
+            if spread and covariance >= MIN_CORRELATION * math.sqrt(var_bytes * var_seconds) > 0:
+                self._fitted_bandwidth = var_bytes / covariance
+        return max(self.sent_bytes / self.link_seconds, self._fitted_bandwidth)
 
     def agree(self, proposal: float, group: Optional[dist.ProcessGroup]) -> Optional[float]:
         """Start the agreement on ``proposal`` (the smallest over ``group``) and return the
@@ -123,10 +151,13 @@ class AutoDensity:
         changes density at the same steps."""
         self.finish()
         return dict(log_affordable=self._log_affordable,
-                    pending=None if self._pending is None else float(self._pending[1]))
+                    pending=None if self._pending is None else float(self._pending[1]),
+                    exchanges=list(self._exchanges), fitted_bandwidth=self._fitted_bandwidth)
 
     def load_state_dict(self, saved: dict) -> None:
         self._log_affordable = saved["log_affordable"]
+        self._exchanges = collections.deque(map(tuple, saved.get("exchanges", ())), maxlen=FIT_STEPS)
+        self._fitted_bandwidth = saved.get("fitted_bandwidth", 0.0)
         pending = saved["pending"]
         self._pending = None if pending is None else (None, torch.tensor([pending], dtype=torch.float64))
 
