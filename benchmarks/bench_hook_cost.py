@@ -173,18 +173,15 @@ def main(argv=None) -> int:
     print(f"hook cost: torch {torch.__version__}, {where}, kernels {backend}; median of "
           f"{args.steps} steps after {args.warmup}; batch {args.batch}")
     shape = (args.device, args.width, args.layers, args.batch, args.warmup, args.steps)
-    runs = {}
     alone = "world size 1, NCCL" if args.device == "cuda" else "world size 1, gloo"
-    runs[alone] = run_ranks(1, measure_rank, *shape, args.device == "cuda", bool(args.profile))[0]
+    runs = {alone: run_ranks(1, measure_rank, *shape, args.device == "cuda", bool(args.profile))[0],
+            "2 gloo ranks on one device": run_ranks(2, measure_rank, *shape, False)[0]}
+    profiles = {title: run.pop("profiles") for title, run in runs.items()}
     if args.profile:
         with open(args.profile, "w") as f:
-            for config, table in runs[alone].pop("profiles").items():
+            for config, table in profiles[alone].items():
                 f.write(f"{config}, {alone}, one steady step ({where}):\n{table}\n\n")
         print(f"saved {args.profile}")
-    else:
-        runs[alone].pop("profiles")
-    runs["2 gloo ranks on one device"] = run_ranks(2, measure_rank, *shape, False)[0]
-    runs["2 gloo ranks on one device"].pop("profiles")
     report = {"device": where, "torch": torch.__version__, "settings": vars(args),
               "runs": {title: dict(result, summary=print_run(title, result))
                        for title, result in runs.items()}}
