@@ -22,6 +22,7 @@ step's end, so every rank changes density at the same step without waiting for i
 
 import collections
 import math
+import statistics
 from typing import Optional
 
 import torch
@@ -33,9 +34,9 @@ __all__ = ["AutoDensity", "DEFAULT_FLOOR", "DEFAULT_CEILING"]
 
 DEFAULT_FLOOR = 0.01
 DEFAULT_CEILING = 0.25
-# Each step's measurement moves the smoothed affordable bytes (in log space) this far: a link that
-# changes is followed within a few steps, one slow step does not swing the density.
-SMOOTHING = 0.5
+# The affordable bytes are the median of the last steps' (a link that changes is followed within
+# a few steps; one step whose codec or wait ate its window, affording nothing, moves nothing).
+MEDIAN_STEPS = 5
 # Where the backward pass leaves no window to hide in, the exchange may take this share of the
 # step's compute.
 COMPUTE_SHARE = 0.25
@@ -67,7 +68,7 @@ class AutoDensity:
             raise ValueError(f"density_floor ({floor}) is above density_ceiling ({ceiling})")
         self.wire_bytes = wire_bytes_per_value
         self.importance_bytes = 4.0 / segment_size
-        self._log_affordable: Optional[float] = None  # log(bytes a step can afford), smoothed
+        self._affordable: collections.deque = collections.deque(maxlen=MEDIAN_STEPS)  # bytes
         self._pending: Optional[tuple] = None  # (work, tensor) of the last agreement
         self._exchanges: collections.deque = collections.deque(maxlen=FIT_STEPS)  # (bytes, s)
         self._fitted_bandwidth = 0.0  # bytes per second from the last line that fitted
@@ -97,13 +98,9 @@ class AutoDensity:
             bandwidth = self._bandwidth()
             budget = max(window_seconds, COMPUTE_SHARE * compute_seconds)
             affordable = bandwidth * max(budget - self.codec_seconds, 0.0)
-            log_affordable = math.log(max(affordable, 1.0))
-            if self._log_affordable is None:
-                self._log_affordable = log_affordable
-            else:
-                self._log_affordable += SMOOTHING * (log_affordable - self._log_affordable)
+            self._affordable.append(affordable)
             values = self.sent_bytes / self.bytes_per_value(density)  # what a step exchanges
-            per_value = math.exp(self._log_affordable) / values
+            per_value = statistics.median(self._affordable) / values
             proposal = (per_value - self.importance_bytes) / self.wire_bytes
             proposal = min(max(proposal, density / MAX_STEP_FACTOR), density * MAX_STEP_FACTOR)
         proposal = min(max(proposal, self.floor), self.ceiling)
@@ -147,15 +144,15 @@ class AutoDensity:
             self._pending = (None, self._pending[1])
 
     def state_dict(self) -> dict:
-        """The smoothed budget and the agreement in flight (waited for), so that a resumed run
-        changes density at the same steps."""
+        """The last steps' affordable bytes, the bandwidth fit and the agreement in flight
+        (waited for), so that a resumed run changes density at the same steps."""
         self.finish()
-        return dict(log_affordable=self._log_affordable,
+        return dict(affordable=list(self._affordable),
                     pending=None if self._pending is None else float(self._pending[1]),
                     exchanges=list(self._exchanges), fitted_bandwidth=self._fitted_bandwidth)
 
     def load_state_dict(self, saved: dict) -> None:
-        self._log_affordable = saved["log_affordable"]
+        self._affordable = collections.deque(saved.get("affordable", ()), maxlen=MEDIAN_STEPS)
         self._exchanges = collections.deque(map(tuple, saved.get("exchanges", ())), maxlen=FIT_STEPS)
         self._fitted_bandwidth = saved.get("fitted_bandwidth", 0.0)
         pending = saved["pending"]
