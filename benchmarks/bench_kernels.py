@@ -568,39 +568,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    global timing, copy_bandwidth_gbps, device
-    args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda, but torch sees no CUDA device", file=sys.stderr)
-        return 1
-    backend = hetero_comm.kernel_backend(device.type)
+def backend_error(args) -> Optional[str]:
+    """Why the benchmark cannot run on ``args.device``, or None."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda, but torch sees no CUDA device"
+    backend = hetero_comm.kernel_backend(args.device)
     if backend != "compiled":
-        print(f"error: hetero_comm's {device.type} kernel backend is {backend!r}, not 'compiled' "
-              f"(load error: {hetero_comm.extension_load_error()}). Build the extension first (e.g. "
-              "`pip install --no-build-isolation -e .`); benchmarking the reference "
-              "against itself is meaningless.", file=sys.stderr)
-        return 1
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    timing = CUDA_TIMING if device.type == "cuda" else QUICK_TIMING if args.quick else FULL_TIMING
-    default_sizes = CUDA_SIZES if device.type == "cuda" else QUICK_SIZES if args.quick else FULL_SIZES
-    sizes = sorted(set(args.sizes or default_sizes))
-    torch.set_default_device(device)  # every tensor the benchmarks make lives there
-    largest_size = sizes[-1]
-    torch.manual_seed(0)
+        return (f"hetero_comm's {args.device} kernel backend is {backend!r}, not 'compiled' "
+                f"(load error: {hetero_comm.extension_load_error()}). Build the extension first (e.g. "
+                "`pip install --no-build-isolation -e .`); benchmarking the reference "
+                "against itself is meaningless.")
+    return None
 
-    started = time.perf_counter()
-    copy = measure_copy_bandwidth(largest_size)
-    copy_bandwidth_gbps = copy["gbps"]
-    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
-             else f"{torch.get_num_threads()} threads")
-    print(f"hetero_comm kernel benchmark: torch {torch.__version__}, {where}, backend {backend}, "
-          f"sizes {', '.join(count_label(s) for s in sizes)}"
-          f"{', quick' if args.quick else ''}")
+
+def print_header(where: str, sizes: Sequence[int], quick: bool, copy: dict) -> float:
+    """The run's settings and the copy bandwidth; returns the 1-minute load average."""
+    print(f"hetero_comm kernel benchmark: torch {torch.__version__}, {where}, backend compiled, "
+          f"sizes {', '.join(count_label(s) for s in sizes)}{', quick' if quick else ''}")
     print(f"copy bandwidth: {copy['gbps']:.1f} GB/s ({copy['how']}, "
-          f"{count_label(largest_size)} float32 preallocated, bytes = read + write, "
+          f"{count_label(sizes[-1])} float32 preallocated, bytes = read + write, "
           f"median {copy['ms']:.3f} ms)")
     load_1min = os.getloadavg()[0]
     if load_1min > os.cpu_count():
@@ -609,6 +595,31 @@ def main(argv=None) -> int:
     print(f"times: median of up to {timing.max_repeats} repeats after {timing.warmup} warm-up "
           f"call(s), at least {timing.min_repeats}, ~{timing.budget_s:g} s cap per measurement. "
           "Sizes that fit in cache may exceed 100% of copy bandwidth.")
+    return load_1min
+
+
+def main(argv=None) -> int:
+    global timing, copy_bandwidth_gbps, device
+    args = parse_args(argv)
+    error = backend_error(args)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    device = torch.device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    timing = CUDA_TIMING if device.type == "cuda" else QUICK_TIMING if args.quick else FULL_TIMING
+    default_sizes = CUDA_SIZES if device.type == "cuda" else QUICK_SIZES if args.quick else FULL_SIZES
+    sizes = sorted(set(args.sizes or default_sizes))
+    torch.set_default_device(device)  # every tensor the benchmarks make lives there
+    torch.manual_seed(0)
+
+    started = time.perf_counter()
+    copy = measure_copy_bandwidth(sizes[-1])
+    copy_bandwidth_gbps = copy["gbps"]
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"{torch.get_num_threads()} threads")
+    load_1min = print_header(where, sizes, args.quick, copy)
 
     rows: List[Row] = []
     for family, bench in FAMILIES.items():
@@ -617,31 +628,20 @@ def main(argv=None) -> int:
     if args.only in (None, "dct"):
         extra_results["dct_accuracy"] = dct_accuracy()
 
-    aims = evaluate_aims(rows, largest_size)
-    print_aims(aims, largest_size)
+    aims = evaluate_aims(rows, sizes[-1])
+    print_aims(aims, sizes[-1])
     # A shared machine drifts: a second copy measurement shows how far the baseline moved.
-    copy_at_end = measure_copy_bandwidth(largest_size)
+    copy_at_end = measure_copy_bandwidth(sizes[-1])
     print(f"\ncopy bandwidth re-measured at the end: {copy_at_end['gbps']:.1f} GB/s "
           f"(start: {copy['gbps']:.1f} GB/s; percentages use the start value)")
     elapsed = time.perf_counter() - started
     print(f"total benchmark time: {elapsed:.0f} s")
-
     if args.json:
-        report = {
-            "torch_version": torch.__version__,
-            "device": where,
-            "threads": torch.get_num_threads(),
-            "sizes": sizes,
-            "quick": args.quick,
-            "copy_bandwidth": copy,
-            "copy_bandwidth_at_end": copy_at_end,
-            "load_average_1min_at_start": load_1min,
-            "byte_models": BYTE_MODELS,
-            "rows": [dataclasses.asdict(r) for r in rows],
-            "aims": aims,
-            **extra_results,
-            "elapsed_s": elapsed,
-        }
+        report = dict(torch_version=torch.__version__, device=where, threads=torch.get_num_threads(),
+                      sizes=sizes, quick=args.quick, copy_bandwidth=copy, copy_bandwidth_at_end=copy_at_end,
+                      load_average_1min_at_start=load_1min, byte_models=BYTE_MODELS,
+                      rows=[dataclasses.asdict(r) for r in rows], aims=aims, **extra_results,
+                      elapsed_s=elapsed)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
         print(f"saved {args.json}")
