@@ -237,6 +237,25 @@ def test_automatic_density_sees_through_a_latency_that_does_not_grow_with_the_by
     assert auto.propose(0.1, 0.1, density) == resumed.propose(0.1, 0.1, density)
 
 
+def test_a_fitted_bandwidth_expires_when_the_link_slows_and_no_line_fits():
+    """Fitted on a fast link, then the link is 10x slower with seconds that no line fits
+    (noise around the wire time): the old fit is dropped and the density follows the slow link."""
+    auto = AutoDensity(0.01, 1.0, wire_bytes_per_value=1, segment_size=512)
+    values, density = 20_000_000, 1.0
+    for _ in range(30):
+        sent = values * auto.bytes_per_value(density)
+        auto.add_exchange(int(sent), 0.037 + sent / 125e6, 0.0)
+        density = auto.propose(0.1, 0.1, density)
+    noise = torch.Generator().manual_seed(1)
+    for _ in range(60):
+        sent = values * auto.bytes_per_value(density)
+        jitter = 1 + 0.5 * float(torch.rand(1, generator=noise))
+        auto.add_exchange(int(sent), jitter * sent / 12.5e6, 0.0)
+        density = auto.propose(0.1, 0.1, density)
+    # 12.5 MB/s x 0.1 s = 1.25 MB a step at most (the jittered seconds read the link slower still)
+    assert density > 0.01 and values * auto.bytes_per_value(density) <= 1.25e6 * 1.05
+
+
 def test_automatic_density_keeps_the_lower_bound_when_the_seconds_do_not_follow_the_bytes():
     """Seconds that are noise around a constant (no line fits) leave bytes over seconds."""
     auto = AutoDensity(0.01, 1.0, wire_bytes_per_value=1, segment_size=512)

@@ -46,7 +46,7 @@ HISTORY_STEPS = 256
 MAX_STEP_FACTOR = 2.0
 # The bandwidth fit: over this many steps' (bytes, seconds), once the bytes spread by this
 # share of their mean and the line explains the seconds (correlation at least MIN_CORRELATION).
-FIT_STEPS = 16
+FIT_STEPS = 16  # also how long a fitted bandwidth is used once no line fits any more
 MIN_SPREAD = 0.1
 MIN_CORRELATION = 0.8
 
@@ -72,6 +72,7 @@ class AutoDensity:
         self._pending: Optional[tuple] = None  # (work, tensor) of the last agreement
         self._exchanges: collections.deque = collections.deque(maxlen=FIT_STEPS)  # (bytes, s)
         self._fitted_bandwidth = 0.0  # bytes per second from the last line that fitted
+        self._fit_age = 0  # steps since that line last fitted
         # the last steps' measurements and proposals (bounded: a long run keeps no more)
         self.history: collections.deque = collections.deque(maxlen=HISTORY_STEPS)
         self.reset_step()
@@ -115,6 +116,9 @@ class AutoDensity:
         """The link's bytes per second from this step's exchange and the last steps' (see the
         module's docstring)."""
         self._exchanges.append((float(self.sent_bytes), self.link_seconds))
+        self._fit_age += 1
+        if self._fit_age > FIT_STEPS:  # a link that slowed must not keep an old, faster fit
+            self._fitted_bandwidth = 0.0
         if len(self._exchanges) >= 4:
             count = len(self._exchanges)
             mean_bytes = sum(b for b, _ in self._exchanges) / count
@@ -124,7 +128,7 @@ class AutoDensity:
             covariance = sum((b - mean_bytes) * (t - mean_seconds) for b, t in self._exchanges) / count
             spread = math.sqrt(var_bytes) >= MIN_SPREAD * mean_bytes
             if spread and covariance >= MIN_CORRELATION * math.sqrt(var_bytes * var_seconds) > 0:
-                self._fitted_bandwidth = var_bytes / covariance
+                self._fitted_bandwidth, self._fit_age = var_bytes / covariance, 0
         return max(self.sent_bytes / self.link_seconds, self._fitted_bandwidth)
 
     def agree(self, proposal: float, group: Optional[dist.ProcessGroup]) -> Optional[float]:
@@ -149,12 +153,14 @@ class AutoDensity:
         self.finish()
         return dict(affordable=list(self._affordable),
                     pending=None if self._pending is None else float(self._pending[1]),
-                    exchanges=list(self._exchanges), fitted_bandwidth=self._fitted_bandwidth)
+                    exchanges=list(self._exchanges), fitted_bandwidth=self._fitted_bandwidth,
+                    fit_age=self._fit_age)
 
     def load_state_dict(self, saved: dict) -> None:
         self._affordable = collections.deque(saved.get("affordable", ()), maxlen=MEDIAN_STEPS)
         self._exchanges = collections.deque(map(tuple, saved.get("exchanges", ())), maxlen=FIT_STEPS)
         self._fitted_bandwidth = saved.get("fitted_bandwidth", 0.0)
+        self._fit_age = saved.get("fit_age", 0)
         pending = saved["pending"]
         self._pending = None if pending is None else (None, torch.tensor([pending], dtype=torch.float64))
 
