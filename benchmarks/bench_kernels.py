@@ -49,8 +49,9 @@ QUICK_SIZES = (1_000_000, 4_000_000)
 CUDA_SIZES = (4_000_000, 25_000_000, 100_000_000)
 QUANT_LEVELS = 127  # int8
 # (block_size, keep): the DCT hook's default (256, 32), the AdamW recipe's full transform of
-# 64-element blocks (its dct_block_size; 64, 64), and a larger block (1024, 128).
-DCT_CONFIGS = ((64, 8), (64, 64), (256, 32), (1024, 128))
+# 64-element blocks (its dct_block_size; 64, 64), a full 512 transform (the figure docs/kernels.md
+# quotes) and a larger block (1024, 128).
+DCT_CONFIGS = ((64, 8), (64, 64), (256, 32), (512, 512), (1024, 128))
 
 # Bytes each kernel must read plus write (n elements, S segments, k selected segments of
 # seg elements, rows/blocks = n / row length or block size); GB/s = bytes / median time.
