@@ -10,7 +10,8 @@ rate and schedule (the lab's hook ``"recipe"``; cases measured before it ran the
 written out, which ``tests/test_compress.py`` shows trains bitwise alike). The global batch grows with the ranks (the same per-rank
 batch). The ResNet (38K parameters) trains 20 epochs at a constant rate; the GRU (165K
 parameters) and the large transformer 4 epochs with a warm-up of 30 steps, a cosine schedule
-and clipping 1.0 (as ``bench_convergence.py``'s transformer). One seed per case.
+and clipping 1.0 (as ``bench_convergence.py``'s transformer). One seed per case, or ``--seeds N``
+(seeds 0..N-1; the table shows the means, and the gaps' range over seeds paired by seed).
 
 Prints one table: final validation loss and accuracy of both, the recipe's loss gap (%) and
 accuracy gap (points) to dense, its compression (dense bytes per step / bytes per step), and
@@ -21,7 +22,7 @@ with what it missed.
 sweep can be run in parts and the table printed over all of them (``--fresh`` ignores the file).
 
 Usage: python benchmarks/bench_generality.py [--models resnet,gru,gpt_large] [--optimizers adamw,sgd]
-       [--lrs 1e-3,3e-3] [--ranks 2,4] [--epochs N] [--json PATH] [--fresh] [--quick]
+       [--lrs 1e-3,3e-3] [--ranks 2,4] [--epochs N] [--seeds N] [--json PATH] [--fresh] [--quick]
        python benchmarks/bench_generality.py --json PATH --table   (the table only)
 """
 
@@ -31,6 +32,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 from typing import Dict, List, Optional
@@ -85,7 +87,9 @@ def train(options: dict, hook: str) -> dict:
 
 
 def run_case(model: str, optimizer: str, lr: float, ranks: int, epochs: Optional[int],
-             quick: bool) -> dict:
+             quick: bool, seeds: int = 1) -> dict:
+    """Dense and the recipe from each of ``seeds`` seeds (0, 1, ...); with several, ``dense``
+    and ``recipe_run`` hold their means and ``per_seed`` every run."""
     options = dict(MODELS[model], **OPTIMIZERS[optimizer], lr=lr, workers=ranks)
     options["global_batch"] = options["global_batch"] // 2 * ranks
     if epochs is not None:
@@ -95,10 +99,38 @@ def run_case(model: str, optimizer: str, lr: float, ranks: int, epochs: Optional
     case = dict(model=model, optimizer=optimizer, lr=lr, ranks=ranks, options=options,
                 recipe="hetero_comm.compress", command="python " + " ".join(sys.argv),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    case["dense"] = train(options, "dense")
-    case["recipe_run"] = train(options, "recipe")
+    runs = [dict(seed=seed, dense=train(dict(options, seed=seed), "dense"),
+                 recipe_run=train(dict(options, seed=seed), "recipe")) for seed in range(seeds)]
+    if seeds == 1:
+        case.update(dense=runs[0]["dense"], recipe_run=runs[0]["recipe_run"])
+    else:
+        case.update(seeds=seeds, per_seed=runs, dense=mean_run([r["dense"] for r in runs]),
+                    recipe_run=mean_run([r["recipe_run"] for r in runs]))
     case.update(judge(case["dense"], case["recipe_run"]))
     return case
+
+
+def mean_run(runs: List[dict]) -> dict:
+    """One record for several seeds' runs: diverged if any did, else the mean loss, accuracy and
+    compression; the summed wall time."""
+    wall = sum(run["wall_seconds"] for run in runs)
+    if any(run["diverged"] for run in runs):
+        return dict(diverged=True, wall_seconds=wall)
+    return dict(diverged=False, wall_seconds=wall,
+                **{field: statistics.mean(run[field] for run in runs)
+                   for field in ("loss", "accuracy", "compression")})
+
+
+def seed_gaps(case: dict) -> str:
+    """The range over seeds of the loss gap (%) and accuracy gap (points), paired by seed."""
+    pairs = [(r["dense"], r["recipe_run"]) for r in case.get("per_seed", ())
+             if not (r["dense"]["diverged"] or r["recipe_run"]["diverged"])]
+    if len(pairs) < 2:
+        return ""
+    loss = [100 * (recipe["loss"] / dense["loss"] - 1) for dense, recipe in pairs]
+    accuracy = [100 * (recipe["accuracy"] - dense["accuracy"]) for dense, recipe in pairs]
+    return (f"{min(loss):+.1f}..{max(loss):+.1f}% / "
+            f"{min(accuracy):+.1f}..{max(accuracy):+.1f} points")
 
 
 def judge(dense: dict, recipe: dict) -> Dict[str, object]:
@@ -119,7 +151,7 @@ def judge(dense: dict, recipe: dict) -> Dict[str, object]:
 
 def key(case: dict) -> tuple:
     return (case["model"], case["optimizer"], float(case["lr"]), int(case["ranks"]),
-            int(case["options"]["epochs"]))
+            int(case["options"]["epochs"]), int(case.get("seeds", 1)))
 
 
 def cell(run: dict) -> str:
@@ -129,9 +161,10 @@ def cell(run: dict) -> str:
 
 
 def table(cases: List[dict]) -> str:
-    lines = ["| model | optimizer | lr | ranks | epochs | dense val loss | dense val acc | recipe val loss | "
-             "recipe val acc | loss gap % | acc gap, points | compression | verdict | wall s (dense, recipe) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | optimizer | lr | ranks | epochs | seeds | dense val loss | dense val acc | "
+             "recipe val loss | recipe val acc | loss gap % | acc gap, points | compression | verdict | "
+             "gaps over seeds | wall s (dense, recipe) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in sorted(cases, key=key):
         dense, recipe = c["dense"], c["recipe_run"]
         c = dict(c, **judge(dense, recipe))  # by this script's thresholds, not the file's
@@ -139,8 +172,8 @@ def table(cases: List[dict]) -> str:
                 f"{c['loss_gap_percent']:+.1f} | {c['accuracy_gap_points']:+.1f}")
         compression = "" if recipe["diverged"] else f"{recipe['compression']:.1f}x"
         lines.append(f"| {c['model']} | {c['optimizer']} | {c['lr']:g} | {c['ranks']} | {c['options']['epochs']} | "
-                     f"{cell(dense)} | "
-                     f"{cell(recipe)} | {gaps} | {compression} | {c['verdict']} | "
+                     f"{c.get('seeds', 1)} | {cell(dense)} | "
+                     f"{cell(recipe)} | {gaps} | {compression} | {c['verdict']} | {seed_gaps(c)} | "
                      f"{dense['wall_seconds']:.0f}, {recipe['wall_seconds']:.0f} |")
     return "\n".join(lines)
 
@@ -156,7 +189,7 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"of: {', '.join(MODELS)}")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help=f"of: {', '.join(OPTIMIZERS)}")
@@ -165,6 +198,8 @@ def main() -> int:
                              "(default: LRS, per model and optimizer)")
     parser.add_argument("--ranks", default="2")
     parser.add_argument("--epochs", type=int, default=None, help="override every model's epochs")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="seeds per case (0, 1, ...): the table shows their means")
     parser.add_argument("--json", default=None, help="records of every case (read first, then extended)")
     parser.add_argument("--fresh", action="store_true", help="ignore cases already in --json")
     parser.add_argument("--quick", action="store_true", help="10 steps per run (a smoke test)")
@@ -174,38 +209,53 @@ def main() -> int:
         unknown = set(chosen.split(",")) - set(known)
         if unknown:
             parser.error(f"--{name}: unknown {', '.join(sorted(unknown))}; known: {', '.join(known)}")
-    cases: List[dict] = []
-    if args.json and os.path.exists(args.json) and not args.fresh:
-        with open(args.json) as f:
-            cases = json.load(f)
-    done = {key(c) for c in cases}
-    if args.table and not cases:
+    if args.seeds < 1:
+        parser.error(f"--seeds must be at least 1; got {args.seeds}")
+    if args.table and not (args.json and os.path.exists(args.json)):
         parser.error("--table needs --json with cases in it")
-    print("python " + " ".join(sys.argv))
-    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; CPU: {cpu_model()}; "
-          f"{os.cpu_count()} logical CPUs", flush=True)
-    for model in [] if args.table else args.models.split(","):
+    return args
+
+
+def run_sweep(args: argparse.Namespace, cases: List[dict]) -> None:
+    """Run every case the arguments name that ``cases`` lacks, appending each (and saving the
+    list to ``--json`` after each, so a sweep cut short keeps what it measured)."""
+    done = {key(c) for c in cases}
+    for model in args.models.split(","):
         for optimizer in args.optimizers.split(","):
             lrs = [float(lr) for lr in args.lrs.split(",")] if args.lrs else LRS[model, optimizer]
             for lr in lrs:
                 for ranks in (int(r) for r in args.ranks.split(",")):
                     epochs = 1 if args.quick else args.epochs or MODELS[model]["epochs"]
-                    if (model, optimizer, float(lr), ranks, epochs) in done:
+                    if (model, optimizer, float(lr), ranks, epochs, args.seeds) in done:
                         print(f"  kept: {model}, {optimizer}, lr {lr:g}, {ranks} ranks", file=sys.stderr)
                         continue
-                    case = run_case(model, optimizer, lr, ranks, args.epochs, args.quick)
+                    case = run_case(model, optimizer, lr, ranks, args.epochs, args.quick, args.seeds)
                     cases.append(case)
                     print(f"  done: {model}, {optimizer}, lr {lr:g}, {ranks} ranks: {case['verdict']} "
                           f"({case['dense']['wall_seconds']:.0f} s + {case['recipe_run']['wall_seconds']:.0f} s)",
                           file=sys.stderr, flush=True)
-                    if args.json:  # after every case: a sweep cut short keeps what it measured
+                    if args.json:
                         with open(args.json, "w") as f:
                             json.dump(cases, f, indent=1)
+
+
+def main() -> int:
+    args = parse_args()
+    cases: List[dict] = []
+    if args.json and os.path.exists(args.json) and not args.fresh:
+        with open(args.json) as f:
+            cases = json.load(f)
+    print("python " + " ".join(sys.argv))
+    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; CPU: {cpu_model()}; "
+          f"{os.cpu_count()} logical CPUs", flush=True)
+    if not args.table:
+        run_sweep(args, cases)
     measured = sorted({c["date"][:16] for c in cases})
     if args.table:
         print("cases measured by: " + "; ".join(dict.fromkeys(c["command"] for c in cases)))
     if measured:
-        print(f"cases measured {measured[0]} .. {measured[-1]} UTC, one seed each; ok = within "
+        print(f"cases measured {measured[0]} .. {measured[-1]} UTC, the seeds each case names "
+              f"(several: their means; gaps over seeds paired by seed); ok = within "
               f"{MAX_LOSS_GAP_PERCENT:g}% loss and {MAX_ACCURACY_DROP_POINTS:g} point accuracy of "
               f"dense at >= {MIN_COMPRESSION:g}x (a recipe below dense loss or above its accuracy is within)")
     print(table(cases))

@@ -63,3 +63,19 @@ def test_hook_cost_benchmark_reports_every_configuration(tmp_path):
         assert run["summary"]["no communication"]["added_ms"] == 0
         assert all(v > 0 for v in run["times_ms"].values())
     assert "AdamW recipe" in profile.read_text() and "SGD recipe" in profile.read_text()
+
+
+def test_generality_benchmark_averages_seeds_and_keeps_cases_it_has(tmp_path):
+    saved = tmp_path / "generality.json"
+    args = ("--quick", "--models", "resnet", "--optimizers", "adamw", "--lrs", "1e-3",
+            "--seeds", "2", "--json", str(saved))
+    out = run_script("bench_generality", *args)
+    [case] = json.loads(saved.read_text())
+    assert case["seeds"] == 2 and [run["seed"] for run in case["per_seed"]] == [0, 1]
+    losses = [run["recipe_run"]["loss"] for run in case["per_seed"]]
+    assert case["recipe_run"]["loss"] == sum(losses) / 2 and losses[0] != losses[1]
+    row = next(line for line in out.splitlines() if line.startswith("| resnet"))
+    assert row.split(" | ")[5] == "2" and "points" in row  # the seeds, and the gaps over them
+    again = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_generality.py"), *args],
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert "kept: resnet, adamw, lr 0.001, 2 ranks" in again.stderr  # not run twice

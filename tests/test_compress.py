@@ -177,7 +177,4 @@ def test_machines_set_up_the_two_level_sync_with_the_recipe(optimizer, ratio):
         low, high = (density_for_ratio(r) for r in AUTO_RATIOS[::-1]) if ratio else (0.0, 1.0)
         assert low <= stats["density"] <= high
     ratios = [stats["compression_ratio"] for _, stats, _ in results]
-    if optimizer == "sgd":
-        assert min(ratios) > 4
-    else:  # AdamW's DCT groups of 32,768 values: this 1,669-parameter bucket is one local rank's
-        assert ratios[0] > 1 and math.isnan(ratios[1])  # the other sends nothing between machines
+    assert min(ratios) > 4  # each local rank carries its share of the 1,669-parameter bucket

@@ -495,14 +495,33 @@ def test_min_segments_per_bucket_picks_the_largest_power_of_two_that_gives_them(
     assert state.segment_size_for(numel) == expected
     if minimum and 1 < expected < 512:  # enough segments, and the largest size that gives them
         assert math.ceil(numel / expected) >= minimum > math.ceil(numel / (2 * expected))
-    assert SegmentSparseState(segment_size=512, basis="dct").segment_size_for(numel) == 512
+
+
+@pytest.mark.parametrize("numel, block, expected", [
+    (38_400, 64, 300),  # 600 blocks: 2 groups of 300, not 512 + 88 real blocks of 512
+    (98_304, 64, 512),  # 1,536 blocks: 3 whole groups of 512
+    (6_500_000, 64, 511),  # 101,563 blocks: 199 groups
+    (1_669, 64, 27),  # one group of every block
+    (1, 64, 1),
+])
+def test_dct_groups_share_the_blocks_evenly(numel, block, expected):
+    """The DCT basis cuts as many groups as segments of ``segment_size`` blocks would, then
+    shares the blocks evenly among them, so the last group is not mostly padding."""
+    state = SegmentSparseState(segment_size=512, basis="dct", dct_block_size=block)
+    group = state.segment_size_for(numel)
+    assert group == expected
+    blocks = math.ceil(numel / block)
+    groups = math.ceil(blocks / 512)
+    assert math.ceil(blocks / group) == groups  # as many segments as groups of 512 give
+    assert groups * group - blocks < groups  # padding: under one block per group
 
 
 @pytest.mark.parametrize("numel, block, minimum", [(85_002, 64, 150), (1_247, 16, 150),
                                                    (76_000, 64, 150), (299, 64, 150), (4_096, 8, 40)])
 def test_min_segments_per_bucket_cuts_dct_segments_into_fewer_blocks(numel, block, minimum):
     """With basis="dct" a segment is one frequency of ``segment_size`` blocks: the option cuts
-    segments of fewer blocks, a power of two, so that the bucket has ``minimum`` of them."""
+    segments of fewer blocks, a power of two before the groups are evened out, so that the
+    bucket has ``minimum`` of them."""
     state = SegmentSparseState(segment_size=512, basis="dct", dct_block_size=block,
                                min_segments_per_bucket=minimum)
     group = state.segment_size_for(numel)
@@ -511,11 +530,12 @@ def test_min_segments_per_bucket_cuts_dct_segments_into_fewer_blocks(numel, bloc
     def count(blocks_per_segment):
         return math.ceil(blocks / blocks_per_segment) * block
 
-    assert group & (group - 1) == 0
+    groups = count(group) // block
+    assert groups * group - blocks < groups  # evened out: under one block of padding per group
     if count(512) >= minimum:
-        assert group == 512
-    elif count(1) >= minimum:  # enough, and no smaller than the bound numel / minimum gives
-        assert count(group) >= minimum and 2 * group > blocks * block // minimum
+        assert count(group) == count(512) and group <= 512
+    elif count(1) >= minimum:  # enough, and within 4x of the bound numel / minimum gives
+        assert count(group) >= minimum and 4 * group > blocks * block // minimum
     else:
         assert group == 1
 

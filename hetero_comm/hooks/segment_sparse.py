@@ -81,7 +81,7 @@ class SegmentSparseState(ErrorFeedbackState):
         basis: ``"elements"`` (default): a segment is ``segment_size`` consecutive gradient
             elements; ``"dct"``: each block of ``dct_block_size`` elements goes through an
             orthonormal DCT and a segment is one frequency of ``segment_size`` consecutive
-            blocks, so every selected segment touches all their elements (momentum
+            blocks (at most: a bucket's blocks are shared evenly among its groups), so every selected segment touches all their elements (momentum
             correction then clears the velocity's sent coefficients).
         dct_block_size: the DCT's block, a power of two in [2, 4096] (default 64).
         output: ``"sum"`` (default): the bucket becomes the (weighted) sum of what was sent;
@@ -186,14 +186,23 @@ class SegmentSparseState(ErrorFeedbackState):
         """Elements per segment (``basis="dct"``: blocks per segment) in a bucket, or the part
         of one a plan bucket holds, of ``numel`` elements: ``segment_size``, or with
         ``min_segments_per_bucket`` the power of two :func:`fitting_segment_size` gives when
-        ``segment_size`` leaves fewer segments than that (1 when even that gives too few)."""
+        ``segment_size`` leaves fewer segments than that (1 when even that gives too few).
+        ``basis="dct"``: that size sets the number of groups of blocks, and the blocks are then
+        shared out evenly among them (``ceil(blocks / groups)`` each), so that padding the
+        last group wastes fewer than ``groups`` blocks."""
+        if self.basis != "dct":
+            return self._fitted_size(numel, num_segments(numel, self.segment_size))
+        # a segment: one frequency of ``size`` blocks; the groups then evened out so that the
+        # last one is not mostly padding (a 600-block bucket: 2 groups of 300, not of 512)
+        blocks = num_segments(numel, self.dct_block_size)
+        count = num_segments(blocks, self.segment_size) * self.dct_block_size
+        size = self._fitted_size(blocks * self.dct_block_size, count)
+        return num_segments(blocks, num_segments(blocks, size)) if blocks else size
+
+    def _fitted_size(self, numel: int, count: int) -> int:
+        """``segment_size``, or a smaller power of two where ``count`` segments are fewer
+        than ``min_segments_per_bucket``."""
         minimum = self.min_segments_per_bucket
-        if self.basis == "dct":  # a segment: one frequency of segment_size blocks
-            blocks = num_segments(numel, self.dct_block_size)
-            numel = blocks * self.dct_block_size
-            count = num_segments(blocks, self.segment_size) * self.dct_block_size
-        else:
-            count = num_segments(numel, self.segment_size)
         if not minimum or count >= minimum:
             return self.segment_size
         return min(self.segment_size, fitting_segment_size(numel, minimum))

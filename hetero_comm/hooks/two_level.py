@@ -220,8 +220,8 @@ class TwoLevelState(SegmentSparseState):
 
     def shares_of(self, numel: int) -> Shares:
         """The share layout of a bucket of ``numel`` elements: whole segments (DCT basis:
-        whole groups of blocks) per share."""
-        unit = self.segment_size * (self.dct_block_size if self.basis == "dct" else 1)
+        whole blocks; each share then evens out its own groups) per share."""
+        unit = self.dct_block_size if self.basis == "dct" else self.segment_size
         return Shares(numel, self.groups.local_size, self.groups.local_rank, unit)
 
     # ----------------------------------------------------------------------- running
