@@ -2,7 +2,8 @@
 (issue 34, "Proof: Generality") on a small residual CNN on the digits (``resnet``), a
 byte-level GRU language model on the transformer's text (``gru``) and bench_convergence's
 transformer at 10x its size (``gpt_large``: width 416, 8.46M parameters), with AdamW and with SGD
-(momentum 0.9), at several learning rates and at 2 and 4 gloo ranks.
+(momentum 0.9), at several learning rates and at 2 and 4 gloo ranks; ``resnet_cosine`` is the
+ResNet with the others' warm-up and cosine schedule.
 
 Each case trains the model twice from the same seed: dense allreduce, and the recipe for its
 optimizer as a user runs it: ``hetero_comm.compress`` on the DDP model and the dense optimizer,
@@ -46,6 +47,9 @@ OPTIMIZERS = {  # the dense optimizer's settings, as the user has them
 # Per model: its workload at 2 ranks (global_batch scales with the ranks) and its default rates.
 MODELS = {
     "resnet": dict(model="resnet", hidden=256, epochs=20, global_batch=64),  # 38K parameters
+    # the same with a warm-up and a cosine schedule, as the GRU and the transformer have
+    "resnet_cosine": dict(model="resnet", hidden=256, epochs=20, global_batch=64,
+                          lr_warmup_steps=30, lr_schedule="cosine"),
     "gru": dict(model="gru", hidden=128, epochs=4, global_batch=32, lr_warmup_steps=30,
                 lr_schedule="cosine", clip_norm=1.0),  # 165K parameters
     # bench_convergence's transformer at width 416: 8.46M parameters, 10.1x its 0.83M
@@ -55,6 +59,8 @@ MODELS = {
 LRS = {
     ("resnet", "adamw"): (1e-3, 3e-3, 1e-2),
     ("resnet", "sgd"): (0.02, 0.05, 0.1),
+    ("resnet_cosine", "adamw"): (1e-3, 3e-3, 1e-2),
+    ("resnet_cosine", "sgd"): (0.02, 0.05, 0.1),
     ("gru", "adamw"): (1e-3, 3e-3, 1e-2),
     ("gru", "sgd"): (0.3, 1.0, 3.0),
     ("gpt_large", "adamw"): (3e-4, 1e-3, 3e-3),
