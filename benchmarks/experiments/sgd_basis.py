@@ -5,11 +5,12 @@ element of its blocks, so no coordinate waits many steps for its turn.
 
 Per case and seed: dense, the SGD recipe as users run it (``hetero_comm.compress``), and each
 variant: the lower-level sparse hook with momentum correction (the optimizer prepared as
-``compress`` does) in the DCT basis at the given densities. Prints one table of the means over
+``compress`` does), in the DCT basis at a given density (``dct_0.1``), or the recipe with a
+density warm-up (``warmup_30``: from 1 down to 8% over 30 steps). Prints one table of the means over
 seeds (loss, accuracy, compression) and each variant's gaps to dense paired by seed.
 
 Usage: python benchmarks/experiments/sgd_basis.py [--models resnet,gru] [--lrs 0.02,0.05]
-       [--ranks 2] [--seeds 3] [--densities 0.1] [--out PATH.json]
+       [--ranks 2] [--seeds 3] [--variants dct_0.1,warmup_30] [--out PATH.json]
 """
 
 import argparse
@@ -27,8 +28,21 @@ generality = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(generality)
 
 
-def dct_variant(density: float) -> dict:
-    return dict(density=density, segment_size=512, wire_dtype="int8", basis="dct", momentum=0.9)
+# the SGD recipe's settings (momentum 0.9), as hetero_comm.recipe_for gives them
+SGD_RECIPE = dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150,
+                  momentum=0.9)
+
+
+def variant(name: str) -> dict:
+    """``dct_<density>``: the DCT basis at that density; ``warmup_<steps>``: the recipe with
+    its density falling from 1 over that many steps."""
+    kind, value = name.split("_")
+    if kind == "dct":
+        return dict(density=float(value), segment_size=512, wire_dtype="int8", basis="dct",
+                    momentum=0.9)
+    if kind == "warmup":
+        return dict(SGD_RECIPE, density_warmup_steps=int(value))
+    raise ValueError(f"unknown variant {name!r}: dct_<density> or warmup_<steps>")
 
 
 def run(options: dict, hook: str, settings: dict) -> dict:
@@ -37,17 +51,17 @@ def run(options: dict, hook: str, settings: dict) -> dict:
                 compression=record["dense_bytes_per_step"] / record["bytes_per_step"])
 
 
-def run_case(model: str, lr: float, ranks: int, seeds: int, densities) -> dict:
+def run_case(model: str, lr: float, ranks: int, seeds: int, variants) -> dict:
     """Every row of one case, each a list over seeds."""
     options = dict(generality.MODELS[model], **generality.OPTIMIZERS["sgd"], lr=lr, workers=ranks)
     options["global_batch"] = options["global_batch"] // 2 * ranks
-    rows = {"dense": [], "recipe": [], **{f"dct {d:g}": [] for d in densities}}
+    rows = {"dense": [], "recipe": [], **{name: [] for name in variants}}
     for seed in range(seeds):
         seeded = dict(options, seed=seed)
         rows["dense"].append(run(seeded, "dense", {}))
         rows["recipe"].append(run(seeded, "recipe", {}))
-        for d in densities:
-            rows[f"dct {d:g}"].append(run(dict(seeded, prepare_optimizer=True), "sparse", dct_variant(d)))
+        for name in variants:
+            rows[name].append(run(dict(seeded, prepare_optimizer=True), "sparse", variant(name)))
         print(f"  {model} lr {lr:g} {ranks} ranks seed {seed} done", file=sys.stderr, flush=True)
     return dict(model=model, lr=lr, ranks=ranks, seeds=seeds, rows=rows)
 
@@ -76,17 +90,19 @@ def main() -> int:
     parser.add_argument("--lrs", default=None, help="default: bench_generality's SGD rates per model")
     parser.add_argument("--ranks", default="2")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--densities", default="0.1")
+    parser.add_argument("--variants", default="dct_0.1", help="dct_<density>, warmup_<steps>")
     parser.add_argument("--out", default=None, help="JSON of every run")
     args = parser.parse_args()
-    densities = [float(d) for d in args.densities.split(",")]
+    variants = args.variants.split(",")
+    for name in variants:
+        variant(name)  # a bad name fails before any run
     print("python " + " ".join(sys.argv), flush=True)
     cases = []
     for model in args.models.split(","):
         lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else generality.LRS[model, "sgd"]
         for lr in lrs:
             for ranks in (int(r) for r in args.ranks.split(",")):
-                cases.append(run_case(model, lr, ranks, args.seeds, densities))
+                cases.append(run_case(model, lr, ranks, args.seeds, variants))
                 if args.out:
                     Path(args.out).write_text(json.dumps(cases, indent=1))
     print(table(cases))
