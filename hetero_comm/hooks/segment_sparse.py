@@ -81,8 +81,9 @@ class SegmentSparseState(ErrorFeedbackState):
         basis: ``"elements"`` (default): a segment is ``segment_size`` consecutive gradient
             elements; ``"dct"``: each block of ``dct_block_size`` elements goes through an
             orthonormal DCT and a segment is one frequency of ``segment_size`` consecutive
-            blocks (at most: a bucket's blocks are shared evenly among its groups), so every selected segment touches all their elements (momentum
-            correction then clears the velocity's sent coefficients).
+            blocks (at most: a bucket's blocks are shared evenly among its groups), so every
+            selected segment touches all their elements (momentum correction then clears the
+            velocity's sent coefficients).
         dct_block_size: the DCT's block, a power of two in [2, 4096] (default 64).
         output: ``"sum"`` (default): the bucket becomes the (weighted) sum of what was sent;
             ``"sign"``: its elementwise sign (-1, 0 or 1), a sign step for AdamW with
