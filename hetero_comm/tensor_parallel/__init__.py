@@ -5,7 +5,8 @@ communication overlapped with the compute.
 2. Split: :func:`parallelize_mlps` replaces a model's ``Linear -> activation -> Linear`` blocks by
    :class:`TensorParallelMLP` in place; :class:`ColumnParallelLinear` and
    :class:`RowParallelLinear` split single layers.
-3. Overlap: :func:`tune_chunks` measures the chunk count at which each allreduce hides best.
+3. Overlap: :func:`tune_chunks` measures the chunk count at which the forward's allreduce hides best
+   (the backward's hides behind the weight gradients).
 4. 2-D: :func:`tensor_data_groups` gives the tensor-parallel and data-parallel groups; wrap the
    model in DDP over the data group (any hetero_comm hook).
 """

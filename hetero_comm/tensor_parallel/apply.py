@@ -58,7 +58,7 @@ def parallelize_mlps(model: nn.Module, group=None, *, speeds: Optional[Sequence[
             samples per second): each rank's hidden neurons are proportional. ``None``: equal.
         names: the blocks to split (``model.get_submodule`` names); ``None``: every block
             :func:`find_mlps` finds (an error if there is none).
-        chunks: pieces per allreduce (:func:`tune_chunks` measures the best).
+        chunks: pieces of each block's forward allreduce (:func:`tune_chunks` measures the best).
         multiple: each shard a multiple of this many neurons.
 
     Returns:

@@ -3,9 +3,10 @@
 * :class:`ColumnParallelLinear`: each rank computes its share of the output features.
 * :class:`RowParallelLinear`: each rank multiplies its share of the input features; the
   partial outputs are summed across ranks.
-* :class:`TensorParallelMLP`: ``Linear -> activation -> Linear`` as column then row parallel,
-  with the batch cut into chunks so that chunk ``i``'s allreduce runs while chunk ``i + 1``
-  computes, in the forward (the output) and in the backward (the input's gradient).
+* :class:`TensorParallelMLP`: ``Linear -> activation -> Linear`` as column then row parallel;
+  the forward cuts the batch into chunks so that chunk ``i``'s output allreduce runs while
+  chunk ``i + 1`` computes, the backward's input-gradient allreduce runs while the weight
+  gradients compute.
 """
 
 from typing import Optional, Sequence
@@ -160,52 +161,48 @@ class RowParallelLinear(_TensorParallelLayer):
 
 
 class _ChunkedMLP(torch.autograd.Function):
-    """``sum over ranks of act(x W1_r^T + b1_r) W2_r^T`` for rows ``x`` [N, d], in chunks of
-    rows: each chunk's allreduce (forward: the output; backward: the input's gradient) runs
-    while the next chunk computes; in the backward also while the chunk's weight gradients do."""
+    """``sum over ranks of act(x W1_r^T + b1_r) W2_r^T`` for rows ``x`` [N, d]. Forward: in
+    chunks of rows, each chunk's output allreduce running while the next chunk computes.
+    Backward: in one piece, the input gradient first so that its allreduce runs while the
+    weight gradients (two thirds of the backward's work) compute; cutting it too would only add
+    a latency per piece."""
 
     @staticmethod
     def forward(ctx, rows, weight1, bias1, weight2, activation, chunks, group):
-        pre_activations, outputs, pending = [], [], []
-        for part in torch.tensor_split(rows, chunks):
-            pre = F.linear(part, weight1, bias1)
+        pre_activations = rows.new_empty(rows.shape[0], weight1.shape[0])
+        outputs, pending = [], []
+        for part, pre in zip(torch.tensor_split(rows, chunks), torch.tensor_split(pre_activations, chunks)):
+            if bias1 is None:
+                torch.mm(part, weight1.t(), out=pre)
+            else:
+                torch.addmm(bias1, part, weight1.t(), out=pre)
             output = F.linear(activation(pre), weight2)
             pending.append(dist.all_reduce(output, group=group, async_op=True))
-            pre_activations.append(pre)
             outputs.append(output)
         for work in pending:
             work.wait()
-        ctx.save_for_backward(rows, weight1, weight2, *pre_activations)
-        ctx.activation, ctx.chunks, ctx.group = activation, chunks, group
+        ctx.save_for_backward(rows, weight1, weight2, pre_activations)
+        ctx.activation, ctx.group = activation, group
         ctx.has_bias1 = bias1 is not None
         return torch.cat(outputs)
 
     @staticmethod
     def backward(ctx, gradient):
-        rows, weight1, weight2, *pre_activations = ctx.saved_tensors
-        weight1_grad, weight2_grad = torch.zeros_like(weight1), torch.zeros_like(weight2)
-        bias1_grad = torch.zeros(weight1.shape[0], dtype=weight1.dtype, device=weight1.device)
-        input_grads, pending = [], []
-        parts = zip(torch.tensor_split(rows, ctx.chunks), torch.tensor_split(gradient, ctx.chunks),
-                    pre_activations)
-        for part, output_grad, pre in parts:
-            with torch.enable_grad():
-                pre = pre.detach().requires_grad_()
-                hidden = ctx.activation(pre)
-            pre_grad, = torch.autograd.grad(hidden, pre, output_grad @ weight2)
-            if ctx.needs_input_grad[0]:  # first, so that its allreduce runs behind what follows
-                input_grad = pre_grad @ weight1  # this rank's part of the sum
-                pending.append(dist.all_reduce(input_grad, group=ctx.group, async_op=True))
-                input_grads.append(input_grad)
-            # Nothing waits for the weights' gradients: they hide this chunk's allreduce.
-            weight2_grad += output_grad.t() @ hidden.detach()
-            weight1_grad += pre_grad.t() @ part
-            bias1_grad += pre_grad.sum(0)
-        for work in pending:
+        rows, weight1, weight2, pre = ctx.saved_tensors
+        with torch.enable_grad():
+            pre = pre.detach().requires_grad_()
+            hidden = ctx.activation(pre)
+        pre_grad, = torch.autograd.grad(hidden, pre, gradient @ weight2)
+        rows_grad = work = None
+        if ctx.needs_input_grad[0]:  # first, so that its allreduce runs behind what follows
+            rows_grad = pre_grad @ weight1  # this rank's part of the sum
+            work = dist.all_reduce(rows_grad, group=ctx.group, async_op=True)
+        weight2_grad = gradient.t() @ hidden.detach()
+        weight1_grad = pre_grad.t() @ rows
+        bias1_grad = pre_grad.sum(0) if ctx.has_bias1 else None
+        if work is not None:
             work.wait()
-        rows_grad = torch.cat(input_grads) if ctx.needs_input_grad[0] else None
-        return rows_grad, weight1_grad, bias1_grad if ctx.has_bias1 else None, weight2_grad, \
-            None, None, None
+        return rows_grad, weight1_grad, bias1_grad, weight2_grad, None, None, None
 
 
 class TensorParallelMLP(_TensorParallelLayer):
@@ -214,15 +211,15 @@ class TensorParallelMLP(_TensorParallelLayer):
 
     Each rank holds rows ``shard_range(sizes, rank)`` of ``fc1`` and the same columns of
     ``fc2``; ``fc2``'s bias is added once. Input and output: the whole tensor, the same on every
-    rank. Per step: one allreduce of the output (forward) and one of the input's gradient
-    (backward), each cut into ``chunks`` pieces along the rows, so the allreduce of one piece
-    runs while the next piece computes.
+    rank. Per step: one allreduce of the output (forward), cut into ``chunks`` pieces along
+    the rows so that the allreduce of one piece runs while the next piece computes, and one of
+    the input's gradient (backward), which runs while the weight gradients compute.
 
     Args:
         fc1, activation, fc2: the MLP to split (``fc1.out_features == fc2.in_features``); the
             group's first rank's weights are used (a broadcast at construction).
-        sizes: hidden neurons per rank; ``chunks``: pieces per allreduce (>= 1; see
-            :func:`~hetero_comm.tensor_parallel.tune_chunks`).
+        sizes: hidden neurons per rank; ``chunks``: pieces of the forward's allreduce (>= 1;
+            see :func:`~hetero_comm.tensor_parallel.tune_chunks`).
     """
 
     def __init__(self, fc1: nn.Linear, activation: nn.Module, fc2: nn.Linear, sizes: Sequence[int],
