@@ -98,14 +98,15 @@ def local_shards(model, sizes):
 
 
 def communication_seconds(rows_shape, blocks: int, steps: int, chunks: int) -> float:
-    """The step's allreduces alone: per block one forward and one backward, in ``chunks``."""
-    buffers = [torch.randn(rows_shape) for _ in range(2 * blocks)]
+    """The step's allreduces alone, as the blocks issue them: per block one forward, in
+    ``chunks``, and one backward, whole."""
+    buffers = [(torch.randn(rows_shape), pieces) for pieces in (chunks, 1) for _ in range(blocks)]
     seconds = []
     for index in range(steps + 2):
         dist.barrier()
         start = time.perf_counter()
-        for buffer in buffers:
-            pending = [dist.all_reduce(part, async_op=True) for part in torch.tensor_split(buffer, chunks)]
+        for buffer, pieces in buffers:
+            pending = [dist.all_reduce(part, async_op=True) for part in torch.tensor_split(buffer, pieces)]
             for work in pending:
                 work.wait()
         if index >= 2:
