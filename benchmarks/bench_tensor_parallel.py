@@ -23,7 +23,7 @@ between two machines; without it the ranks talk over loopback.
 
 Usage: python benchmarks/bench_tensor_parallel.py [--fast-cores 1.0] [--slow-cores 0.5]
        [--width 512] [--blocks 4] [--rows 1024] [--steps 12] [--link 1gbit]
-       [--quota-period-us 5000] [--json PATH]
+       [--quota-period-us 5000] [--chunks 1,2,4,8] [--json PATH]
 """
 
 import argparse
@@ -128,7 +128,7 @@ def bench_rank(rank, world_size, args):
     by_speed = make_model(args.width, args.blocks)
     parallelize_mlps(by_speed, speeds=speeds, multiple=16)
     results["by speed"] = step_seconds(by_speed, rows, args.steps)
-    chunks = tune_chunks(by_speed, rows, candidates=(1, 2, 4, 8))
+    chunks = tune_chunks(by_speed, rows, candidates=args.chunks or (1, 2, 4, 8))
     results["by speed + overlap"] = step_seconds(by_speed, rows, args.steps)
     compute = torch.tensor([step_seconds(local_shards(make_model(args.width, args.blocks), sizes),
                                          rows, args.steps)])
@@ -228,6 +228,8 @@ def main() -> None:
     parser.add_argument("--quota-period-us", type=int, default=5000,
                         help="the CPU quota's period: a throttled rank runs, then pauses, within it")
     parser.add_argument("--link", default=None, help="e.g. 1gbit: a rate-limited link between the ranks")
+    parser.add_argument("--chunks", type=lambda text: tuple(int(c) for c in text.split(",")),
+                        default=None, help="the chunk counts tune_chunks tries (default 1,2,4,8)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     reason = cpu_quota_unavailable()
