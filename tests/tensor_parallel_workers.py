@@ -150,3 +150,26 @@ def bad_input_messages(rank, world_size):
         "speeds per rank": message(lambda: parallelize_mlps(mlp, speeds=[1.0])),
         "groups do not divide": message(lambda: tensor_data_groups(3)),
     }
+
+
+def tune_chunks_agrees(rank, world_size):
+    """tune_chunks on a split model: the count every rank chose, what its blocks hold, whether
+    the output after tuning is the output before, and the errors for bad candidates."""
+    from hetero_comm.tensor_parallel import tune_chunks
+    model = make_model(torch.float64)
+    parallelize_mlps(model)
+    inputs, _ = make_batch(torch.float64, rows=16)
+    before = model(inputs).detach()
+    chosen = tune_chunks(model, inputs, candidates=(1, 2, 4), repeats=2)
+    chunks = {m.chunks for m in model.modules() if isinstance(m, TensorParallelMLP)}
+    errors = []
+    for bad in ((1, 0), ()):
+        try:
+            tune_chunks(model, inputs, candidates=bad)
+        except ValueError as error:
+            errors.append(str(error))
+    try:
+        tune_chunks(nn.Sequential(nn.Linear(6, 6)), inputs)
+    except ValueError as error:
+        errors.append(str(error))
+    return chosen, chunks, torch.equal(model(inputs).detach(), before), errors

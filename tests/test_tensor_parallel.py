@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hetero_comm.lab.launch import run_ranks
 from hetero_comm.tensor_parallel import find_mlps, shard_range, shard_sizes
 from tensor_parallel_workers import (bad_input_messages, single_layers_match_whole, split_mlps_match_whole,
-                                     two_dimensional_matches_whole)
+                                     tune_chunks_agrees, two_dimensional_matches_whole)
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
 
@@ -100,3 +100,13 @@ def test_bad_setups_are_clear_errors():
     }
     for case, start in expected.items():
         assert messages[case].startswith(start), (case, messages[case])
+
+
+def test_tune_chunks_sets_one_count_every_rank_agrees_on():
+    results = run_ranks(2, tune_chunks_agrees, timeout=300)
+    chosen = {result[0] for result in results}
+    assert len(chosen) == 1 and chosen <= {1, 2, 4}
+    for _, chunks, unchanged, errors in results:
+        assert chunks == chosen and unchanged  # float64, the same pieces' sums: equal either way
+        assert "chunk count must be" in errors[0] and "at least one candidate" in errors[1]
+        assert "no TensorParallelMLP block" in errors[2]

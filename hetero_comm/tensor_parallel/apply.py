@@ -1,5 +1,8 @@
 """Split an existing model's MLP blocks over a process group, and pick the chunk count."""
 
+import math
+import statistics
+import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -94,23 +97,52 @@ def _median_step_seconds(model: nn.Module, sample: torch.Tensor, repeats: int) -
     return seconds
 
 
+def _training_step(model: nn.Module, sample: torch.Tensor) -> None:
+    model(sample).sum().backward()
+    if sample.device.type == "cuda":
+        torch.cuda.synchronize(sample.device)
+
+
+def _agreed_calls_per_sample(model: nn.Module, sample: torch.Tensor, group) -> int:
+    """Steps per timed sample, enough for 0.05 s on every rank (a CPU quota shows only over
+    many periods) and the same on every rank: each step is collective."""
+    _training_step(model, sample)
+    start = time.perf_counter()
+    _training_step(model, sample)
+    needed = torch.tensor([math.ceil(0.05 / max(time.perf_counter() - start, 1e-9))])
+    dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=group)
+    return int(needed.item())
+
+
 def tune_chunks(model: nn.Module, sample: torch.Tensor, group=None,
-                candidates: Sequence[int] = (1, 2, 4, 8), repeats: int = 3) -> int:
+                candidates: Sequence[int] = (1, 2, 4, 8), repeats: int = 5) -> int:
     """Time a forward and backward of ``model`` on ``sample`` with each chunk count of its
     :class:`TensorParallelMLP` blocks and set the fastest (the slowest rank's time decides).
-    Collective. Returns the chosen count."""
+    The candidates take turns, ``repeats`` rounds, and each is judged by its median, so a
+    drift in the machine's speed during tuning favours none. Collective. Returns the chosen
+    count."""
     check_int("repeats", repeats, 1)
+    candidates = [check_int("chunk count", candidate, 1) for candidate in candidates]
+    if not candidates:
+        raise ValueError("tune_chunks needs at least one candidate chunk count")
     blocks = [m for m in model.modules() if isinstance(m, TensorParallelMLP)]
     if not blocks:
         raise ValueError("the model has no TensorParallelMLP block to tune")
-    times = []
-    for candidate in candidates:
-        for block in blocks:
-            block.chunks = check_int("chunk count", candidate, 1)
-        elapsed = torch.tensor([_median_step_seconds(model, sample, repeats)], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-        times.append(elapsed.item())
-    best = candidates[times.index(min(times))]
+    calls = _agreed_calls_per_sample(model, sample, group)
+    samples: List[List[float]] = [[] for _ in candidates]
+    for _ in range(repeats):
+        for index, candidate in enumerate(candidates):
+            for block in blocks:
+                block.chunks = candidate
+            _training_step(model, sample)  # warm, at this chunk count
+            start = time.perf_counter()
+            for _ in range(calls):
+                _training_step(model, sample)
+            samples[index].append((time.perf_counter() - start) / calls)
+    model.zero_grad(set_to_none=True)
+    medians = torch.tensor([statistics.median(times) for times in samples], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
+    best = candidates[int(torch.argmin(medians))]
     for block in blocks:
         block.chunks = best
     return best
