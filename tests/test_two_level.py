@@ -219,16 +219,23 @@ def test_one_step_whose_codec_ate_the_window_does_not_move_the_density():
     assert math.isclose(values * auto.bytes_per_value(density), 1e5, rel_tol=0.05)
 
 
+def drive_link(auto: AutoDensity, values: int, density: float, steps: int, seconds_for) -> float:
+    """``steps`` steps of ``values`` values a step over a synthetic link whose exchange of
+    ``sent`` bytes takes ``seconds_for(sent)``, a 0.1 s window each: the density they end at."""
+    for _ in range(steps):
+        sent = values * auto.bytes_per_value(density)
+        auto.add_exchange(int(sent), seconds_for(sent), 0.0)
+        density = auto.propose(0.1, 0.1, density)
+    return density
+
+
 def test_automatic_density_sees_through_a_latency_that_does_not_grow_with_the_bytes():
     """A 1 Gbit/s link (125 MB/s) whose collectives also wait 37 ms (latency, the other
     machine's ranks): a 0.1 s window affords 12.5 MB. Bytes over seconds would settle at 7.9 MB
     (where 0.037 + bytes / 125e6 = 0.1); the slope of seconds against bytes finds 125 MB/s."""
     auto = AutoDensity(0.01, 1.0, wire_bytes_per_value=1, segment_size=512)
-    values, density = 20_000_000, 1.0
-    for _ in range(30):
-        sent = values * auto.bytes_per_value(density)
-        auto.add_exchange(int(sent), 0.037 + sent / 125e6, 0.0)
-        density = auto.propose(0.1, 0.1, density)
+    values = 20_000_000
+    density = drive_link(auto, values, 1.0, 30, lambda sent: 0.037 + sent / 125e6)
     assert math.isclose(values * auto.bytes_per_value(density), 12.5e6, rel_tol=0.05)
     resumed = AutoDensity(0.01, 1.0, wire_bytes_per_value=1, segment_size=512)
     resumed.load_state_dict(auto.state_dict())
@@ -241,17 +248,11 @@ def test_a_fitted_bandwidth_expires_when_the_link_slows_and_no_line_fits():
     """Fitted on a fast link, then the link is 10x slower with seconds that no line fits
     (noise around the wire time): the old fit is dropped and the density follows the slow link."""
     auto = AutoDensity(0.01, 1.0, wire_bytes_per_value=1, segment_size=512)
-    values, density = 20_000_000, 1.0
-    for _ in range(30):
-        sent = values * auto.bytes_per_value(density)
-        auto.add_exchange(int(sent), 0.037 + sent / 125e6, 0.0)
-        density = auto.propose(0.1, 0.1, density)
+    values = 20_000_000
+    density = drive_link(auto, values, 1.0, 30, lambda sent: 0.037 + sent / 125e6)
     noise = torch.Generator().manual_seed(1)
-    for _ in range(60):
-        sent = values * auto.bytes_per_value(density)
-        jitter = 1 + 0.5 * float(torch.rand(1, generator=noise))
-        auto.add_exchange(int(sent), jitter * sent / 12.5e6, 0.0)
-        density = auto.propose(0.1, 0.1, density)
+    density = drive_link(auto, values, density, 60,
+                         lambda sent: (1 + 0.5 * float(torch.rand(1, generator=noise))) * sent / 12.5e6)
     # 12.5 MB/s x 0.1 s = 1.25 MB a step at most (the jittered seconds read the link slower still)
     assert density > 0.01 and values * auto.bytes_per_value(density) <= 1.25e6 * 1.05
 

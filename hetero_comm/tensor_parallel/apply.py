@@ -16,6 +16,10 @@ from .shards import shard_sizes
 
 __all__ = ["find_mlps", "parallelize_mlps", "tune_chunks", "measure_speeds"]
 
+# A timed sample runs steps back to back for at least this long: a CPU quota shows only over
+# many of its periods.
+MIN_SAMPLE_SECONDS = 0.05
+
 
 def _is_activation(module: nn.Module) -> bool:
     return not isinstance(module, nn.Linear) and not any(True for _ in module.parameters())
@@ -87,12 +91,11 @@ def parallelize_mlps(model: nn.Module, group=None, *, speeds: Optional[Sequence[
 
 
 def _median_step_seconds(model: nn.Module, sample: torch.Tensor, repeats: int) -> float:
-    """Median seconds of a forward and backward, each sample at least 0.05 s of calls (a CPU
-    quota shows only over many of its periods)."""
-    def step():
-        model(sample).sum().backward()
-
-    seconds = _median_seconds(step, repeats, warmup=1, min_sample_s=0.05, device=sample.device)
+    """Median seconds of a forward and backward, each sample at least
+    :data:`MIN_SAMPLE_SECONDS` of calls. Each rank picks its own number of calls: ``model``
+    must not communicate (see :func:`_agreed_calls_per_sample` for one that does)."""
+    seconds = _median_seconds(lambda: _training_step(model, sample), repeats, warmup=1,
+                              min_sample_s=MIN_SAMPLE_SECONDS, device=sample.device)
     model.zero_grad(set_to_none=True)
     return seconds
 
@@ -104,12 +107,12 @@ def _training_step(model: nn.Module, sample: torch.Tensor) -> None:
 
 
 def _agreed_calls_per_sample(model: nn.Module, sample: torch.Tensor, group) -> int:
-    """Steps per timed sample, enough for 0.05 s on every rank (a CPU quota shows only over
-    many periods) and the same on every rank: each step is collective."""
+    """Steps per timed sample, enough for :data:`MIN_SAMPLE_SECONDS` on every rank and the
+    same on every rank: each step is collective."""
     _training_step(model, sample)
     start = time.perf_counter()
     _training_step(model, sample)
-    needed = torch.tensor([math.ceil(0.05 / max(time.perf_counter() - start, 1e-9))])
+    needed = torch.tensor([math.ceil(MIN_SAMPLE_SECONDS / max(time.perf_counter() - start, 1e-9))])
     dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=group)
     return int(needed.item())
 

@@ -169,26 +169,24 @@ class _ChunkedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, weight1, bias1, weight2, activation, chunks, group):
-        pre_activations = rows.new_empty(rows.shape[0], weight1.shape[0])
-        outputs, pending = [], []
-        for part, pre in zip(torch.tensor_split(rows, chunks), torch.tensor_split(pre_activations, chunks)):
-            if bias1 is None:
-                torch.mm(part, weight1.t(), out=pre)
-            else:
-                torch.addmm(bias1, part, weight1.t(), out=pre)
+        pre_activations, outputs, pending = [], [], []
+        for part in torch.tensor_split(rows, chunks):
+            pre = F.linear(part, weight1, bias1)  # as the whole layer would (autocast included)
             output = F.linear(activation(pre), weight2)
             pending.append(dist.all_reduce(output, group=group, async_op=True))
+            pre_activations.append(pre)
             outputs.append(output)
         for work in pending:
             work.wait()
-        ctx.save_for_backward(rows, weight1, weight2, pre_activations)
+        ctx.save_for_backward(rows, weight1, weight2, *pre_activations)
         ctx.activation, ctx.group = activation, group
         ctx.has_bias1 = bias1 is not None
         return torch.cat(outputs)
 
     @staticmethod
     def backward(ctx, gradient):
-        rows, weight1, weight2, pre = ctx.saved_tensors
+        rows, weight1, weight2, *pre_activations = ctx.saved_tensors
+        pre = pre_activations[0] if len(pre_activations) == 1 else torch.cat(pre_activations)
         with torch.enable_grad():
             pre = pre.detach().requires_grad_()
             hidden = ctx.activation(pre)
