@@ -15,14 +15,15 @@ rows, in turn, on the same two ranks:
 For the last two, the parts run apart: *compute* = the slower rank's step with its shards as
 plain local layers (no communication), *communication* = the step's allreduces alone (one of
 rows x width per block forward, one backward). Hidden share = (compute + communication - step)
-/ communication.
+/ communication. Every configuration and both parts are measured in turns (``--rounds``, ``--steps``
+each), and each figure is the median over the turns.
 
 With ``--link RATE`` (e.g. ``1gbit``; root, network namespaces) each rank runs in its own
 namespace and their traffic crosses a real rate-limited link (``RateLimitedNetwork``), as
 between two machines; without it the ranks talk over loopback.
 
 Usage: python benchmarks/bench_tensor_parallel.py [--fast-cores 1.0] [--slow-cores 0.5]
-       [--width 512] [--blocks 4] [--rows 1024] [--steps 12] [--link 1gbit]
+       [--width 512] [--blocks 4] [--rows 1024] [--steps 4] [--rounds 5] [--link 1gbit]
        [--quota-period-us 5000] [--chunks 1,2,4,8] [--json PATH]
 """
 
@@ -62,7 +63,7 @@ def make_model(width: int, blocks: int) -> nn.Sequential:
     return nn.Sequential(*[Residual(width, 4 * width) for _ in range(blocks)])
 
 
-def step_seconds(model, rows, steps: int, warmup: int = 2) -> float:
+def step_seconds(model, rows, steps: int, warmup: int = 1) -> float:
     """Median seconds of a forward, backward and SGD step (ranks start each step together)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     seconds = []
@@ -97,46 +98,74 @@ def local_shards(model, sizes):
     return model
 
 
-def communication_seconds(rows_shape, blocks: int, steps: int, chunks: int) -> float:
+def communication_seconds(rows_shape, blocks: int, steps: int, chunks: int,
+                          clock=time.perf_counter) -> float:
     """The step's allreduces alone, as the blocks issue them: per block one forward, in
-    ``chunks``, and one backward, whole."""
+    ``chunks``, and one backward, whole. ``clock=time.process_time``: the CPU time they take
+    (every thread of this rank, gloo's included)."""
     buffers = [(torch.randn(rows_shape), pieces) for pieces in (chunks, 1) for _ in range(blocks)]
     seconds = []
-    for index in range(steps + 2):
+    for index in range(steps + 1):
         dist.barrier()
-        start = time.perf_counter()
+        start = clock()
         for buffer, pieces in buffers:
             pending = [dist.all_reduce(part, async_op=True) for part in torch.tensor_split(buffer, pieces)]
             for work in pending:
                 work.wait()
-        if index >= 2:
-            seconds.append(time.perf_counter() - start)
+        if index >= 1:
+            seconds.append(clock() - start)
     return statistics.median(seconds)
+
+
+def slowest_rank(seconds: float) -> float:
+    """The largest of every rank's ``seconds``: a tensor-parallel step waits for the slowest."""
+    value = torch.tensor([seconds])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
+def measure_in_turns(measures: dict, rounds: int) -> dict:
+    """Each measure's median over ``rounds`` turns, every turn taking the measures one after
+    another: a drift of the machine's speed during the run moves all of them alike (measured
+    in phases instead, the compute-alone time moved 322-349 ms between runs)."""
+    samples = {name: [] for name in measures}
+    for _ in range(rounds):
+        for name, measure in measures.items():
+            samples[name].append(measure())
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def bench_rank(rank, world_size, args):
     torch.manual_seed(1)
     rows = torch.randn(args.rows, args.width)
-    results = {"torch TP": step_seconds(torch_tensor_parallel(make_model(args.width, args.blocks)),
-                                        rows, args.steps)}
     hidden = 4 * args.width
+    torch_tp = torch_tensor_parallel(make_model(args.width, args.blocks))
     even = make_model(args.width, args.blocks)
     parallelize_mlps(even)
-    results["even"] = step_seconds(even, rows, args.steps)
     speeds = measure_speeds(make_model(args.width, 1)[0].mlp, rows)
     sizes = shard_sizes(hidden, speeds, multiple=16)
-    by_speed = make_model(args.width, args.blocks)
+    by_speed, overlapped = make_model(args.width, args.blocks), make_model(args.width, args.blocks)
     parallelize_mlps(by_speed, speeds=speeds, multiple=16)
-    results["by speed"] = step_seconds(by_speed, rows, args.steps)
-    chunks = tune_chunks(by_speed, rows, candidates=args.chunks or (1, 2, 4, 8))
-    results["by speed + overlap"] = step_seconds(by_speed, rows, args.steps)
-    compute = torch.tensor([step_seconds(local_shards(make_model(args.width, args.blocks), sizes),
-                                         rows, args.steps)])
-    dist.all_reduce(compute, op=dist.ReduceOp.MAX)
-    parts = {1: communication_seconds(rows.shape, args.blocks, args.steps, 1),
-             chunks: communication_seconds(rows.shape, args.blocks, args.steps, chunks)}
-    return dict(steps=results, speeds=speeds, sizes=sizes, chunks=chunks,
-                compute=compute.item(), communication=parts)
+    parallelize_mlps(overlapped, speeds=speeds, multiple=16)
+    chunks = tune_chunks(overlapped, rows, candidates=args.chunks or (1, 2, 4, 8))
+    compute = local_shards(make_model(args.width, args.blocks), sizes)
+    steps = args.steps
+    measured = measure_in_turns({
+        "torch TP": lambda: step_seconds(torch_tp, rows, steps),
+        "even": lambda: step_seconds(even, rows, steps),
+        "by speed": lambda: step_seconds(by_speed, rows, steps),
+        "by speed + overlap": lambda: step_seconds(overlapped, rows, steps),
+        "compute": lambda: slowest_rank(step_seconds(compute, rows, steps)),
+        1: lambda: communication_seconds(rows.shape, args.blocks, steps, 1),
+        chunks: lambda: communication_seconds(rows.shape, args.blocks, steps, chunks),
+        "communication CPU": lambda: slowest_rank(communication_seconds(
+            rows.shape, args.blocks, steps, 1, clock=time.process_time)),
+    }, args.rounds)
+    return dict(steps={name: measured[name] for name in ("torch TP", "even", "by speed",
+                                                         "by speed + overlap")},
+                speeds=speeds, sizes=sizes, chunks=chunks, compute=measured["compute"],
+                communication={count: measured[count] for count in {1, chunks}},
+                communication_cpu=measured["communication CPU"], rounds=args.rounds)
 
 
 @contextlib.contextmanager
@@ -215,6 +244,9 @@ def print_table(result, args) -> None:
               f"{communication * 1e3:.1f} ms ({chunks} chunks) = "
               f"{(result['compute'] + communication) * 1e3:.1f} ms; step {steps[name] * 1e3:.1f} ms: "
               f"{hidden * 100:.0f}% of the communication hidden")
+    cpu = result["communication_cpu"]
+    print(f"the communication alone (1 chunk) keeps a rank's CPU busy {cpu * 1e3:.1f} ms a step "
+          f"(the most of the ranks): time its compute cannot have, however it overlaps")
 
 
 def main() -> None:
@@ -224,7 +256,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--rows", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration and turn")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="turns: every configuration measured once in each, the median taken")
     parser.add_argument("--quota-period-us", type=int, default=5000,
                         help="the CPU quota's period: a throttled rank runs, then pauses, within it")
     parser.add_argument("--link", default=None, help="e.g. 1gbit: a rate-limited link between the ranks")
