@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hetero_comm.hooks import MachineLayout
-from hetero_comm.hooks._auto_density import AutoDensity
+from hetero_comm.hooks._auto_density import FIT_STEPS, MAX_BANDWIDTH, AutoDensity, bandwidth_at_least
 from hetero_comm.hooks.two_level import Shares
 from hetero_comm.lab.baselines import dequantize_int4, quantize_int4
 from hetero_comm.lab.launch import run_ranks
@@ -257,21 +257,59 @@ def test_a_fitted_bandwidth_expires_when_the_link_slows_and_no_line_fits():
     assert density > 0.01 and values * auto.bytes_per_value(density) <= 1.25e6 * 1.05
 
 
-def test_automatic_density_keeps_the_lower_bound_when_the_seconds_do_not_follow_the_bytes():
-    """Seconds that are noise around a constant (no line fits) leave bytes over seconds."""
-    auto = AutoDensity(0.01, 1.0, wire_bytes_per_value=1, segment_size=512)
+def spread_exchanges(seconds_for, steps: int = 16) -> list:
+    """(bytes, seconds) of ``steps`` exchanges of 1-4 MB, ``seconds_for(bytes, noise)`` each."""
     noise = torch.Generator().manual_seed(0)
-    for step in range(20):
-        sent = 1e6 * (1 + step % 4)
-        auto.add_exchange(int(sent), 0.05 + 0.02 * float(torch.rand(1, generator=noise)), 0.0)
-        auto.propose(0.1, 0.1, 0.1)
-    assert auto._fitted_bandwidth == 0.0  # no line was trusted
-    slope_fitted = AutoDensity(0.01, 1.0, wire_bytes_per_value=1, segment_size=512)
-    for step in range(20):  # the same bytes, seconds on a line: fitted (the check above can fail)
-        sent = 1e6 * (1 + step % 4)
-        slope_fitted.add_exchange(int(sent), 0.05 + sent / 1e8, 0.0)
-        slope_fitted.propose(0.1, 0.1, 0.1)
-    assert math.isclose(slope_fitted._fitted_bandwidth, 1e8, rel_tol=1e-6)
+    return [(sent, seconds_for(sent, float(torch.rand(1, generator=noise))))
+            for sent in (1e6 * (1 + step % 4) for step in range(steps))]
+
+
+def test_the_bandwidth_is_read_from_the_slope_taken_high_by_its_error():
+    # seconds on a line: the line's bandwidth
+    line = bandwidth_at_least(spread_exchanges(lambda sent, _: 0.05 + sent / 1e8))
+    assert math.isclose(line, 1e8, rel_tol=1e-6)
+    # flat seconds (latency, waiting) while the bytes spread 4x: 3 MB more cost nothing
+    # measurable, the link is fast (at least 3 MB per two standard errors of 20 ms noise)
+    flat = bandwidth_at_least(spread_exchanges(lambda sent, u: 0.05 + 0.02 * u))
+    assert flat > 1e8
+    # a 1e8 B/s line under noise ten times its spread: little evidence, a low bandwidth
+    noisy = bandwidth_at_least(spread_exchanges(lambda sent, u: 0.05 + sent / 1e8 + 0.3 * u))
+    assert noisy < 0.2e8
+    # bytes that do not spread: nothing can be read
+    assert bandwidth_at_least([(1e6, 0.05 + 0.01 * i) for i in range(16)]) is None
+    flat_exact = bandwidth_at_least([(1e6 * (1 + i % 2), 0.05) for i in range(16)])
+    assert flat_exact == MAX_BANDWIDTH
+
+
+def test_a_latency_bound_exchange_pinned_at_the_floor_probes_and_rises():
+    """Seconds that are all latency (50 ms, longer than the 40 ms window): bytes over seconds
+    reads a slow link and pins the floor, where the bytes never spread. A probe step at twice
+    the density shows the seconds do not grow, and the density climbs to the ceiling."""
+    values = 1_000_000
+
+    def latency_bound(sent):
+        return 0.05 + sent / 125e6
+
+    auto = AutoDensity(0.01, 0.25, wire_bytes_per_value=1, segment_size=512)
+    densities = []
+    density = 0.01
+    for _ in range(40):
+        sent = values * auto.bytes_per_value(density)
+        auto.add_exchange(int(sent), latency_bound(sent), 0.0)
+        density = auto.propose(0.04, 0.04, density)
+        densities.append(density)
+    assert densities[:FIT_STEPS - 1] == [0.01] * (FIT_STEPS - 1)  # pinned until the probe
+    assert densities[FIT_STEPS - 1] == 0.02  # the probe
+    assert density == 0.25
+    # a slow link at the floor probes too, and returns: one step in FIT_STEPS + 1 at 2x
+    slow = AutoDensity(0.01, 0.25, wire_bytes_per_value=1, segment_size=512)
+    density, probes = 0.01, 0
+    for _ in range(3 * (FIT_STEPS + 1)):
+        sent = values * slow.bytes_per_value(density)
+        slow.add_exchange(int(sent), sent / 1e5, 0.0)
+        density = slow.propose(0.04, 0.04, density)
+        probes += density > 0.01
+    assert density == 0.01 and 1 <= probes <= 3
 
 
 def test_without_a_window_the_exchange_takes_a_quarter_of_the_compute():

@@ -8,9 +8,13 @@ between machines sent and the seconds those collectives took (the measured bandw
 and the seconds it spent encoding and decoding. A collective's seconds include its latency and
 the wait for the other machines' ranks, which do not grow with the bytes: on a fast link they
 are most of it (37 ms for 1 ms of wire at 1 Gbit/s), so bytes over seconds underestimates the
-bandwidth there. ``R`` is therefore the slope of seconds against bytes over the last steps
-(whose bytes differ as the density moves), where that line fits, and never below this step's
-bytes over seconds (a lower bound). The time a step can give the exchange is the
+bandwidth there. ``R`` is therefore read from the slope of seconds against bytes over the last
+steps (whose bytes differ as the density moves), the slope taken two standard errors high: a
+clean line gives the link's bandwidth, seconds that stay flat while the bytes spread widely
+give a fast link (the bytes cost nothing measurable), and a line lost in noise gives little.
+``R`` is never below this step's bytes over seconds (a lower bound). Where the bytes have not
+spread for as many steps (the density pinned, typically at the floor by a latency-bound
+exchange), one step probes at twice the density, so that the slope can be read. The time a step can give the exchange is the
 window, or a quarter of the compute where that is longer (a model of one bucket has no window:
 its exchange then adds at most a quarter to the step); the bytes it can afford are ``R`` times
 that time less the codec's; the density that sends them follows from how the recipe's
@@ -45,10 +49,12 @@ HISTORY_STEPS = 256
 # not swing the density from ceiling to floor at once.
 MAX_STEP_FACTOR = 2.0
 # The bandwidth fit: over this many steps' (bytes, seconds), once the bytes spread by this
-# share of their mean and the line explains the seconds (correlation at least MIN_CORRELATION).
-FIT_STEPS = 16  # also how long a fitted bandwidth is used once no line fits any more
+# share of their mean; the slope is taken SLOPE_ERRORS standard errors high.
+FIT_STEPS = 16  # also how long a fitted bandwidth is used once no fit is possible
+MIN_FIT_POINTS = 4
 MIN_SPREAD = 0.1
-MIN_CORRELATION = 0.8
+SLOPE_ERRORS = 2.0
+MAX_BANDWIDTH = 1e12  # bytes per second: what flat seconds read as (no link is faster)
 
 
 class AutoDensity:
@@ -104,11 +110,14 @@ class AutoDensity:
             per_value = statistics.median(self._affordable) / values
             proposal = (per_value - self.importance_bytes) / self.wire_bytes
             proposal = min(max(proposal, density / MAX_STEP_FACTOR), density * MAX_STEP_FACTOR)
+            if self._should_probe(density):
+                proposal = density * MAX_STEP_FACTOR
         proposal = min(max(proposal, self.floor), self.ceiling)
         self.history.append(dict(window_seconds=window_seconds, compute_seconds=compute_seconds,
                                  link_seconds=self.link_seconds,
                                  codec_seconds=self.codec_seconds, sent_bytes=self.sent_bytes,
-                                 density=density, proposal=proposal))
+                                 density=density, proposal=proposal,
+                                 bandwidth=self._fitted_bandwidth))
         self.reset_step()
         return proposal
 
@@ -119,17 +128,15 @@ class AutoDensity:
         self._fit_age += 1
         if self._fit_age > FIT_STEPS:  # a link that slowed must not keep an old, faster fit
             self._fitted_bandwidth = 0.0
-        if len(self._exchanges) >= 4:
-            count = len(self._exchanges)
-            mean_bytes = sum(b for b, _ in self._exchanges) / count
-            mean_seconds = sum(t for _, t in self._exchanges) / count
-            var_bytes = sum((b - mean_bytes) ** 2 for b, _ in self._exchanges) / count
-            var_seconds = sum((t - mean_seconds) ** 2 for _, t in self._exchanges) / count
-            covariance = sum((b - mean_bytes) * (t - mean_seconds) for b, t in self._exchanges) / count
-            spread = math.sqrt(var_bytes) >= MIN_SPREAD * mean_bytes
-            if spread and covariance >= MIN_CORRELATION * math.sqrt(var_bytes * var_seconds) > 0:
-                self._fitted_bandwidth, self._fit_age = var_bytes / covariance, 0
+        fitted = bandwidth_at_least(self._exchanges)
+        if fitted is not None:
+            self._fitted_bandwidth, self._fit_age = fitted, 0
         return max(self.sent_bytes / self.link_seconds, self._fitted_bandwidth)
+
+    def _should_probe(self, density: float) -> bool:
+        """No fit, and none possible: the last :data:`FIT_STEPS` steps' bytes did not spread."""
+        return (self._fitted_bandwidth == 0.0 and density < self.ceiling
+                and len(self._exchanges) == FIT_STEPS and _spread(self._exchanges) is None)
 
     def agree(self, proposal: float, group: Optional[dist.ProcessGroup]) -> Optional[float]:
         """Start the agreement on ``proposal`` (the smallest over ``group``) and return the
@@ -167,3 +174,34 @@ class AutoDensity:
     def __getstate__(self) -> dict:
         self.finish()
         return dict(self.__dict__)
+
+
+def _spread(exchanges) -> Optional[tuple]:
+    """The means and (co)variances of ``(bytes, seconds)`` pairs, or ``None`` where there are
+    too few of them or their bytes spread by less than :data:`MIN_SPREAD` of their mean."""
+    count = len(exchanges)
+    if count < MIN_FIT_POINTS:
+        return None
+    mean_bytes = sum(b for b, _ in exchanges) / count
+    mean_seconds = sum(t for _, t in exchanges) / count
+    var_bytes = sum((b - mean_bytes) ** 2 for b, _ in exchanges) / count
+    if math.sqrt(var_bytes) < MIN_SPREAD * mean_bytes:
+        return None
+    covariance = sum((b - mean_bytes) * (t - mean_seconds) for b, t in exchanges) / count
+    return mean_bytes, mean_seconds, var_bytes, covariance
+
+
+def bandwidth_at_least(exchanges) -> Optional[float]:
+    """Bytes per second that ``(bytes, seconds)`` pairs show a link carries, read from the slope
+    of seconds against bytes taken :data:`SLOPE_ERRORS` standard errors high (at most
+    :data:`MAX_BANDWIDTH`); ``None`` where the bytes do not spread (see :func:`_spread`)."""
+    moments = _spread(exchanges)
+    if moments is None:
+        return None
+    mean_bytes, mean_seconds, var_bytes, covariance = moments
+    slope = covariance / var_bytes
+    count = len(exchanges)
+    residual = sum((t - mean_seconds - slope * (b - mean_bytes)) ** 2 for b, t in exchanges)
+    error = math.sqrt(residual / (count - 2) / (count * var_bytes))
+    high = max(slope, 0.0) + SLOPE_ERRORS * error
+    return MAX_BANDWIDTH if high * MAX_BANDWIDTH <= 1.0 else 1.0 / high
