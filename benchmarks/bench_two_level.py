@@ -24,11 +24,14 @@ Workloads: ``gpt_adamw``, bench_convergence's byte-level transformer (0.83M para
 
 Each run evaluates every ``--evaluate-every`` steps (outside the timed training). "to dense
 loss": the training seconds at which its validation loss first came within 2% of the dense
-run's final loss on the same link. One table; ``--json`` keeps every record (written after
+run's final loss on the same link and seed. With ``--seeds N`` every row runs from seeds
+0..N-1 and the table shows means over the seeds (the time to dense loss only where every seed
+reached it; otherwise how many did). One table; ``--json`` keeps every record (written after
 each link). Root only.
 
 Usage: python benchmarks/bench_two_level.py [--workloads gpt_adamw,mlp_sgd]
-       [--links 100mbit,1gbit,100mbit>1gbit] [--rows dense,flat,...] [--quick] [--json PATH]
+       [--links 100mbit,1gbit,100mbit>1gbit] [--rows dense,flat,...] [--seeds N] [--quick]
+       [--json PATH]
 """
 
 import argparse
@@ -163,23 +166,44 @@ def summary(record: dict, dense: dict) -> dict:
                 density=stats.get("density"), ranks_identical=record["ranks_identical"])
 
 
-def table(results: dict, rows) -> str:
+def seed_key(row: str, seed: int) -> str:
+    return row if seed == 0 else f"{row} seed {seed}"  # seed 0 keeps the older records' keys
+
+
+def mean_summary(records: dict, row: str, seeds: int) -> dict:
+    """``summary`` of ``row`` averaged over the seeds, each seed against dense of that seed."""
+    summaries = [summary(records[seed_key(row, seed)], records[seed_key("dense", seed)])
+                 for seed in range(seeds)]
+    reached = [s["to_dense_loss"] for s in summaries if s["to_dense_loss"] is not None]
+    mean = {key: statistics.mean(s[key] for s in summaries)
+            for key in ("final_loss", "final_accuracy", "seconds", "step_ms")}
+    for key in ("bytes_per_step", "density"):
+        values = [s[key] for s in summaries if s[key] is not None]
+        mean[key] = statistics.mean(values) if values else None
+    mean["to_dense_loss"] = statistics.mean(reached) if len(reached) == seeds else None
+    mean["reached"] = len(reached)
+    return mean
+
+
+def table(results: dict, rows, seeds: int = 1) -> str:
     lines = ["| workload | link | hook | final val loss | val acc | training s | to dense loss (+2%), s "
              "| vs flat recipe | ms/step (median) | bytes/step, rank 0 | last density |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (workload, link), records in results.items():
         if "dense" not in records:
             continue
-        summaries = {row: summary(records[row], records["dense"]) for row in rows if row in records}
+        summaries = {row: mean_summary(records, row, seeds) for row in rows
+                     if all(seed_key(row, seed) in records for seed in range(seeds))}
         flat = summaries.get("flat", {}).get("to_dense_loss")
         for row, s in summaries.items():
             reach = s["to_dense_loss"]
             versus = f"{flat / reach:.2f}x" if flat and reach else ""
             sent = f"{s['bytes_per_step']:,.0f}" if s["bytes_per_step"] is not None else ""
-            density = f"{s['density']:.3f}" if row.startswith("two_level") else ""
+            density = f"{s['density']:.3f}" if s["density"] is not None else ""
+            missed = "not reached" if seeds == 1 else f"{s['reached']} of {seeds} seeds reached"
             lines.append(f"| {workload} | {link} | {ROWS[row][0]} | {s['final_loss']:.3f} | "
                          f"{100 * s['final_accuracy']:.1f}% | {s['seconds']:.0f} | "
-                         f"{'not reached' if reach is None else f'{reach:.0f}'} | {versus} | "
+                         f"{missed if reach is None else f'{reach:.0f}'} | {versus} | "
                          f"{s['step_ms']:.0f} | {sent} | {density} |")
     return "\n".join(lines)
 
@@ -191,6 +215,7 @@ def main() -> int:
     parser.add_argument("--links", default=",".join(LINKS))
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--epochs", type=int, default=None, help="override every workload's epochs")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds per row: the table shows means")
     parser.add_argument("--quick", action="store_true", help="20 steps per run (a smoke test)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -204,6 +229,8 @@ def main() -> int:
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: delete the namespaces
     rows = args.rows.split(",")
+    if args.seeds < 1:
+        parser.error(f"--seeds must be at least 1; got {args.seeds}")
     for name, chosen, known in (("workloads", args.workloads, WORKLOADS), ("links", args.links, LINKS),
                                 ("rows", args.rows, ROWS)):
         unknown = set(chosen.split(",")) - set(known)
@@ -220,14 +247,15 @@ def main() -> int:
         if args.quick:
             config.update(epochs=1, max_steps=20, evaluate_every=5, lr_warmup_steps=0)
         for link in args.links.split(","):
-            entries = [dict(key=row, config=dict(config, **ROWS[row][1])) for row in rows]
+            entries = [dict(key=seed_key(row, seed), config=dict(config, seed=seed, **ROWS[row][1]))
+                       for seed in range(args.seeds) for row in rows]
             began = time.perf_counter()
             results[workload, link] = run_link(link, entries)
             print(f"  {workload} over {link}: {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
             if args.json:  # after every link: a run cut short keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump({f"{w} {l}": records for (w, l), records in results.items()}, f)
-    print(table(results, rows))
+    print(table(results, rows, args.seeds))
     return 0
 
 

@@ -79,3 +79,35 @@ def test_generality_benchmark_averages_seeds_and_keeps_cases_it_has(tmp_path):
     again = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_generality.py"), *args],
                            capture_output=True, text=True, timeout=300, cwd=REPO)
     assert "kept: resnet, adamw, lr 0.001, 2 ranks" in again.stderr  # not run twice
+
+
+def two_level_record(final_loss: float, losses) -> dict:
+    """What bench_two_level's worker keeps of a run: evaluations at 1, 2, 3 s."""
+    return dict(epochs=dict(test_loss=[final_loss], seconds=[3.0]), final_accuracy=0.9,
+                evaluations=dict(seconds=[1.0, 2.0, 3.0], test_loss=list(losses)),
+                history=dict(seconds=[0.01] * 10), steps=10, hook_stats=None, ranks_identical=True)
+
+
+def test_two_level_benchmark_averages_seeds_each_against_dense_of_its_seed():
+    sys.path.insert(0, str(REPO / "benchmarks"))  # bench_two_level imports netbench from there
+    bench = load_benchmark("bench_two_level")
+    records = {
+        "dense": two_level_record(1.0, [2.0, 1.5, 1.0]),
+        "dense seed 1": two_level_record(2.0, [3.0, 2.5, 2.0]),
+        "flat": two_level_record(1.0, [1.5, 1.3, 1.0]),  # within 2% of 1.0 at 3 s
+        "flat seed 1": two_level_record(2.0, [2.0, 2.0, 2.0]),  # within 2% of 2.0 at 1 s
+        "two_level_auto": two_level_record(1.1, [1.2, 1.1, 1.1]),  # never within 2% of 1.0
+        "two_level_auto seed 1": two_level_record(2.0, [2.0, 2.0, 2.0]),
+    }
+
+    def row(text: str, hook: str) -> list:
+        return next(line for line in text.splitlines()
+                    if line.startswith("| mlp_sgd") and hook in line).split(" | ")
+
+    text = bench.table({("mlp_sgd", "1gbit"): records}, ["dense", "flat", "two_level_auto"], seeds=2)
+    flat = row(text, "flat recipe")
+    assert flat[3] == "1.500" and flat[6] == "2" and flat[7] == "1.00x"
+    auto = row(text, "ratio='auto'")
+    assert auto[3] == "1.550" and auto[6] == "1 of 2 seeds reached" and auto[7] == ""
+    one_seed = bench.table({("mlp_sgd", "1gbit"): records}, ["dense", "flat"], seeds=1)
+    assert row(one_seed, "flat recipe")[6] == "3"
