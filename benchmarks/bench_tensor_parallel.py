@@ -15,8 +15,10 @@ rows, in turn, on the same two ranks:
 For the last two, the parts run apart: *compute* = the slower rank's step with its shards as
 plain local layers (no communication), *communication* = the step's allreduces alone (one of
 rows x width per block forward, one backward). Hidden share = (compute + communication - step)
-/ communication. Every configuration and both parts are measured in turns (``--rounds``, ``--steps``
-each), and each figure is the median over the turns.
+/ communication, the communication timed with the link idle between the blocks' allreduces as
+the step's compute leaves it (a shaped link refills its burst in such gaps). Every
+configuration and both parts are measured in turns (``--rounds``, ``--steps`` each), and each
+figure is the median over the turns.
 
 With ``--link RATE`` (e.g. ``1gbit``; root, network namespaces) each rank runs in its own
 namespace and their traffic crosses a real rate-limited link (``RateLimitedNetwork``), as
@@ -99,21 +101,27 @@ def local_shards(model, sizes):
 
 
 def communication_seconds(rows_shape, blocks: int, steps: int, chunks: int,
-                          clock=time.perf_counter) -> float:
+                          clock=time.perf_counter, gap_s: float = 0.0) -> float:
     """The step's allreduces alone, as the blocks issue them: per block one forward, in
-    ``chunks``, and one backward, whole. ``clock=time.process_time``: the CPU time they take
-    (every thread of this rank, gloo's included)."""
+    ``chunks``, and one backward, whole; only their own time is counted. ``gap_s``: the link
+    idles that long before each block's allreduces, as the step's compute leaves it idle (a
+    token-bucket shaper, the netlab's, refills its burst in such gaps, so back to back the
+    allreduces would be slower than in the step). ``clock=time.process_time``: the CPU time
+    they take (every thread of this rank, gloo's included)."""
     buffers = [(torch.randn(rows_shape), pieces) for pieces in (chunks, 1) for _ in range(blocks)]
     seconds = []
     for index in range(steps + 1):
         dist.barrier()
-        start = clock()
+        total = 0.0
         for buffer, pieces in buffers:
+            time.sleep(gap_s)
+            start = clock()
             pending = [dist.all_reduce(part, async_op=True) for part in torch.tensor_split(buffer, pieces)]
             for work in pending:
                 work.wait()
+            total += clock() - start
         if index >= 1:
-            seconds.append(clock() - start)
+            seconds.append(total)
     return statistics.median(seconds)
 
 
@@ -150,21 +158,25 @@ def bench_rank(rank, world_size, args):
     chunks = tune_chunks(overlapped, rows, candidates=args.chunks or (1, 2, 4, 8))
     compute = local_shards(make_model(args.width, args.blocks), sizes)
     steps = args.steps
+    # the compute between two of the step's allreduce groups: the link idles that long
+    gap = slowest_rank(step_seconds(compute, rows, 2)) / (2 * args.blocks)
     measured = measure_in_turns({
         "torch TP": lambda: step_seconds(torch_tp, rows, steps),
         "even": lambda: step_seconds(even, rows, steps),
         "by speed": lambda: step_seconds(by_speed, rows, steps),
         "by speed + overlap": lambda: step_seconds(overlapped, rows, steps),
         "compute": lambda: slowest_rank(step_seconds(compute, rows, steps)),
-        1: lambda: communication_seconds(rows.shape, args.blocks, steps, 1),
-        chunks: lambda: communication_seconds(rows.shape, args.blocks, steps, chunks),
+        1: lambda: communication_seconds(rows.shape, args.blocks, steps, 1, gap_s=gap),
+        chunks: lambda: communication_seconds(rows.shape, args.blocks, steps, chunks, gap_s=gap),
+        "back to back": lambda: communication_seconds(rows.shape, args.blocks, steps, 1),
         "communication CPU": lambda: slowest_rank(communication_seconds(
-            rows.shape, args.blocks, steps, 1, clock=time.process_time)),
+            rows.shape, args.blocks, steps, 1, clock=time.process_time, gap_s=gap)),
     }, args.rounds)
     return dict(steps={name: measured[name] for name in ("torch TP", "even", "by speed",
                                                          "by speed + overlap")},
                 speeds=speeds, sizes=sizes, chunks=chunks, compute=measured["compute"],
                 communication={count: measured[count] for count in {1, chunks}},
+                communication_back_to_back=measured["back to back"], gap_s=gap,
                 communication_cpu=measured["communication CPU"], rounds=args.rounds)
 
 
@@ -244,6 +256,9 @@ def print_table(result, args) -> None:
               f"{communication * 1e3:.1f} ms ({chunks} chunks) = "
               f"{(result['compute'] + communication) * 1e3:.1f} ms; step {steps[name] * 1e3:.1f} ms: "
               f"{hidden * 100:.0f}% of the communication hidden")
+    print(f"communication alone with the link idle {result['gap_s'] * 1e3:.0f} ms before each "
+          f"block's allreduces, as in the step; back to back it takes "
+          f"{result['communication_back_to_back'] * 1e3:.1f} ms (1 chunk)")
     cpu = result["communication_cpu"]
     print(f"the communication alone (1 chunk) keeps a rank's CPU busy {cpu * 1e3:.1f} ms a step "
           f"(the most of the ranks): time its compute cannot have, however it overlaps")
