@@ -244,9 +244,9 @@ def test_automatic_density_sees_through_a_latency_that_does_not_grow_with_the_by
     assert auto.propose(0.1, 0.1, density) == resumed.propose(0.1, 0.1, density)
 
 
-def test_a_fitted_bandwidth_expires_when_the_link_slows_and_no_line_fits():
-    """Fitted on a fast link, then the link is 10x slower with seconds that no line fits
-    (noise around the wire time): the old fit is dropped and the density follows the slow link."""
+def test_a_fast_reading_gives_way_when_the_link_slows_under_noise():
+    """Read on a fast link, then the link is 10x slower with seconds jittered around the wire
+    time: the old reading is dropped and the density follows the slow link."""
     auto = AutoDensity(0.01, 1.0, wire_bytes_per_value=1, segment_size=512)
     values = 20_000_000
     density = drive_link(auto, values, 1.0, 30, lambda sent: 0.037 + sent / 125e6)
@@ -281,35 +281,50 @@ def test_the_bandwidth_is_read_from_the_slope_taken_high_by_its_error():
     assert flat_exact == MAX_BANDWIDTH
 
 
-def test_a_latency_bound_exchange_pinned_at_the_floor_probes_and_rises():
-    """Seconds that are all latency (50 ms, longer than the 40 ms window): bytes over seconds
-    reads a slow link and pins the floor, where the bytes never spread. A probe step at twice
-    the density shows the seconds do not grow, and the density climbs to the ceiling."""
-    values = 1_000_000
-
-    def latency_bound(sent):
-        return 0.05 + sent / 125e6
-
-    auto = AutoDensity(0.01, 0.25, wire_bytes_per_value=1, segment_size=512)
-    densities = []
-    density = 0.01
-    for _ in range(40):
+def drive_with_agreement_lag(auto: AutoDensity, values: int, density: float, steps: int,
+                             seconds_for, window: float = 0.04) -> list:
+    """As the hook runs it: a step's proposal is agreed at the next step's end and used from
+    the step after that. The densities the steps ran at."""
+    ran, agreed = [], [density, density]  # what the next two steps run at
+    for _ in range(steps):
+        density = agreed.pop(0)
+        ran.append(density)
         sent = values * auto.bytes_per_value(density)
-        auto.add_exchange(int(sent), latency_bound(sent), 0.0)
-        density = auto.propose(0.04, 0.04, density)
-        densities.append(density)
-    assert densities[:FIT_STEPS - 1] == [0.01] * (FIT_STEPS - 1)  # pinned until the probe
-    assert densities[FIT_STEPS - 1] == 0.02  # the probe
-    assert density == 0.25
-    # a slow link at the floor probes too, and returns: one step in FIT_STEPS + 1 at 2x
-    slow = AutoDensity(0.01, 0.25, wire_bytes_per_value=1, segment_size=512)
-    density, probes = 0.01, 0
-    for _ in range(3 * (FIT_STEPS + 1)):
-        sent = values * slow.bytes_per_value(density)
-        slow.add_exchange(int(sent), sent / 1e5, 0.0)
-        density = slow.propose(0.04, 0.04, density)
-        probes += density > 0.01
-    assert density == 0.01 and 1 <= probes <= 3
+        auto.add_exchange(int(sent), seconds_for(sent), 0.0)
+        agreed.append(auto.propose(window, window, density))
+    return ran
+
+
+@pytest.mark.parametrize("segment_size", [256, 512])
+def test_a_latency_bound_exchange_pinned_at_the_floor_probes_and_rises(segment_size):
+    """Seconds that are all latency (50 ms, longer than the 40 ms window): bytes over seconds
+    reads a slow link and pins the floor, where the bytes never spread. One probe step at twice
+    the bytes shows the seconds do not grow, and the density climbs to the ceiling."""
+    auto = AutoDensity(0.01, 0.25, wire_bytes_per_value=1, segment_size=segment_size)
+    ran = drive_with_agreement_lag(auto, 1_000_000, 0.01, 40, lambda sent: 0.05 + sent / 125e6)
+    probe = 2 * 0.01 + 4 / segment_size / 1  # twice the floor's bytes
+    assert ran[:FIT_STEPS + 1] == [0.01] * (FIT_STEPS + 1)  # pinned until the probe runs
+    assert math.isclose(ran[FIT_STEPS + 1], probe) and ran[FIT_STEPS + 2] == 0.01  # one step
+    assert ran[-1] == 0.25
+
+
+@pytest.mark.parametrize("segment_size", [256, 512])
+def test_a_slow_link_at_the_floor_pays_one_probe_step_in_34(segment_size):
+    """A link that is slow for real (100 KB/s): each probe reads it and the floor returns; the
+    reading lasts until the probe leaves the last FIT_STEPS steps and FIT_STEPS more."""
+    auto = AutoDensity(0.01, 0.25, wire_bytes_per_value=1, segment_size=segment_size)
+    ran = drive_with_agreement_lag(auto, 1_000_000, 0.01, 100, lambda sent: sent / 1e5)
+    probes = [step for step, density in enumerate(ran) if density > 0.01]
+    assert len(probes) == 3 and max(ran) == 2 * 0.01 + 4 / segment_size
+    assert probes[1] - probes[0] == probes[2] - probes[1] == 2 * FIT_STEPS + 2
+
+
+def test_no_probe_above_the_floor():
+    """A density settled between the bounds whose bytes stop spreading: the lower bound takes
+    over when the fit expires, no probe step."""
+    auto = AutoDensity(0.01, 0.5, wire_bytes_per_value=1, segment_size=512)
+    ran = drive_with_agreement_lag(auto, 2_000_000, 0.5, 120, lambda sent: sent / 1e6, window=0.1)
+    assert 0.01 < ran[20] < 0.5 and set(ran[20:]) == {ran[20]}  # settled, and never probed
 
 
 def test_without_a_window_the_exchange_takes_a_quarter_of_the_compute():

@@ -12,9 +12,12 @@ bandwidth there. ``R`` is therefore read from the slope of seconds against bytes
 steps (whose bytes differ as the density moves), the slope taken two standard errors high: a
 clean line gives the link's bandwidth, seconds that stay flat while the bytes spread widely
 give a fast link (the bytes cost nothing measurable), and a line lost in noise gives little.
-``R`` is never below this step's bytes over seconds (a lower bound). Where the bytes have not
-spread for as many steps (the density pinned, typically at the floor by a latency-bound
-exchange), one step probes at twice the density, so that the slope can be read. The time a step can give the exchange is the
+``R`` is never below this step's bytes over seconds (a lower bound). Where the density sits at
+the floor and the bytes have not spread for as many steps, no reading is possible (an exchange
+that is all latency pins the floor this way, however fast the link): one step then runs at twice
+the bytes (a probe), so that the slope can be read; the reading lasts until the probe leaves
+the last steps and then :data:`FIT_STEPS` more, so a slow link at the floor pays about one
+probe step in 34. The time a step can give the exchange is the
 window, or a quarter of the compute where that is longer (a model of one bucket has no window:
 its exchange then adds at most a quarter to the step); the bytes it can afford are ``R`` times
 that time less the codec's; the density that sends them follows from how the recipe's
@@ -55,6 +58,9 @@ MIN_FIT_POINTS = 4
 MIN_SPREAD = 0.1
 SLOPE_ERRORS = 2.0
 MAX_BANDWIDTH = 1e12  # bytes per second: what flat seconds read as (no link is faster)
+# A proposal runs two steps later (the agreement is read a step late): no second probe before
+# the first one's bytes are measured.
+PROBE_LAG = 2
 
 
 class AutoDensity:
@@ -79,6 +85,7 @@ class AutoDensity:
         self._exchanges: collections.deque = collections.deque(maxlen=FIT_STEPS)  # (bytes, s)
         self._fitted_bandwidth = 0.0  # bytes per second from the last line that fitted
         self._fit_age = 0  # steps since that line last fitted
+        self._probe_wait = 0  # steps until a probe proposed may be measured
         # the last steps' measurements and proposals (bounded: a long run keeps no more)
         self.history: collections.deque = collections.deque(maxlen=HISTORY_STEPS)
         self.reset_step()
@@ -100,7 +107,7 @@ class AutoDensity:
     def propose(self, window_seconds: float, compute_seconds: float, density: float) -> float:
         """The density for the coming steps from this step's measurements (``density``: the
         one this step ran at)."""
-        proposal = density
+        proposal, bandwidth = density, 0.0
         if self.sent_bytes and self.link_seconds > 0:
             bandwidth = self._bandwidth()
             budget = max(window_seconds, COMPUTE_SHARE * compute_seconds)
@@ -109,15 +116,19 @@ class AutoDensity:
             values = self.sent_bytes / self.bytes_per_value(density)  # what a step exchanges
             per_value = statistics.median(self._affordable) / values
             proposal = (per_value - self.importance_bytes) / self.wire_bytes
-            proposal = min(max(proposal, density / MAX_STEP_FACTOR), density * MAX_STEP_FACTOR)
-            if self._should_probe(density):
-                proposal = density * MAX_STEP_FACTOR
+            # after a probe's own step the density may return to the floor at once
+            lower = self.floor if self._probe_wait == 1 else density / MAX_STEP_FACTOR
+            proposal = min(max(proposal, lower), density * MAX_STEP_FACTOR)
+            if self._probe_wait:
+                self._probe_wait -= 1
+            elif self._should_probe(density):
+                proposal, self._probe_wait = self._probe_density(density), PROBE_LAG
         proposal = min(max(proposal, self.floor), self.ceiling)
         self.history.append(dict(window_seconds=window_seconds, compute_seconds=compute_seconds,
                                  link_seconds=self.link_seconds,
                                  codec_seconds=self.codec_seconds, sent_bytes=self.sent_bytes,
                                  density=density, proposal=proposal,
-                                 bandwidth=self._fitted_bandwidth))
+                                 bandwidth=bandwidth))
         self.reset_step()
         return proposal
 
@@ -134,9 +145,15 @@ class AutoDensity:
         return max(self.sent_bytes / self.link_seconds, self._fitted_bandwidth)
 
     def _should_probe(self, density: float) -> bool:
-        """No fit, and none possible: the last :data:`FIT_STEPS` steps' bytes did not spread."""
-        return (self._fitted_bandwidth == 0.0 and density < self.ceiling
+        """At the floor with no fit, and none possible: the last :data:`FIT_STEPS` steps' bytes
+        did not spread."""
+        return (density <= self.floor < self.ceiling and self._fitted_bandwidth == 0.0
                 and len(self._exchanges) == FIT_STEPS and _spread(self._exchanges) is None)
+
+    def _probe_density(self, density: float) -> float:
+        """The density that sends twice the bytes of ``density`` (one point that far out
+        spreads the last steps' bytes enough for a reading)."""
+        return 2 * density + self.importance_bytes / self.wire_bytes
 
     def agree(self, proposal: float, group: Optional[dist.ProcessGroup]) -> Optional[float]:
         """Start the agreement on ``proposal`` (the smallest over ``group``) and return the
@@ -161,13 +178,14 @@ class AutoDensity:
         return dict(affordable=list(self._affordable),
                     pending=None if self._pending is None else float(self._pending[1]),
                     exchanges=list(self._exchanges), fitted_bandwidth=self._fitted_bandwidth,
-                    fit_age=self._fit_age)
+                    fit_age=self._fit_age, probe_wait=self._probe_wait)
 
     def load_state_dict(self, saved: dict) -> None:
         self._affordable = collections.deque(saved.get("affordable", ()), maxlen=MEDIAN_STEPS)
         self._exchanges = collections.deque(map(tuple, saved.get("exchanges", ())), maxlen=FIT_STEPS)
         self._fitted_bandwidth = saved.get("fitted_bandwidth", 0.0)
         self._fit_age = saved.get("fit_age", 0)
+        self._probe_wait = saved.get("probe_wait", 0)
         pending = saved["pending"]
         self._pending = None if pending is None else (None, torch.tensor([pending], dtype=torch.float64))
 
