@@ -281,6 +281,8 @@ def main() -> None:
                         default=None, help="the chunk counts tune_chunks tries (default 1,2,4,8)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.steps < 1 or args.rounds < 1:
+        parser.error("--steps and --rounds must be at least 1")
     reason = cpu_quota_unavailable()
     if reason is not None:
         raise SystemExit(f"this benchmark throttles a rank with a CPU quota: {reason}")
