@@ -238,7 +238,8 @@ def _warn_where_unmeasured(ddp_model: DistributedDataParallel, recipe: Recipe,
     if recipe.name == "sgd" and _has_layers_the_sgd_recipe_failed_on(ddp_model.module):
         warnings.warn("hetero_comm.compress: the SGD recipe fell behind dense training on every "
                       "measured model with normalization, attention or recurrent layers (a "
-                      "transformer: +6.4% validation loss; a residual CNN with GroupNorm: 7.4 "
+                      "transformer: +6.4% validation loss, one ten times larger +7 to +21% at two "
+                      "of three rates; a residual CNN with GroupNorm: 7.4 "
                       "points of accuracy at 4 ranks over five seeds; a GRU: +7% loss at two of "
                       "three rates; docs/recipes.md, 'Not yet'), and held on an MLP and a CNN "
                       "without them: with such layers prefer AdamW, or compare with a dense run",
