@@ -20,7 +20,8 @@ same bytes. The table prints both and the ratio of a recipe's added time to the 
 
 ``--profile PATH`` also profiles one steady step of each recipe at world size 1
 (``torch.profiler``, CPU and CUDA activity) and writes the ops sorted by their own host time,
-with the number of calls: where the added time goes.
+with the number of calls: where the added time goes. ``--trace PATH`` adds the AdamW recipe's
+step as a Chrome trace (the host's launches against the device's kernels, gaps included).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def _median_allreduce_ms(numel: int, device, group, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _profile_table(ddp, optimizer, batch, device, rows: int = 40) -> str:
+def _profile_table(ddp, optimizer, batch, device, trace_path=None, rows: int = 40) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -104,11 +105,13 @@ def _profile_table(ddp, optimizer, batch, device, rows: int = 40) -> str:
         ddp(batch).square().mean().backward()
         optimizer.step()
         _synchronize(device)
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
 def measure_rank(rank, world_size, device_name, width, layers, batch_size, warmup, steps, nccl,
-                 profile=False):
+                 profile=False, trace_path=None):
     """One rank's median step time per configuration and of a bare allreduce (ms)."""
     device = torch.device(device_name)
     if device.type == "cuda":
@@ -121,7 +124,8 @@ def measure_rank(rank, world_size, device_name, width, layers, batch_size, warmu
         ddp, optimizer = _build(config, device, width, layers, group)
         times[config] = _median_step_ms(ddp, optimizer, batch, device, warmup, steps)
         if profile and config.endswith("recipe"):
-            profiles[config] = _profile_table(ddp, optimizer, batch, device)
+            trace = trace_path if config == "AdamW recipe" else None
+            profiles[config] = _profile_table(ddp, optimizer, batch, device, trace)
         del ddp, optimizer
     numel = layers * (width * width + width)
     times["bare allreduce"] = _median_allreduce_ms(numel, device, group, steps)
@@ -160,6 +164,8 @@ def parse_args(argv=None):
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--profile", metavar="PATH", help="write a profile of one step of each "
                                                           "recipe at world size 1 to PATH")
+    parser.add_argument("--trace", metavar="PATH", help="with --profile: also write a Chrome "
+                        "trace of the AdamW recipe's profiled step to PATH")
     return parser.parse_args(argv)
 
 
@@ -174,7 +180,8 @@ def main(argv=None) -> int:
           f"{args.steps} steps after {args.warmup}; batch {args.batch}")
     shape = (args.device, args.width, args.layers, args.batch, args.warmup, args.steps)
     alone = "world size 1, NCCL" if args.device == "cuda" else "world size 1, gloo"
-    runs = {alone: run_ranks(1, measure_rank, *shape, args.device == "cuda", bool(args.profile))[0],
+    runs = {alone: run_ranks(1, measure_rank, *shape, args.device == "cuda", bool(args.profile),
+                             args.trace)[0],
             "2 gloo ranks on one device": run_ranks(2, measure_rank, *shape, False)[0]}
     profiles = {title: run.pop("profiles") for title, run in runs.items()}
     if args.profile:

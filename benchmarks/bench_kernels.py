@@ -244,9 +244,14 @@ def bench_segment_accumulate(sizes: Sequence[int]) -> List[Row]:
     return rows
 
 
+# What the hooks select among: one DDP bucket of 25 MB (6.5M float32) in segments of 512, and a
+# whole 25M-parameter model's gradient.
+HOOK_SEGMENT_COUNTS = (12_800, 49_152)
+
+
 def bench_select_segments(sizes: Sequence[int]) -> List[Row]:
     rows = []
-    for count in sizes:
+    for count in sorted(set(HOOK_SEGMENT_COUNTS) | set(sizes)):
         k = max(1, count // 100)
         vectors = (("rand", torch.rand(count)),
                    ("ties 0..99", torch.randint(0, 100, (count,)).float()))

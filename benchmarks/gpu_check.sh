@@ -3,8 +3,11 @@
 # benchmark, run the CUDA tests. Everything lands under $RESULTS (default ./gpu_out). Steps are
 # picked by name so that one call can do what a short lease allows:
 #
-#   bash benchmarks/gpu_check.sh build hooks kernels bench hookcost
+#   bash benchmarks/gpu_check.sh build kernels bench hookcost hooks
 #
+# Each step has its own time limit, so that one lease of 15 minutes runs them all (about 9
+# minutes with the machine's start). The output folder holds more than the 8 files a device
+# call brings back: pack it (tar) at the end of the call.
 # One step at a time: on 2026-11-26 the hook tests (which start processes) finished one case in
 # 160 s beside 14 kernel-test workers. "bisect" rebuilds small extensions to find which build
 # step puts a private copy of libstdc++ in them (issue 35).
@@ -19,6 +22,7 @@ export PYTHONUNBUFFERED=1
 PY="python3 -P"
 
 for step in "$@"; do
+  echo "== $step $(date +%T)"
   case "$step" in
   build)
     nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
@@ -52,23 +56,33 @@ for step in "$@"; do
     timeout 45 cuda-gdb -batch -ex run -ex bt --args python3 -P -c "${bad//DEV/cuda}" 2>&1 | grep -E "^#|signal" | head -30
     ;;
   bench)
-    $PY benchmarks/bench_kernels.py --device cuda --json "$OUT/bench_kernels_cuda.json" 2>&1 \
+    timeout 110 $PY benchmarks/bench_kernels.py --device cuda --json "$OUT/bench_kernels_cuda.json" 2>&1 \
       | tee "$OUT/bench_kernels_cuda.txt" | grep -A30 "^aims"
     ;;
   hookcost)
-    $PY benchmarks/bench_hook_cost.py --device cuda --steps 20 --warmup 5 --json "$OUT/bench_hook_cost_cuda.json" --profile "$OUT/hook_profile_cuda.txt" 2>&1 \
+    timeout 100 $PY benchmarks/bench_hook_cost.py --device cuda --steps 20 --warmup 5 --json "$OUT/bench_hook_cost_cuda.json" \
+      --profile "$OUT/hook_profile_cuda.txt" --trace "$OUT/hook_trace_adamw_cuda.json" 2>&1 \
       | tee "$OUT/bench_hook_cost_cuda.txt" | tail -22
     ;;
   bisect)  # issue 35 bug 1: which build step puts a private libstdc++ in an extension
     $PY benchmarks/gpu_bisect_numeric_error.py --out /tmp/bisect 2>&1 | tee "$OUT/bisect.txt" | tail -30
     ;;
   kernels)
-    PYTHONPATH=/tmp/site timeout 240 $PY -m pytest -q -p no:cacheprovider -n 14 -k cuda --durations=10 \
+    OMP_NUM_THREADS=1 PYTHONPATH=/tmp/site timeout 170 $PY -m pytest -q -p no:cacheprovider -n 14 -k cuda --durations=10 \
       tests/test_cuda_kernels.py tests/test_segments.py tests/test_dct.py tests/test_quantize.py \
       tests/test_buffer_pool.py 2>&1 | tee "$OUT/kernels.log" | tail -30
+    pkill -9 -f "pytest" || true  # workers a time limit left behind would compete with what follows
+    ;;
+  kernels_changed)  # the kernel tests of the ops named in $KERNELS (a pytest -k expression)
+    OMP_NUM_THREADS=1 PYTHONPATH=/tmp/site timeout ${KERNEL_TEST_SECONDS:-150} $PY -m pytest -v -p no:cacheprovider -n 15 \
+      -k "cuda and (${KERNELS:?name the ops, e.g. KERNELS='select or pack'})" tests/test_dct.py tests/test_segments.py \
+      >"$OUT/kernels_changed.log" 2>&1
+    echo "passed: $(grep -c ' PASSED' "$OUT/kernels_changed.log"), failed: $(grep -c ' FAILED' "$OUT/kernels_changed.log")"
+    grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/kernels_changed.log" | tail -15
+    pkill -9 -f "pytest" || true
     ;;
   hooks)
-    PYTHONPATH=/tmp/site timeout 200 $PY -m pytest -q -p no:cacheprovider -n 4 tests/test_cuda_hooks.py \
+    PYTHONPATH=/tmp/site timeout 140 $PY -m pytest -q -p no:cacheprovider -n 6 tests/test_cuda_hooks.py \
       tests/test_build.py::test_an_error_message_with_a_number_raises_instead_of_crashing ${HOOK_TESTS:-} \
       2>&1 | tee "$OUT/hooks.log" | tail -40
     ;;

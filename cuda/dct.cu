@@ -14,6 +14,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <map>
+#include <mutex>
+#include <tuple>
+
 #include "../csrc/checks.h"
 #include "cuda_utils.cuh"
 
@@ -111,13 +115,36 @@ constexpr int64_t kMaxGemmBasis = int64_t{1} << 24;
 
 at::Tensor cos_table(const at::Tensor& like, int64_t block_size, cudaStream_t stream);
 
-at::Tensor basis_rows(const at::Tensor& like, int64_t block_size, int64_t keep, cudaStream_t stream) {
+at::Tensor build_basis_rows(const at::Tensor& like, int64_t block_size, int64_t keep,
+                            cudaStream_t stream) {
   const at::Tensor table = cos_table(like, block_size, stream);
   at::Tensor basis = at::empty({keep, block_size}, like.options().dtype(at::kFloat));
   dct_basis_kernel<<<grid_for(basis.numel()), kThreads, 0, stream>>>(
       table.const_data_ptr<double>(), static_cast<uint32_t>(block_size), basis.numel(),
       basis.mutable_data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return basis;
+}
+
+// The kept basis rows, built once per device, stream, block size and keep: a hook transforms
+// every bucket three times, and building the basis cost two allocations and two launches each
+// time. Keyed by stream so that an entry is only ever used on the stream that built it (no
+// event or recordStream needed); the cache is emptied when it would pass kMaxCachedBases.
+constexpr size_t kMaxCachedBases = 64;
+
+at::Tensor basis_rows(const at::Tensor& like, int64_t block_size, int64_t keep, cudaStream_t stream) {
+  using Key = std::tuple<c10::DeviceIndex, cudaStream_t, int64_t, int64_t>;
+  static std::mutex mutex;
+  // Never destroyed: freeing device memory from a static destructor can run after the CUDA
+  // runtime has shut down at exit.
+  static auto* cache = new std::map<Key, at::Tensor>();
+  const Key key{like.device().index(), stream, block_size, keep};
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = cache->find(key);
+  if (found != cache->end()) return found->second;
+  if (cache->size() >= kMaxCachedBases) cache->clear();
+  at::Tensor basis = build_basis_rows(like, block_size, keep, stream);
+  cache->emplace(key, basis);
   return basis;
 }
 

@@ -1,8 +1,12 @@
 // select_segments: indices of the k largest importance values, ascending, ties to the lower
 // index. Linear time and deterministic:
-//   1. radix select over the 32-bit order-preserving keys (ordered_key), two 16-bit passes
-//      of histogram + bin search, entirely on the device, gives the k-th largest key T and
-//      `needed`, how many keys equal to T are taken (k minus the number of keys above T);
+//   1. radix select over the 32-bit order-preserving keys (ordered_key), three passes of
+//      11, 11 and 10 bits, entirely on the device, gives the k-th largest key T and `needed`,
+//      how many keys equal to T are taken (k minus the number of keys above T). Each pass
+//      counts its digit in a per-block shared-memory histogram (one global add per non-zero
+//      bin and block: the keys of real importances share few high bits, and global atomics on
+//      a handful of counters serialised the first version), and the last block to finish
+//      finds the digit of T, so a pass is one launch;
 //   2. an ordered compaction over tiles of 4096 values writes every index whose key is
 //      above T, plus the first `needed` indices whose key equals T, in index order.
 // No host synchronisation, except with strict checks on (csrc/checks.h): then the "non-finite
@@ -16,6 +20,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "../csrc/checks.h"
 #include "cuda_utils.cuh"
 
@@ -23,34 +29,80 @@ namespace hetero_comm {
 namespace cuda {
 namespace {
 
-constexpr int kRadixBins = 1 << 16;
+constexpr int kPasses = 3;
+constexpr int kDigitBits = 11;               // passes 0 and 1; pass 2 takes the last 10 bits
+constexpr int kRadixBins = 1 << kDigitBits;  // histogram bins per pass
 constexpr uint32_t kNoBin = 0xffffffffu;
-constexpr int kFindThreads = 1024;
-constexpr int kBinsPerThread = kRadixBins / kFindThreads;
+constexpr int kBinsPerThread = kRadixBins / kThreads;
+static_assert(kRadixBins % kThreads == 0, "each thread of the last block owns whole bins");
+constexpr int64_t kPassBlocksMax = 1024;  // bounds the global adds of the histogram flush
+constexpr int kFindThreads = 1024;        // the tile scan's block
 constexpr int kTileRounds = 16;
 constexpr int64_t kTile = int64_t{kThreads} * kTileRounds;
 
-// Workspace: two histograms, then these int64 slots.
+// Pass p counts the key's bits [digit_shift(p), digit_shift(p) + digit_bits(p)).
+__host__ __device__ constexpr int digit_bits(int pass) {
+  return pass < kPasses - 1 ? kDigitBits : 32 - (kPasses - 1) * kDigitBits;
+}
+__host__ __device__ constexpr int digit_shift(int pass) {
+  return pass == 0 ? 32 - kDigitBits : pass == 1 ? 32 - 2 * kDigitBits : 0;
+}
+
+// Workspace: kPasses histograms of kRadixBins, then these int64 slots.
 enum Slot : int64_t {
-  kNonFinite = 0,      // set to 1 if any importance value is NaN or infinite
-  kHighBin = 1,        // high 16 bits of the threshold key
-  kHighRemaining = 2,  // rank of the threshold among keys whose high bits are kHighBin
-  kLowBin = 3,         // low 16 bits of the threshold key
-  kNeeded = 4,         // keys equal to the threshold that are selected
-  kSlotCount = 5,
+  kNonFinite = 0,   // set to 1 if any importance value is NaN or infinite
+  kPrefix = 1,      // the digits of the threshold key found so far (the whole key at the end)
+  kRemaining = 2,   // rank of the threshold among the keys with that prefix; after the last
+                    // pass: the keys equal to the threshold that are selected
+  kBlocksDone = 3,  // kPasses counters: blocks of each pass that have flushed their histogram
+  kSlotCount = kBlocksDone + kPasses,
 };
 
-// Pass 1 (high_bin == nullptr): histogram of key >> 16 over every value, and the non-finite
-// flag. Pass 2: histogram of key & 0xffff over the values whose high bits are *high_bin.
-// Lanes with the same bin add once per warp (__match_any_sync), so a vector of equal values
-// does not serialise on one counter.
+// The last block of a pass: finds the bin b holding the `remaining`-th largest counted key
+// (1 <= remaining <= total count): count(bins > b) < remaining <= count(bins >= b), and appends
+// b to the prefix. Thread t owns bins top - t * kBinsPerThread down to
+// top - (t + 1) * kBinsPerThread + 1, so thread order is descending bin order. The counts are
+// read from L2 (__ldcg): other blocks added them with atomics.
+__device__ void find_threshold_digit(const unsigned long long* hist, int pass, int64_t k,
+                                     int64_t* slots) {
+  const int64_t remaining = pass == 0 ? k : slots[kRemaining];
+  const uint32_t prefix = pass == 0 ? 0u : static_cast<uint32_t>(slots[kPrefix]);
+  const int top = kRadixBins - 1 - static_cast<int>(threadIdx.x) * kBinsPerThread;
+  int64_t local = 0;
+  for (int j = 0; j < kBinsPerThread; ++j) local += static_cast<int64_t>(__ldcg(&hist[top - j]));
+  int64_t total = 0;
+  const int64_t above = block_exclusive_sum(local, &total);
+  if (above < remaining && remaining <= above + local) {  // exactly one thread
+    int64_t counted = above;
+    for (int j = 0; j < kBinsPerThread; ++j) {
+      const int64_t c = static_cast<int64_t>(__ldcg(&hist[top - j]));
+      if (counted + c >= remaining) {
+        slots[kPrefix] = prefix | (static_cast<uint32_t>(top - j) << digit_shift(pass));
+        slots[kRemaining] = remaining - counted;
+        return;
+      }
+      counted += c;
+    }
+  }
+}
+
+// One pass of the radix select: the histogram of this pass's digit over the keys that share
+// the prefix found so far (pass 0: every key, and the non-finite flag), then, in the last
+// block to finish, the threshold's digit. Lanes with the same bin add once per warp
+// (__match_any_sync), so a vector of equal values does not serialise on one counter.
 __global__ void __launch_bounds__(kThreads)
-radix_histogram_kernel(const float* __restrict__ importance, int64_t n,
-                       const int64_t* __restrict__ high_bin, unsigned long long* __restrict__ hist,
-                       int64_t* __restrict__ nonfinite) {
+radix_pass_kernel(const float* __restrict__ importance, int64_t n, int pass, int64_t k,
+                  unsigned long long* __restrict__ hist, int64_t* __restrict__ slots) {
+  __shared__ unsigned block_hist[kRadixBins];
+  __shared__ bool is_last_block;
+  for (int b = threadIdx.x; b < kRadixBins; b += blockDim.x) block_hist[b] = 0;
+  __syncthreads();
   const int lane = threadIdx.x % 32;
-  const bool low_pass = high_bin != nullptr;
-  const uint32_t wanted_high = low_pass ? static_cast<uint32_t>(*high_bin) : 0u;
+  const int shift = digit_shift(pass);
+  const uint32_t digit_mask = (1u << digit_bits(pass)) - 1u;
+  // Bits above this pass's digit must equal the prefix (none in pass 0).
+  const uint32_t high_mask = pass == 0 ? 0u : ~0u << (shift + digit_bits(pass));
+  const uint32_t prefix = pass == 0 ? 0u : static_cast<uint32_t>(slots[kPrefix]);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   // The loop bound is uniform across the block, so the whole warp reaches __match_any_sync.
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x; base < n; base += stride) {
@@ -59,51 +111,31 @@ radix_histogram_kernel(const float* __restrict__ importance, int64_t n,
     if (i < n) {
       const float value = importance[i];
       const uint32_t key = ordered_key(value);
-      if (!low_pass) {
-        if (!isfinite(value)) *nonfinite = 1;
-        bin = key >> 16;
-      } else if ((key >> 16) == wanted_high) {
-        bin = key & 0xffffu;
-      }
+      if (pass == 0 && !isfinite(value)) slots[kNonFinite] = 1;
+      if (((key ^ prefix) & high_mask) == 0) bin = (key >> shift) & digit_mask;
     }
     const unsigned peers = __match_any_sync(kFullMask, bin);
-    if (bin != kNoBin && lane == __ffs(peers) - 1) {
-      atomicAdd(&hist[bin], static_cast<unsigned long long>(__popc(peers)));
-    }
+    if (bin != kNoBin && lane == __ffs(peers) - 1) atomicAdd(&block_hist[bin], static_cast<unsigned>(__popc(peers)));
   }
-}
-
-// One block of kFindThreads threads. Finds the bin b holding the `remaining`-th largest
-// counted key (1 <= remaining <= total count): count(bins > b) < remaining <= count(bins >= b).
-// Writes b and remaining - count(bins > b), the rank of the wanted key inside bin b.
-__global__ void __launch_bounds__(kFindThreads)
-radix_find_bin_kernel(const unsigned long long* __restrict__ hist, int64_t k,
-                      const int64_t* __restrict__ remaining_in, int64_t* __restrict__ bin_out,
-                      int64_t* __restrict__ remaining_out) {
-  const int64_t remaining = remaining_in != nullptr ? *remaining_in : k;
-  // Thread t owns bins top - t * kBinsPerThread down to top - (t + 1) * kBinsPerThread + 1,
-  // so thread order is descending bin order.
-  const int top = kRadixBins - 1 - static_cast<int>(threadIdx.x) * kBinsPerThread;
-  int64_t local = 0;
-  for (int j = 0; j < kBinsPerThread; ++j) local += static_cast<int64_t>(hist[top - j]);
-  int64_t total = 0;
-  const int64_t above = block_exclusive_sum(local, &total);
-  if (above < remaining && remaining <= above + local) {  // exactly one thread
-    int64_t counted = above;
-    for (int j = 0; j < kBinsPerThread; ++j) {
-      const int64_t c = static_cast<int64_t>(hist[top - j]);
-      if (counted + c >= remaining) {
-        *bin_out = top - j;
-        *remaining_out = remaining - counted;
-        return;
-      }
-      counted += c;
-    }
+  __syncthreads();
+  for (int b = threadIdx.x; b < kRadixBins; b += blockDim.x) {
+    if (block_hist[b] != 0) atomicAdd(&hist[b], static_cast<unsigned long long>(block_hist[b]));
   }
+  // Publish this block's adds before counting it done; the last block then sees them all.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    auto* blocks_done = reinterpret_cast<unsigned long long*>(&slots[kBlocksDone + pass]);
+    is_last_block = atomicAdd(blocks_done, 1ull) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!is_last_block) return;
+  __threadfence();
+  find_threshold_digit(hist, pass, k, slots);
 }
 
 __device__ __forceinline__ uint32_t threshold_key(const int64_t* slots) {
-  return (static_cast<uint32_t>(slots[kHighBin]) << 16) | static_cast<uint32_t>(slots[kLowBin]);
+  return static_cast<uint32_t>(slots[kPrefix]);
 }
 
 // One block of kThreads per tile: how many keys of the tile are above / equal to the
@@ -170,7 +202,7 @@ tile_write_kernel(const float* __restrict__ importance, int64_t n,
   __shared__ unsigned warp_greater[kWarps];
   __shared__ unsigned warp_equal[kWarps];
   const uint32_t threshold = threshold_key(slots);
-  const int64_t needed = slots[kNeeded];
+  const int64_t needed = slots[kRemaining];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const unsigned lanes_below = (1u << lane) - 1u;
@@ -220,32 +252,24 @@ void select_into(const at::Tensor& importance, at::Tensor& out) {
   const at::Tensor values = importance.contiguous();
   const float* values_ptr = values.const_data_ptr<float>();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor workspace = at::zeros({2 * kRadixBins + kSlotCount}, long_options);
+  at::Tensor workspace = at::zeros({kPasses * kRadixBins + kSlotCount}, long_options);
   int64_t* workspace_ptr = workspace.mutable_data_ptr<int64_t>();
-  auto* high_hist = reinterpret_cast<unsigned long long*>(workspace_ptr);
-  auto* low_hist = reinterpret_cast<unsigned long long*>(workspace_ptr + kRadixBins);
-  int64_t* slots = workspace_ptr + 2 * kRadixBins;
-
-  radix_histogram_kernel<<<grid_for(count), kThreads, 0, stream>>>(
-      values_ptr, count, nullptr, high_hist, slots + kNonFinite);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (strict_checks_enabled()) {
-    const at::Tensor nonfinite = workspace.narrow(0, 2 * kRadixBins + kNonFinite, 1).cpu();
-    TORCH_CHECK_VALUE(nonfinite.const_data_ptr<int64_t>()[0] == 0,
-                      "importance must be finite (found NaN or infinity)");
+  auto* hists = reinterpret_cast<unsigned long long*>(workspace_ptr);
+  int64_t* slots = workspace_ptr + kPasses * kRadixBins;
+  // At least 16 values a thread, so that a block's histogram flush is worth its adds.
+  const unsigned pass_blocks = std::min<unsigned>(grid_for(count, kThreads * 16), kPassBlocksMax);
+  for (int pass = 0; pass < kPasses; ++pass) {
+    radix_pass_kernel<<<pass_blocks, kThreads, 0, stream>>>(values_ptr, count, pass, k,
+                                                            hists + pass * kRadixBins, slots);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (pass > 0) continue;
+    if (strict_checks_enabled()) {
+      const at::Tensor nonfinite = workspace.narrow(0, kPasses * kRadixBins + kNonFinite, 1).cpu();
+      TORCH_CHECK_VALUE(nonfinite.const_data_ptr<int64_t>()[0] == 0,
+                        "importance must be finite (found NaN or infinity)");
+    }
+    if (k == 0) return;
   }
-  if (k == 0) return;
-
-  radix_find_bin_kernel<<<1, kFindThreads, 0, stream>>>(high_hist, k, nullptr,
-                                                        slots + kHighBin,
-                                                        slots + kHighRemaining);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  radix_histogram_kernel<<<grid_for(count), kThreads, 0, stream>>>(
-      values_ptr, count, slots + kHighBin, low_hist, nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  radix_find_bin_kernel<<<1, kFindThreads, 0, stream>>>(low_hist, k, slots + kHighRemaining,
-                                                        slots + kLowBin, slots + kNeeded);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   const int64_t tiles = (count + kTile - 1) / kTile;
   TORCH_CHECK(tiles <= 0x7fffffff, "select_segments: too many segments (", count, ")");
