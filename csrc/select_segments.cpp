@@ -26,7 +26,6 @@ namespace {
 constexpr int64_t kChunk = 1 << 15;      // values per task of the passes
 constexpr int64_t kSampleRuns = 256;     // the sample: runs of consecutive values, spread evenly
 constexpr int64_t kSampleRunLength = 16; // one 64-byte cache line per run
-constexpr int64_t kSampleSize = kSampleRuns * kSampleRunLength;  // below 16x: no sample
 
 // The `rank`-th largest (1-based) of `values` (reordered in place).
 float nth_largest(std::vector<float>& values, int64_t rank) {
@@ -43,22 +42,26 @@ struct Bracket {
 // values above it is about binomial with mean expected = k * m / S and standard deviation
 // <= sqrt(expected), so a margin of four deviations misses rarely; structured data may miss
 // more often, which only costs a second counting pass. Runs of consecutive values make the
-// sample cost 256 cache lines instead of 4096.
+// sample cost 256 cache lines instead of 4096. Smaller inputs get fewer runs (a sixteenth of
+// the values: the hooks select among 10K-50K segments, where a selection among every value
+// cost more than the rest of the call); below 16 runs (4096 values) there is no sample.
 Bracket sample_bracket(const float* values, int64_t count, int64_t k) {
   Bracket bracket;
-  if (count < 16 * kSampleSize) return bracket;
-  const int64_t stride = count / kSampleRuns;
-  std::vector<float> sample(kSampleSize);
-  for (int64_t run = 0; run < kSampleRuns; ++run) {
+  const int64_t runs = std::min(kSampleRuns, count / (16 * kSampleRunLength));
+  if (runs < 16) return bracket;
+  const int64_t sample_size = runs * kSampleRunLength;
+  const int64_t stride = count / runs;
+  std::vector<float> sample(sample_size);
+  for (int64_t run = 0; run < runs; ++run) {
     std::copy(values + run * stride, values + run * stride + kSampleRunLength,
               sample.begin() + run * kSampleRunLength);
   }
-  const double expected = static_cast<double>(k) * kSampleSize / static_cast<double>(count);
+  const double expected = static_cast<double>(k) * sample_size / static_cast<double>(count);
   const double margin = 4.0 * std::sqrt(expected + 1.0) + 4.0;
   const int64_t hi_rank = static_cast<int64_t>(std::floor(expected - margin));
   const int64_t lo_rank = static_cast<int64_t>(std::ceil(expected + margin));
   if (hi_rank >= 1) bracket.hi = nth_largest(sample, hi_rank);
-  if (lo_rank <= kSampleSize) bracket.lo = nth_largest(sample, lo_rank);
+  if (lo_rank <= sample_size) bracket.lo = nth_largest(sample, lo_rank);
   return bracket;
 }
 
