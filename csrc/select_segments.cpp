@@ -56,6 +56,10 @@ Bracket sample_bracket(const float* values, int64_t count, int64_t k) {
     std::copy(values + run * stride, values + run * stride + kSampleRunLength,
               sample.begin() + run * kSampleRunLength);
   }
+  // A NaN would break nth_element's ordering; the scan then raises for it.
+  if (std::any_of(sample.begin(), sample.end(), [](float v) { return std::isnan(v); })) {
+    return bracket;
+  }
   const double expected = static_cast<double>(k) * sample_size / static_cast<double>(count);
   const double margin = 4.0 * std::sqrt(expected + 1.0) + 4.0;
   const int64_t hi_rank = static_cast<int64_t>(std::floor(expected - margin));

@@ -129,10 +129,19 @@ at::Tensor build_basis_rows(const at::Tensor& like, int64_t block_size, int64_t 
 // The kept basis rows, built once per device, stream, block size and keep: a hook transforms
 // every bucket three times, and building the basis cost two allocations and two launches each
 // time. Keyed by stream so that an entry is only ever used on the stream that built it (no
-// event or recordStream needed); the cache is emptied when it would pass kMaxCachedBases.
+// event or recordStream needed). Not cached: bases above kMaxCachedBasis floats (their
+// transforms dwarf the build), and a basis built while the stream is captured into a CUDA
+// graph (its kernels only run when the graph does). The cache is emptied when it would pass
+// kMaxCachedBases entries (at most 256 MB).
 constexpr size_t kMaxCachedBases = 64;
+constexpr int64_t kMaxCachedBasis = int64_t{1} << 20;
 
 at::Tensor basis_rows(const at::Tensor& like, int64_t block_size, int64_t keep, cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (keep * block_size > kMaxCachedBasis || capture != cudaStreamCaptureStatusNone) {
+    return build_basis_rows(like, block_size, keep, stream);
+  }
   using Key = std::tuple<c10::DeviceIndex, cudaStream_t, int64_t, int64_t>;
   static std::mutex mutex;
   // Never destroyed: freeing device memory from a static destructor can run after the CUDA

@@ -138,6 +138,9 @@ def test_select_segments_agrees_with_reference_on_tie_heavy_inputs(values, k_fra
     (torch.rand(10), 11, r"k must be an integer in \[0, 10\]"),
     (torch.tensor([1.0, float("nan"), 2.0]), 1, "importance must be finite"),
     (torch.tensor([1.0, float("inf")]), 1, "importance must be finite"),
+    # large enough for the CPU kernel's sample, which then holds NaNs (every 16th value)
+    (torch.rand(20_000).index_fill_(0, torch.arange(0, 20_000, 16), float("nan")), 100,
+     "importance must be finite"),
     (torch.rand(10, dtype=torch.float64), 1, "importance must have dtype float"),
     (torch.rand(2, 5), 1, "importance must be 1-D"),
 ])
