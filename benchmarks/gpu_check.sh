@@ -5,12 +5,12 @@
 #
 #   bash benchmarks/gpu_check.sh build kernels bench hookcost hooks
 #
-# Each step has its own time limit, so that one lease of 15 minutes runs them all (about 9
-# minutes with the machine's start). The output folder holds more than the 8 files a device
-# call brings back: pack it (tar) at the end of the call.
-# One step at a time: on 2026-11-26 the hook tests (which start processes) finished one case in
-# 160 s beside 14 kernel-test workers. "bisect" rebuilds small extensions to find which build
-# step puts a private copy of libstdc++ in them (issue 35).
+# Each step has its own time limit; on an H100 (2026-11-26) the five took 6 minutes. The output
+# folder holds more than the 8 files a device call brings back: pack it (tar) at the end of the
+# call. The test workers run torch with one thread each: with its default of one per core, 14
+# workers on 16 cores ran the kernel tests ten times slower. "kernels_changed" runs the tests of
+# the ops named in $KERNELS only. "bisect" rebuilds small extensions to find which build step
+# puts a private copy of libstdc++ in them (issue 35).
 # Runs from the repository root with the machine's own python3 (which holds a CUDA torch). Wheels
 # in .whl/ are installed first: the workplace's GPU image lacks expecttest, which
 # torch.library.opcheck needs (pip download expecttest -d .whl, and carry .whl).
