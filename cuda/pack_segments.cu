@@ -26,6 +26,20 @@ namespace {
 template <typename T>
 constexpr bool kExact = std::is_same_v<T, float>;
 
+// Where segment `segment` lies in a buffer of n elements: its first element and its length
+// (short for the last segment); length 0 for an index outside [0, segments), possible only
+// without strict checks: no access outside the buffers on bad indices.
+struct SegmentSpan {
+  int64_t base = 0, length = 0;
+};
+
+__device__ __forceinline__ SegmentSpan segment_span(int64_t segment, int64_t segment_size,
+                                                    int64_t n) {
+  if (segment < 0 || segment >= num_segments(n, segment_size)) return {};
+  const int64_t base = segment * segment_size;
+  return {base, n - base < segment_size ? n - base : segment_size};
+}
+
 // Four values moved with one access where the buffers allow it (see vector_access).
 template <typename T>
 struct alignas(4 * sizeof(T)) Vec4 {
@@ -104,13 +118,9 @@ template <bool kVector, typename OutT>
 __global__ void __launch_bounds__(kThreads)
 pack_kernel(float* __restrict__ residual, int64_t n, const int64_t* __restrict__ indices,
             int64_t k, int64_t segment_size, OutT* __restrict__ packed) {
-  const int64_t segments = num_segments(n, segment_size);
   for (int64_t j = blockIdx.x; j < k; j += gridDim.x) {
-    const int64_t segment = indices[j];
-    const bool valid = segment >= 0 && segment < segments;
-    const int64_t base = valid ? segment * segment_size : 0;
-    const int64_t length = valid ? (n - base < segment_size ? n - base : segment_size) : 0;
-    pack_segment<kVector>(residual, base, length, segment_size, packed + j * segment_size,
+    const SegmentSpan span = segment_span(indices[j], segment_size, n);
+    pack_segment<kVector>(residual, span.base, span.length, segment_size, packed + j * segment_size,
                           [](float value, OutT* out) { return pack_one(value, out); });
   }
 }
@@ -123,7 +133,6 @@ pack_quantized_kernel(float* __restrict__ residual, int64_t n, const int64_t* __
                       int64_t k, int64_t segment_size, const float* __restrict__ scale,
                       int64_t levels, float bound, QuantT* __restrict__ packed) {
   __shared__ float segment_factor, segment_step;
-  const int64_t segments = num_segments(n, segment_size);
   for (int64_t j = blockIdx.x; j < k; j += gridDim.x) {
     if (threadIdx.x == 0) {  // float64 divisions (common.h): once per segment
       segment_factor = quantize_factor(scale[j], levels);
@@ -131,11 +140,8 @@ pack_quantized_kernel(float* __restrict__ residual, int64_t n, const int64_t* __
     }
     __syncthreads();
     const float factor = segment_factor, step = segment_step;
-    const int64_t segment = indices[j];
-    const bool valid = segment >= 0 && segment < segments;
-    const int64_t base = valid ? segment * segment_size : 0;
-    const int64_t length = valid ? (n - base < segment_size ? n - base : segment_size) : 0;
-    pack_segment<kVector>(residual, base, length, segment_size, packed + j * segment_size,
+    const SegmentSpan span = segment_span(indices[j], segment_size, n);
+    pack_segment<kVector>(residual, span.base, span.length, segment_size, packed + j * segment_size,
                           [=](float value, QuantT* out) {
                             const int32_t q = quantize_value(value, factor, bound);
                             *out = static_cast<QuantT>(q);
@@ -152,17 +158,14 @@ template <bool kVector, typename PackedT, typename OutT>
 __global__ void __launch_bounds__(kThreads)
 unpack_kernel(const PackedT* __restrict__ packed, const int64_t* __restrict__ indices, int64_t k,
               int64_t segment_size, float scale, int64_t numel, OutT* __restrict__ out) {
-  const int64_t segments = num_segments(numel, segment_size);
   const auto unpack_one = [=](PackedT value) {
     return static_cast<OutT>(static_cast<float>(value) * scale);
   };
   for (int64_t j = blockIdx.x; j < k; j += gridDim.x) {
-    const int64_t segment = indices[j];
-    if (segment < 0 || segment >= segments) continue;
-    const int64_t base = segment * segment_size;
-    const int64_t length = numel - base < segment_size ? numel - base : segment_size;
+    const SegmentSpan span = segment_span(indices[j], segment_size, numel);
+    const int64_t length = span.length;  // 0: an index out of range, nothing written
     const PackedT* source = packed + j * segment_size;
-    OutT* target = out + base;
+    OutT* target = out + span.base;
     if constexpr (kVector) {
       for (int64_t off = 4 * static_cast<int64_t>(threadIdx.x); off < length;
            off += 4 * static_cast<int64_t>(blockDim.x)) {
