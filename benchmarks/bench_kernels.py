@@ -432,7 +432,47 @@ def bench_dct(sizes: Sequence[int]) -> List[Row]:
     print_table(f"dct_encode + quantize (scale = |coeffs|.amax(1), levels={QUANT_LEVELS}, int8, "
                 "out= preallocated)", pipeline_rows,
                 ["both columns use torch's abs().amax(1) for the scale"])
+    extra_results["dct_grouped"] = dct_grouped_layout(sizes)
     return encode_rows + decode_rows + pipeline_rows
+
+
+def dct_grouped_layout(sizes: Sequence[int], block_size: int = 64, group: int = 512) -> List[dict]:
+    """The AdamW recipe's transform (B=64, all 64 kept, segments of one frequency of 512
+    blocks): the grouped layout written by the kernel, against the plain layout followed by
+    the copy that interleaves it (what the hook did before the kernels wrote the grouped one)."""
+    results = []
+    for numel in sizes:
+        x, x_hat = torch.randn(numel), torch.empty(numel)
+        blocks = ops.num_segments(numel, block_size)
+        groups = ops.num_segments(blocks, group)
+        grouped = torch.empty(groups, block_size, group)
+        plain = torch.zeros(groups * group, block_size)  # padding rows stay zero
+
+        def encode_then_interleave():
+            ops.dct_encode(x, block_size, block_size, out=plain[:blocks])
+            grouped.copy_(plain.view(groups, group, block_size).transpose(1, 2))
+
+        def deinterleave_then_decode():
+            plain.view(groups, group, block_size).copy_(grouped.transpose(1, 2))
+            ops.dct_decode(plain[:blocks], block_size, numel, out=x_hat)
+
+        results.append(dict(
+            numel=numel,
+            encode_then_interleave_ms=measure(encode_then_interleave),
+            encode_grouped_ms=measure(lambda: ops.dct_encode(x, block_size, block_size, group, out=grouped)),
+            deinterleave_then_decode_ms=measure(deinterleave_then_decode),
+            decode_grouped_ms=measure(lambda: ops.dct_decode(grouped, block_size, numel, out=x_hat))))
+    print(f"\ndct in the sparse hook's grouped layout (B={block_size}, keep={block_size}, group={group}): "
+          "the kernel writing it, against the plain layout and a copy (the hook's earlier path)")
+    print(f"{'n':>6}  {'encode+copy ms':>14}  {'grouped ms':>10}  {'speedup':>7}  "
+          f"{'copy+decode ms':>14}  {'grouped ms':>10}  {'speedup':>7}")
+    for r in results:
+        print(f"{count_label(r['numel']):>6}  {r['encode_then_interleave_ms']:>14.2f}  "
+              f"{r['encode_grouped_ms']:>10.2f}  "
+              f"{speedup_label(r['encode_then_interleave_ms'] / r['encode_grouped_ms']):>7}  "
+              f"{r['deinterleave_then_decode_ms']:>14.2f}  {r['decode_grouped_ms']:>10.2f}  "
+              f"{speedup_label(r['deinterleave_then_decode_ms'] / r['decode_grouped_ms']):>7}")
+    return results
 
 
 def dct_accuracy(block_sizes=(64, 256, 1024, 4096), blocks: int = 512) -> List[dict]:

@@ -27,11 +27,13 @@ loss": the training seconds at which its validation loss first came within 2% of
 run's final loss on the same link and seed. With ``--seeds N`` every row runs from seeds
 0..N-1 and the table shows means over the seeds (the time to dense loss only where every seed
 reached it; otherwise how many did). One table; ``--json`` keeps every record (written after
-each link). Root only.
+each link). ``--dense-from PATH`` takes the dense targets from an earlier ``--json`` instead of
+running dense again: dense training is deterministic, its losses the same on every link (the
+dense row's time does need the link: run it to show it). Root only.
 
 Usage: python benchmarks/bench_two_level.py [--workloads gpt_adamw,mlp_sgd]
        [--links 100mbit,1gbit,100mbit>1gbit] [--rows dense,flat,...] [--seeds N] [--quick]
-       [--json PATH]
+       [--json PATH] [--dense-from PATH]
 """
 
 import argparse
@@ -185,6 +187,17 @@ def mean_summary(records: dict, row: str, seeds: int) -> dict:
     return mean
 
 
+def with_dense_targets(results: dict, earlier: dict) -> dict:
+    """``results`` with every dense record it lacks taken from ``earlier`` (a ``--json`` file's
+    contents) for the same workload and seed, from whichever link ran it."""
+    merged = {}
+    for (workload, link), records in results.items():
+        dense = {key: record for name, old in earlier.items() if name.split(" ")[0] == workload
+                 for key, record in old.items() if key.split(" ")[0] == "dense"}
+        merged[workload, link] = {**dense, **records}
+    return merged
+
+
 def table(results: dict, rows, seeds: int = 1) -> str:
     lines = ["| workload | link | hook | final val loss | val acc | training s | to dense loss (+2%), s "
              "| vs flat recipe | ms/step (median) | bytes/step, rank 0 | last density |",
@@ -218,6 +231,8 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=1, help="seeds per row: the table shows means")
     parser.add_argument("--quick", action="store_true", help="20 steps per run (a smoke test)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--dense-from", default=None,
+                        help="an earlier --json whose dense records are the targets (dense not rerun)")
     args = parser.parse_args()
     if args.worker:
         worker()
@@ -255,6 +270,9 @@ def main() -> int:
             if args.json:  # after every link: a run cut short keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump({f"{w} {l}": records for (w, l), records in results.items()}, f)
+    if args.dense_from:
+        with open(args.dense_from) as f:
+            results = with_dense_targets(results, json.load(f))
     print(table(results, rows, args.seeds))
     return 0
 

@@ -17,8 +17,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "kernels/common.h"
 
@@ -221,20 +223,45 @@ inline void check_unpack(const at::Tensor& packed, const at::Tensor& indices, in
                     " elements; got ", packed.numel());
 }
 
-inline void check_dct_encode(const at::Tensor& x, int64_t block_size, int64_t keep) {
+// DCT coefficients of numel values: plain [blocks, keep], or grouped (a group is given)
+// [ceil(blocks / group), keep, group], frequency k of `group` consecutive blocks side by side.
+inline std::vector<int64_t> dct_coeffs_shape(int64_t numel, int64_t block_size, int64_t keep,
+                                             c10::optional<int64_t> group) {
+  const int64_t blocks = num_segments(numel, block_size);
+  if (!group) return {blocks, keep};
+  return {num_segments(blocks, *group), keep, *group};
+}
+
+inline void check_dct_encode(const at::Tensor& x, int64_t block_size, int64_t keep,
+                             c10::optional<int64_t> group = c10::nullopt) {
   check_tensor(x, "x", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
   check_block_size(block_size);
   check_in_range("keep", keep, 0, block_size);
+  if (group) check_at_least("group", *group, 1);
 }
 
+// coeffs: plain (2-D) or grouped (3-D, its last dimension the group).
 inline void check_dct_decode(const at::Tensor& coeffs, int64_t block_size, int64_t numel) {
-  check_tensor(coeffs, "coeffs", {at::kFloat}, 2);
+  TORCH_CHECK_TYPE(coeffs.scalar_type() == at::kFloat, "coeffs must have dtype float32; got ",
+                   dtype_name(coeffs.scalar_type()));
+  TORCH_CHECK_VALUE(coeffs.dim() == 2 || coeffs.dim() == 3,
+                    "coeffs must be 2-D [blocks, keep] or 3-D [groups, keep, group]; got a "
+                    "tensor of shape ", coeffs.sizes());
   check_block_size(block_size);
   check_at_least("numel", numel, 0);
   const int64_t blocks = num_segments(numel, block_size);
-  TORCH_CHECK_VALUE(coeffs.size(0) == blocks && coeffs.size(1) <= block_size,
-                    "coeffs must have shape [ceil(numel / block_size) = ", blocks, ", keep <= ",
-                    block_size, "]; got ", coeffs.sizes());
+  if (coeffs.dim() == 2) {
+    TORCH_CHECK_VALUE(coeffs.size(0) == blocks && coeffs.size(1) <= block_size,
+                      "coeffs must have shape [ceil(numel / block_size) = ", blocks, ", keep <= ",
+                      block_size, "]; got ", coeffs.sizes());
+    return;
+  }
+  const int64_t group = coeffs.size(2);
+  TORCH_CHECK_VALUE(group >= 1 && coeffs.size(0) == num_segments(blocks, group) &&
+                        coeffs.size(1) <= block_size,
+                    "grouped coeffs must have shape [ceil(ceil(numel / block_size) / group) = ",
+                    group >= 1 ? num_segments(blocks, group) : 0, ", keep <= ", block_size,
+                    ", group >= 1]; got ", coeffs.sizes());
 }
 
 inline void check_quantize(const at::Tensor& x, const at::Tensor& scale, int64_t levels,
@@ -293,10 +320,14 @@ inline void check_unpack_into(const at::Tensor& packed, const at::Tensor& indice
   check_out_shape(out, {at::kFloat, at::kBFloat16, at::kHalf}, {out.numel()}, packed, "packed");
 }
 
+// out: plain (2-D) or grouped (3-D, its last dimension the group), as check_dct_decode.
 inline void check_dct_encode_into(const at::Tensor& x, int64_t block_size, const at::Tensor& out) {
-  check_tensor(out, "out", {at::kFloat}, 2, /*writable=*/true);
-  check_dct_encode(x, block_size, out.size(1));
-  check_out_shape(out, {at::kFloat}, {num_segments(x.numel(), block_size), out.size(1)}, x, "x");
+  check_tensor(out, "out", {at::kFloat}, out.dim() == 3 ? 3 : 2, /*writable=*/true);
+  const c10::optional<int64_t> group =
+      out.dim() == 3 ? c10::optional<int64_t>(out.size(2)) : c10::nullopt;
+  check_dct_encode(x, block_size, out.size(1), group);
+  check_out_shape(out, {at::kFloat}, dct_coeffs_shape(x.numel(), block_size, out.size(1), group),
+                  x, "x");
 }
 
 inline void check_dct_decode_into(const at::Tensor& coeffs, int64_t block_size,

@@ -2,7 +2,8 @@
 // dct_decode_into_): blockwise orthonormal DCT-II and its inverse. Two algorithms, chosen
 // by cost: Lee's fast transform (O(log B) per element), which transforms eight blocks at once,
 // one per lane of a GCC vector, and for decoding very few coefficients a direct product with
-// the kept basis rows (keep multiply-adds per element).
+// the kept basis rows (keep multiply-adds per element). Both write the plain layout
+// [blocks, keep] and the grouped one [groups, keep, group] directly (DctLayout).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,96 +33,117 @@ int64_t grain_blocks(int64_t block_size) {
 }
 
 // What the fast encode and decode share: the transform's tables and the split of the blocks
-// into groups of kLanes, handed out to threads `grain` groups at a time.
+// into batches of kLanes, handed out to threads `grain` batches at a time.
 struct LanePlan {
   LanePlan(int64_t numel, int64_t block_size, int64_t keep)
       : twiddles(dct_twiddles(block_size)),
         ortho(dct_ortho_scales(keep, block_size)),
         blocks(num_segments(numel, block_size)),
-        groups(num_segments(blocks, kLanes)),
+        batches(num_segments(blocks, kLanes)),
         grain(std::max<int64_t>(1, grain_blocks(block_size) / kLanes)) {}
   const std::vector<float> twiddles, ortho;
-  const int64_t blocks, groups, grain;
+  const int64_t blocks, batches, grain;
 };
 
-// Runs body(group, work, scratch, lanes) for every group of kLanes blocks, in parallel, with
+// Runs body(batch, work, scratch, lanes) for every batch of kLanes blocks, in parallel, with
 // per-thread rows `work` and `scratch` of block_size Lanes. Lane l of row i is
 // lanes[i * kLanes + l]: plain float access, since subscripting a GCC vector with a run-time
 // lane goes through the stack.
 template <typename Body>
-void for_each_group(const LanePlan& plan, int64_t block_size, const Body& body) {
-  at::parallel_for(0, plan.groups, plan.grain, [&](int64_t first, int64_t last) {
+void for_each_batch(const LanePlan& plan, int64_t block_size, const Body& body) {
+  at::parallel_for(0, plan.batches, plan.grain, [&](int64_t first, int64_t last) {
     std::vector<Lanes> work(block_size), scratch(block_size);
     float* lanes = reinterpret_cast<float*>(work.data());
-    for (int64_t group = first; group < last; ++group) body(group, work.data(), scratch.data(), lanes);
+    for (int64_t batch = first; batch < last; ++batch) body(batch, work.data(), scratch.data(), lanes);
   });
 }
 
+// The layout of a plain [blocks, keep] or grouped [groups, keep, group] coefficient tensor.
+DctLayout layout_of(const at::Tensor& coeffs) {
+  return {coeffs.size(1), coeffs.dim() == 3 ? coeffs.size(2) : 1};
+}
+
 template <typename T>
-void encode_fast(const T* x, int64_t numel, int64_t block_size, int64_t keep, float* out) {
-  const LanePlan plan(numel, block_size, keep);
-  for_each_group(plan, block_size, [&](int64_t group, Lanes* work, Lanes* scratch, float* lanes) {
+void encode_fast(const T* x, int64_t numel, int64_t block_size, const DctLayout& layout, float* out) {
+  const LanePlan plan(numel, block_size, layout.keep);
+  for_each_batch(plan, block_size, [&](int64_t batch, Lanes* work, Lanes* scratch, float* lanes) {
     for (int lane = 0; lane < kLanes; ++lane) {
-      const int64_t begin = std::min((group * kLanes + lane) * block_size, numel);
+      const int64_t begin = std::min((batch * kLanes + lane) * block_size, numel);
       const int64_t len = std::min(block_size, numel - begin);
       for (int64_t i = 0; i < len; ++i) lanes[i * kLanes + lane] = static_cast<float>(x[begin + i]);
       for (int64_t i = len; i < block_size; ++i) lanes[i * kLanes + lane] = 0.0f;
     }
     dct2_unnormalized(work, scratch, block_size, plan.twiddles.data());
-    for (int lane = 0; lane < kLanes && group * kLanes + lane < plan.blocks; ++lane) {
-      float* dest = out + (group * kLanes + lane) * keep;
-      for (int64_t k = 0; k < keep; ++k) dest[k] = lanes[k * kLanes + lane] * plan.ortho[k];
+    for (int lane = 0; lane < kLanes && batch * kLanes + lane < plan.blocks; ++lane) {
+      float* dest = out + layout.block_offset(batch * kLanes + lane);
+      for (int64_t k = 0; k < layout.keep; ++k) {
+        dest[k * layout.group] = lanes[k * kLanes + lane] * plan.ortho[k];
+      }
     }
   });
+  // The grouped layout's padding blocks (past the last one) have zero coefficients.
+  const int64_t padded_blocks = num_segments(plan.blocks, layout.group) * layout.group;
+  for (int64_t block = plan.blocks; block < padded_blocks; ++block) {
+    float* dest = out + layout.block_offset(block);
+    for (int64_t k = 0; k < layout.keep; ++k) dest[k * layout.group] = 0.0f;
+  }
 }
 
-void decode_direct(const float* coeffs, int64_t keep, int64_t block_size, int64_t numel, float* out) {
-  const std::vector<float> basis = dct_basis_rows(keep, block_size);
+void decode_direct(const float* coeffs, const DctLayout& layout, int64_t block_size,
+                   int64_t numel, float* out) {
+  const std::vector<float> basis = dct_basis_rows(layout.keep, block_size);
   const int64_t blocks = num_segments(numel, block_size);
   at::parallel_for(0, blocks, grain_blocks(block_size), [&](int64_t first, int64_t last) {
-    std::vector<float> buffer(block_size);
+    std::vector<float> buffer(block_size), block_coeffs(layout.keep);
     for (int64_t block = first; block < last; ++block) {
+      const float* source = coeffs + layout.block_offset(block);
+      for (int64_t k = 0; k < layout.keep; ++k) block_coeffs[k] = source[k * layout.group];
       const int64_t begin = block * block_size;
       const int64_t len = std::min(block_size, numel - begin);
       float* dest = len == block_size ? out + begin : buffer.data();
-      dct_decode_direct(coeffs + block * keep, keep, basis.data(), block_size, dest);
+      dct_decode_direct(block_coeffs.data(), layout.keep, basis.data(), block_size, dest);
       if (dest != out + begin) std::copy(buffer.data(), buffer.data() + len, out + begin);
     }
   });
 }
 
-void decode_fast(const float* coeffs, int64_t keep, int64_t block_size, int64_t numel, float* out) {
-  const LanePlan plan(numel, block_size, keep);
-  for_each_group(plan, block_size, [&](int64_t group, Lanes* work, Lanes* scratch, float* lanes) {
+void decode_fast(const float* coeffs, const DctLayout& layout, int64_t block_size, int64_t numel,
+                 float* out) {
+  const LanePlan plan(numel, block_size, layout.keep);
+  for_each_batch(plan, block_size, [&](int64_t batch, Lanes* work, Lanes* scratch, float* lanes) {
     for (int lane = 0; lane < kLanes; ++lane) {
-      const int64_t block = std::min(group * kLanes + lane, plan.blocks - 1);
-      for (int64_t k = 0; k < keep; ++k) lanes[k * kLanes + lane] = coeffs[block * keep + k] * plan.ortho[k];
+      const float* source =
+          coeffs + layout.block_offset(std::min(batch * kLanes + lane, plan.blocks - 1));
+      for (int64_t k = 0; k < layout.keep; ++k) {
+        lanes[k * kLanes + lane] = source[k * layout.group] * plan.ortho[k];
+      }
     }
-    for (int64_t k = keep; k < block_size; ++k) work[k] = Lanes{};
+    for (int64_t k = layout.keep; k < block_size; ++k) work[k] = Lanes{};
     dct3_unnormalized(work, scratch, block_size, plan.twiddles.data());
-    for (int lane = 0; lane < kLanes && group * kLanes + lane < plan.blocks; ++lane) {
-      const int64_t begin = (group * kLanes + lane) * block_size;
+    for (int lane = 0; lane < kLanes && batch * kLanes + lane < plan.blocks; ++lane) {
+      const int64_t begin = (batch * kLanes + lane) * block_size;
       const int64_t len = std::min(block_size, numel - begin);
       for (int64_t i = 0; i < len; ++i) out[begin + i] = lanes[i * kLanes + lane];
     }
   });
 }
 
-// Assumes validated arguments; coeffs is float32 [blocks, keep], contiguous.
+// Assumes validated arguments; coeffs is float32, plain or grouped, contiguous.
 void encode_into(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
-  const int64_t keep = coeffs.size(1);
   if (coeffs.numel() == 0) return;
   const at::Tensor x_contiguous = x.contiguous();
   float* out = coeffs.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dct_encode", [&] {
     const scalar_t* in = x_contiguous.const_data_ptr<scalar_t>();
-    encode_fast(in, x.numel(), block_size, keep, out);
+    encode_fast(in, x.numel(), block_size, layout_of(coeffs), out);
   });
 }
 
-at::Tensor dct_encode_cpu(const at::Tensor& x, int64_t block_size, int64_t keep) {
-  check_dct_encode(x, block_size, keep);
-  at::Tensor coeffs = at::empty({num_segments(x.numel(), block_size), keep}, x.options().dtype(at::kFloat));
+at::Tensor dct_encode_cpu(const at::Tensor& x, int64_t block_size, int64_t keep,
+                          std::optional<int64_t> group) {
+  check_dct_encode(x, block_size, keep, group);
+  at::Tensor coeffs = at::empty(dct_coeffs_shape(x.numel(), block_size, keep, group),
+                                x.options().dtype(at::kFloat));
   encode_into(x, block_size, coeffs);
   return coeffs;
 }
@@ -133,14 +155,15 @@ void dct_encode_into_cpu(const at::Tensor& x, int64_t block_size, at::Tensor& ou
 
 // Assumes validated arguments; writes every element of the contiguous float32 `x_hat`.
 void decode_into(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat) {
-  const int64_t numel = x_hat.numel(), keep = coeffs.size(1);
+  const int64_t numel = x_hat.numel();
   if (numel == 0) return;
   const at::Tensor coeffs_contiguous = coeffs.contiguous();
   const float* in = coeffs_contiguous.const_data_ptr<float>();
-  if (decode_directly(block_size, keep)) {
-    decode_direct(in, keep, block_size, numel, x_hat.data_ptr<float>());
+  const DctLayout layout = layout_of(coeffs);
+  if (decode_directly(block_size, layout.keep)) {
+    decode_direct(in, layout, block_size, numel, x_hat.data_ptr<float>());
   } else {
-    decode_fast(in, keep, block_size, numel, x_hat.data_ptr<float>());
+    decode_fast(in, layout, block_size, numel, x_hat.data_ptr<float>());
   }
 }
 

@@ -23,7 +23,7 @@ TORCH_LIBRARY(hetero_comm, m) {
         "float scale=1.0) -> Tensor");
   m.def("unpack_segments_into_(Tensor packed, Tensor indices, int segment_size, float scale, "
         "Tensor(a!) out) -> ()");
-  m.def("dct_encode(Tensor x, int block_size, int keep) -> Tensor");
+  m.def("dct_encode(Tensor x, int block_size, int keep, int? group=None) -> Tensor");
   m.def("dct_encode_into_(Tensor x, int block_size, Tensor(a!) out) -> ()");
   m.def("dct_decode(Tensor coeffs, int block_size, int numel) -> Tensor");
   m.def("dct_decode_into_(Tensor coeffs, int block_size, Tensor(a!) out) -> ()");

@@ -3,8 +3,9 @@
 // the kept basis rows fit in 64 MB, one matrix product with them (cuBLAS, float32; torch's
 // allow_tf32 setting applies), the basis built from a quarter-wave cosine table computed in
 // double (cospi). A direct sum per value was 30x slower on an H200 (benchmarks/NOTES.md);
-// it stays for larger bases, accumulated in double. Both forms of each op share one "write
-// into a given tensor" function. See hetero_comm/reference.py for the spec.
+// it stays for larger bases, accumulated in double. The grouped layout (the sparse hook's)
+// goes through the plain one and a copy. Both forms of each op share one "write into a given
+// tensor" function. See hetero_comm/reference.py for the spec.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -207,7 +208,7 @@ at::Tensor cos_table(const at::Tensor& like, int64_t block_size, cudaStream_t st
 
 // Assumes validated arguments; `coeffs` is float32 [ceil(numel / block_size), keep],
 // contiguous, on x's device, and every element of it is written.
-void encode_into(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
+void encode_plain(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
   const int64_t num_coeffs = coeffs.numel();
   if (num_coeffs == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
@@ -227,9 +228,60 @@ void encode_into(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
   });
 }
 
-at::Tensor dct_encode_cuda(const at::Tensor& x, int64_t block_size, int64_t keep) {
-  check_dct_encode(x, block_size, keep);
-  at::Tensor coeffs = at::empty({num_segments(x.numel(), block_size), keep},
+// Grouped coefficients [groups, keep, group] of `blocks` blocks, block by block: the whole
+// groups as [whole, group, keep] and the last group's blocks as [rest, keep] (views).
+struct BlockViews {
+  at::Tensor whole, rest;
+};
+
+BlockViews block_views(const at::Tensor& grouped, int64_t blocks) {
+  const int64_t group = grouped.size(2), whole = blocks / group, rest = blocks % group;
+  BlockViews views{grouped.narrow(0, 0, whole).transpose(1, 2), at::Tensor()};
+  if (rest > 0) views.rest = grouped.select(0, whole).t().narrow(0, 0, rest);
+  return views;
+}
+
+// The plain coefficients [blocks, keep] into the grouped `grouped`, padding blocks zero (or,
+// with to_plain, back). One copy through a plain buffer: a batched product with the basis
+// could write the grouped layout directly (not yet measured on a GPU).
+void copy_grouped(at::Tensor& plain, at::Tensor& grouped, bool to_plain) {
+  const int64_t blocks = plain.size(0), group = grouped.size(2), keep = plain.size(1);
+  const BlockViews views = block_views(grouped, blocks);
+  at::Tensor plain_whole = plain.narrow(0, 0, views.whole.size(0) * group)
+                               .view({views.whole.size(0), group, keep});
+  if (to_plain) {
+    plain_whole.copy_(views.whole);
+  } else {
+    views.whole.copy_(plain_whole);
+  }
+  if (!views.rest.defined()) return;
+  at::Tensor plain_rest = plain.narrow(0, plain_whole.size(0) * group, views.rest.size(0));
+  if (to_plain) {
+    plain_rest.copy_(views.rest);
+    return;
+  }
+  views.rest.copy_(plain_rest);
+  grouped.select(0, grouped.size(0) - 1).t().narrow(0, views.rest.size(0), group - views.rest.size(0)).zero_();
+}
+
+// Assumes validated arguments; `coeffs` is float32, plain or grouped, contiguous, on x's
+// device, and every element of it is written.
+void encode_into(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
+  if (coeffs.dim() == 2) {
+    encode_plain(x, block_size, coeffs);
+    return;
+  }
+  if (coeffs.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor plain = at::empty({num_segments(x.numel(), block_size), coeffs.size(1)}, coeffs.options());
+  encode_plain(x, block_size, plain);
+  copy_grouped(plain, coeffs, /*to_plain=*/false);
+}
+
+at::Tensor dct_encode_cuda(const at::Tensor& x, int64_t block_size, int64_t keep,
+                           std::optional<int64_t> group) {
+  check_dct_encode(x, block_size, keep, group);
+  at::Tensor coeffs = at::empty(dct_coeffs_shape(x.numel(), block_size, keep, group),
                                 x.options().dtype(at::kFloat));
   encode_into(x, block_size, coeffs);
   return coeffs;
@@ -240,9 +292,9 @@ void dct_encode_into_cuda(const at::Tensor& x, int64_t block_size, at::Tensor& o
   encode_into(x, block_size, out);
 }
 
-// Assumes validated arguments; `x_hat` is float32 [numel], contiguous, on coeffs' device, and
+// Assumes validated arguments; `coeffs` is plain; `x_hat` is float32 [numel], contiguous, on coeffs' device, and
 // every element of it is written.
-void decode_into(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat) {
+void decode_plain(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat) {
   const int64_t numel = x_hat.numel();
   if (numel == 0) return;
   const c10::cuda::CUDAGuard guard(coeffs.device());
@@ -257,6 +309,20 @@ void decode_into(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat
       coeffs_c.const_data_ptr<float>(), static_cast<uint32_t>(block_size), coeffs.size(1), numel,
       table.const_data_ptr<double>(), x_hat.mutable_data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Assumes validated arguments; `coeffs` is plain or grouped, `x_hat` as in decode_plain.
+void decode_into(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat) {
+  if (coeffs.dim() == 2) {
+    decode_plain(coeffs, block_size, x_hat);
+    return;
+  }
+  if (x_hat.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(coeffs.device());
+  at::Tensor plain = at::empty({num_segments(x_hat.numel(), block_size), coeffs.size(1)}, coeffs.options());
+  at::Tensor grouped = coeffs.contiguous();
+  copy_grouped(plain, grouped, /*to_plain=*/true);
+  decode_plain(plain, block_size, x_hat);
 }
 
 at::Tensor dct_decode_cuda(const at::Tensor& coeffs, int64_t block_size, int64_t numel) {

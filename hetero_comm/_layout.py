@@ -5,7 +5,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["GRADIENT_DTYPES", "QUANT_DTYPES", "MAX_BLOCK_SIZE", "num_segments", "Piece"]
+__all__ = ["GRADIENT_DTYPES", "QUANT_DTYPES", "MAX_BLOCK_SIZE", "num_segments", "dct_coeffs_shape", "Piece"]
 
 # What a gradient (and a packed or unpacked value) may be; residuals are always float32.
 GRADIENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -19,6 +19,14 @@ def num_segments(numel: int, segment_size: int) -> int:
     """Number of segments (or blocks) of ``segment_size`` in ``numel`` elements, the last one
     possibly short: ``ceil(numel / segment_size)``."""
     return (numel + segment_size - 1) // segment_size
+
+
+def dct_coeffs_shape(numel: int, block_size: int, keep: int, group: Optional[int] = None) -> tuple:
+    """Shape of the DCT coefficients of ``numel`` values: plain ``[blocks, keep]``, or grouped
+    ``[ceil(blocks / group), keep, group]`` (frequency ``k`` of ``group`` consecutive blocks
+    side by side; the last group's padding blocks have zero coefficients)."""
+    blocks = num_segments(numel, block_size)
+    return (blocks, keep) if group is None else (num_segments(blocks, group), keep, group)
 
 
 class Piece(NamedTuple):

@@ -33,7 +33,7 @@ import torch
 
 from ._backend import extension_loaded, kernel_backend
 from ._kernels import KERNELS
-from ._layout import num_segments
+from ._layout import dct_coeffs_shape, num_segments
 
 __all__ = [*KERNELS, "set_strict_checks", "num_segments"]
 
@@ -195,7 +195,7 @@ def _check_out_matches(out: torch.Tensor, what: str, expected, actual) -> None:
         raise ValueError(f"out must have {what} {expected}; got {actual}")
 
 
-def dct_encode(x: torch.Tensor, block_size: int, keep: int,
+def dct_encode(x: torch.Tensor, block_size: int, keep: int, group: Optional[int] = None,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Blockwise orthonormal DCT-II keeping the ``keep`` lowest frequencies.
 
@@ -203,16 +203,22 @@ def dct_encode(x: torch.Tensor, block_size: int, keep: int,
         x: float32/bfloat16/float16 [n].
         block_size: a power of two in [1, 65536].
         keep: 0 <= keep <= block_size.
-        out: optional float32 [ceil(n / block_size), keep], contiguous.
+        group: None for the plain layout; >= 1 for the grouped one, where coefficient ``k`` of
+            block ``b`` is at ``[b // group, k, b % group]`` (padding blocks zero).
+        out: optional float32 tensor of the layout's shape, contiguous.
 
     Returns:
-        coeffs: ``out``, or a new float32 [ceil(n / block_size), keep].
+        coeffs: ``out``, or a new float32 [ceil(n / block_size), keep] (plain) or
+        [ceil(ceil(n / block_size) / group), keep, group] (grouped).
     """
     if not _compiled(x):
-        return _reference().dct_encode(x, block_size, keep, out=out)
+        return _reference().dct_encode(x, block_size, keep, group, out=out)
     if out is None:
-        return torch.ops.hetero_comm.dct_encode.default(x, block_size, keep)
-    _check_out_matches(out, "keep = out.shape[1] =", keep, out.shape[1] if out.dim() == 2 else None)
+        return torch.ops.hetero_comm.dct_encode.default(x, block_size, keep, group)
+    _check_out_matches(out, "keep = out.shape[1] =", keep, out.shape[1] if out.dim() in (2, 3) else None)
+    _check_out_matches(out, "dimensions", 2 if group is None else 3, out.dim())
+    if group is not None:
+        _check_out_matches(out, "group = out.shape[2] =", group, out.shape[2])
     torch.ops.hetero_comm.dct_encode_into_.default(x, block_size, out)
     return out
 
@@ -222,7 +228,8 @@ def dct_decode(coeffs: torch.Tensor, block_size: int, numel: int,
     """Inverse of :func:`dct_encode` (missing coefficients are zero).
 
     Args:
-        coeffs: float32 [ceil(numel / block_size), keep].
+        coeffs: float32 [ceil(numel / block_size), keep] (plain) or
+            [ceil(ceil(numel / block_size) / group), keep, group] (grouped).
         block_size: a power of two in [1, 65536].
         numel: length of the result.
         out: optional float32 [numel], contiguous.
@@ -327,8 +334,8 @@ if extension_loaded():
         return None
 
     @torch.library.register_fake("hetero_comm::dct_encode")
-    def _dct_encode_fake(x, block_size, keep):
-        return x.new_empty(num_segments(x.numel(), block_size), keep, dtype=torch.float32)
+    def _dct_encode_fake(x, block_size, keep, group=None):
+        return x.new_empty(dct_coeffs_shape(x.numel(), block_size, keep, group), dtype=torch.float32)
 
     @torch.library.register_fake("hetero_comm::dct_decode")
     def _dct_decode_fake(coeffs, block_size, numel):

@@ -29,7 +29,7 @@ import torch
 
 from ._checks import check_int
 from ._kernels import KERNELS
-from ._layout import GRADIENT_DTYPES, MAX_BLOCK_SIZE, QUANT_DTYPES, num_segments
+from ._layout import GRADIENT_DTYPES, MAX_BLOCK_SIZE, QUANT_DTYPES, dct_coeffs_shape, num_segments
 
 __all__ = list(KERNELS)
 
@@ -331,13 +331,25 @@ def dct_basis(block_size: int, device=None) -> torch.Tensor:
     return basis.to(dtype=torch.float32, device=device)
 
 
-def dct_encode(x: torch.Tensor, block_size: int, keep: int,
+def _grouped(plain: torch.Tensor, group: int) -> torch.Tensor:
+    """Plain coefficients [blocks, keep] in the grouped layout, padding blocks zero."""
+    blocks, keep = plain.shape
+    groups = num_segments(blocks, group)
+    padded = plain.new_zeros(groups * group, keep)
+    padded[:blocks] = plain
+    return padded.view(groups, group, keep).transpose(1, 2)
+
+
+def dct_encode(x: torch.Tensor, block_size: int, keep: int, group: Optional[int] = None,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Blockwise orthonormal DCT-II, keeping the ``keep`` lowest-frequency coefficients.
 
     ``x`` is split into ``num_blocks = ceil(n / block_size)`` blocks, the last zero-padded;
     coefficient ``k`` of a block ``v`` is ``s_k * sum_i v_i cos(pi (2i + 1) k / (2 B))`` with
     ``s_0 = sqrt(1/B)`` and ``s_k = sqrt(2/B)``, as ``scipy.fft.dct(type=2, norm="ortho")``.
+    With ``group``, coefficient ``k`` of block ``b`` goes to ``[b // group, k, b % group]``
+    and the last group's padding blocks are zero: one frequency of ``group`` consecutive
+    blocks, the sparse hook's segment, is then contiguous.
 
     The compiled CPU kernel uses a fast O(B log B) transform (Lee's algorithm) whose float32
     error grows with B: for data of standard deviation sigma, about 1e-7 * B * sigma (encode)
@@ -350,18 +362,25 @@ def dct_encode(x: torch.Tensor, block_size: int, keep: int,
         x: float32, bfloat16 or float16 [n].
         block_size: B, a power of two in [1, 65536].
         keep: coefficients kept per block, 0 <= keep <= block_size.
-        out: optional float32 [num_blocks, keep], contiguous, to write instead of allocating.
+        group: None (plain layout) or the blocks per group, >= 1 (grouped layout).
+        out: optional float32 tensor of the layout's shape, contiguous, to write instead of
+            allocating (its shape gives the layout).
 
     Returns:
-        coeffs: ``out``, or a new float32 [num_blocks, keep].
+        coeffs: ``out``, or a new float32 [num_blocks, keep] (plain) or
+        [ceil(num_blocks / group), keep, group] (grouped).
     """
     _check_tensor("x", x, GRADIENT_DTYPES, 1)
     _check_block_size(block_size)
     check_int("keep", keep, 0, block_size)
+    if group is not None:
+        check_int("group", group, 1)
     if out is not None:
-        _check_out(out, (torch.float32,), (num_segments(x.numel(), block_size), keep), x, "x")
+        _check_out(out, (torch.float32,), dct_coeffs_shape(x.numel(), block_size, keep, group), x, "x")
     coeffs = _padded_segment_view(x, block_size) @ dct_basis(block_size, x.device)[:keep].T
-    return coeffs if out is None else out.copy_(coeffs)
+    if group is not None:
+        coeffs = _grouped(coeffs, group)
+    return coeffs.contiguous() if out is None else out.copy_(coeffs)
 
 
 def dct_decode(coeffs: torch.Tensor, block_size: int, numel: int,
@@ -369,8 +388,9 @@ def dct_decode(coeffs: torch.Tensor, block_size: int, numel: int,
     """Inverse of :func:`dct_encode`: missing high-frequency coefficients are taken as zero.
 
     Args:
-        coeffs: float32 [num_blocks, keep] with num_blocks = ceil(numel / block_size) and
-            keep <= block_size.
+        coeffs: float32, plain [num_blocks, keep] or grouped [ceil(num_blocks / group), keep,
+            group], with num_blocks = ceil(numel / block_size) and
+            keep <= block_size. A grouped layout's padding blocks are not read.
         block_size: B, a power of two in [1, 65536].
         numel: length of the result, >= 0.
         out: optional float32 [numel], contiguous, to write instead of allocating.
@@ -378,18 +398,38 @@ def dct_decode(coeffs: torch.Tensor, block_size: int, numel: int,
     Returns:
         x_hat: ``out``, or a new float32 [numel].
     """
-    _check_tensor("coeffs", coeffs, (torch.float32,), 2)
+    _check_coeffs(coeffs, block_size, numel)
+    if out is not None:
+        _check_out(out, (torch.float32,), (numel,), coeffs, "coeffs")
+    keep, blocks = coeffs.shape[1], num_segments(numel, block_size)
+    if coeffs.dim() == 3:
+        coeffs = coeffs.transpose(1, 2).reshape(coeffs.shape[0] * coeffs.shape[2], keep)[:blocks]
+    decoded = (coeffs.contiguous() @ dct_basis(block_size, coeffs.device)[:keep]).reshape(-1)[:numel]
+    return decoded.contiguous() if out is None else out.copy_(decoded)
+
+
+def _check_coeffs(coeffs: torch.Tensor, block_size: int, numel: int) -> None:
+    """Plain or grouped coefficients of ``numel`` values."""
+    if not isinstance(coeffs, torch.Tensor):
+        raise TypeError(f"coeffs must be a torch.Tensor, got {type(coeffs).__name__}")
+    if coeffs.dtype != torch.float32:
+        raise TypeError(f"coeffs must have dtype float32; got {str(coeffs.dtype).replace('torch.', '')}")
+    if coeffs.dim() not in (2, 3):
+        raise ValueError("coeffs must be 2-D [blocks, keep] or 3-D [groups, keep, group]; got a "
+                         f"tensor of shape {tuple(coeffs.shape)}")
     _check_block_size(block_size)
     check_int("numel", numel, 0)
     blocks = num_segments(numel, block_size)
-    if coeffs.shape[0] != blocks or coeffs.shape[1] > block_size:
-        raise ValueError(f"coeffs must have shape [ceil(numel / block_size) = {blocks}, keep <= "
-                         f"{block_size}]; got {tuple(coeffs.shape)}")
-    if out is not None:
-        _check_out(out, (torch.float32,), (numel,), coeffs, "coeffs")
-    keep = coeffs.shape[1]
-    decoded = (coeffs.contiguous() @ dct_basis(block_size, coeffs.device)[:keep]).reshape(-1)[:numel]
-    return decoded.contiguous() if out is None else out.copy_(decoded)
+    if coeffs.dim() == 2:
+        if coeffs.shape[0] != blocks or coeffs.shape[1] > block_size:
+            raise ValueError(f"coeffs must have shape [ceil(numel / block_size) = {blocks}, keep <= "
+                             f"{block_size}]; got {tuple(coeffs.shape)}")
+        return
+    group = coeffs.shape[2]
+    groups = num_segments(blocks, group) if group >= 1 else 0
+    if group < 1 or coeffs.shape[0] != groups or coeffs.shape[1] > block_size:
+        raise ValueError(f"grouped coeffs must have shape [ceil(ceil(numel / block_size) / group) = "
+                         f"{groups}, keep <= {block_size}, group >= 1]; got {tuple(coeffs.shape)}")
 
 
 # ------------------------------------------------------------------------------ quantize

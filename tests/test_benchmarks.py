@@ -111,3 +111,10 @@ def test_two_level_benchmark_averages_seeds_each_against_dense_of_its_seed():
     assert auto[3] == "1.550" and auto[6] == "1 of 2 seeds reached" and auto[7] == ""
     one_seed = bench.table({("mlp_sgd", "1gbit"): records}, ["dense", "flat"], seeds=1)
     assert row(one_seed, "flat recipe")[6] == "3"
+    # --dense-from: the targets from another link's run; this run's own records are kept
+    earlier = {"mlp_sgd 100mbit": {key: records[key] for key in ("dense", "dense seed 1")},
+               "gpt_adamw 100mbit": {"dense": two_level_record(9.0, [9.0])}}
+    without_dense = {key: r for key, r in records.items() if not key.startswith("dense")}
+    merged = bench.with_dense_targets({("mlp_sgd", "1gbit"): without_dense}, earlier)
+    assert bench.table(merged, ["flat", "two_level_auto"], seeds=2) == "\n".join(
+        line for line in text.splitlines() if "flat dense" not in line)

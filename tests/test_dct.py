@@ -185,3 +185,72 @@ def test_dct_out_overlapping_the_input_is_rejected(backend, device):
     x, coeffs_out = buffer[:100], buffer[50:66].view(2, 8)
     with untouched(buffer), pytest.raises(ValueError, match="out must not overlap x"):
         backend.dct_encode(x, 64, 8, out=coeffs_out)
+
+
+def plain_of_grouped(grouped: torch.Tensor, blocks: int) -> torch.Tensor:
+    """[groups, keep, group] -> [blocks, keep], dropping the padding blocks."""
+    groups, keep, group = grouped.shape
+    return grouped.transpose(1, 2).reshape(groups * group, keep)[:blocks]
+
+
+@DEVICES
+@BACKENDS
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("block_size, keep, group", [
+    (1, 1, 1), (8, 8, 3), (64, 64, 512), (64, 8, 8), (256, 32, 7), (1024, 16, 2), (64, 0, 4)])
+def test_dct_grouped_layout_is_the_plain_one_rearranged(backend, numel, block_size, keep, group,
+                                                        dtype, device):
+    # The same transform whichever layout: bit for bit, padding blocks zero, decode inverse.
+    x = random_tensor(numel, dtype, seed=numel + group).to(device)
+    blocks = -(-numel // block_size)
+    plain = backend.dct_encode(x, block_size, keep)
+    grouped = backend.dct_encode(x, block_size, keep, group)
+    assert grouped.shape == (-(-blocks // group), keep, group) and grouped.is_contiguous()
+    assert torch.equal(plain_of_grouped(grouped, blocks), plain)
+    padding = grouped.transpose(1, 2).reshape(grouped.shape[0] * group, keep)[blocks:]
+    assert padding.numel() == (-(-blocks // group) * group - blocks) * keep and not padding.any()
+    out = torch.full(grouped.shape, float("nan"), device=device)
+    assert backend.dct_encode(x, block_size, keep, group, out=out) is out
+    assert torch.equal(out, grouped)
+    decoded = torch.full((numel,), float("nan"), device=device)
+    assert backend.dct_decode(grouped, block_size, numel, out=decoded) is decoded
+    assert torch.equal(decoded, backend.dct_decode(plain, block_size, numel))
+    torch.testing.assert_close(grouped.cpu(), reference.dct_encode(x.cpu(), block_size, keep, group),
+                               rtol=0, atol=2 * dct_tolerance(block_size))
+
+
+@DEVICES
+def test_dct_decode_ignores_the_grouped_padding(device):
+    x = random_tensor(1000, torch.float32, seed=9).to(device)
+    grouped = ops.dct_encode(x, 64, 64, 5)  # 16 blocks: the last group holds 1 and 4 padding
+    expected = ops.dct_decode(grouped, 64, 1000)
+    grouped[-1, :, 1:] = 7.0
+    assert torch.equal(ops.dct_decode(grouped, 64, 1000), expected)
+
+
+@DEVICES
+@BACKENDS
+@pytest.mark.parametrize("call, match", [
+    (lambda b, x, c: b.dct_encode(x, 64, 8, 0), "group must be an integer >= 1"),
+    (lambda b, x, c: b.dct_encode(x, 64, 8, 3, out=torch.zeros(2, 8, 3, device=x.device)), "out must have"),
+    (lambda b, x, c: b.dct_encode(x, 64, 8, 2, out=torch.zeros(1, 8, 3, device=x.device)), "out must have"),
+    (lambda b, x, c: b.dct_encode(x, 64, 8, out=torch.zeros(1, 8, 2, device=x.device)), "out must"),
+    (lambda b, x, c: b.dct_decode(c.view(2, 8, 1)[:1], 64, 100), r"grouped coeffs must have shape \[.* = 2"),
+    (lambda b, x, c: b.dct_decode(torch.ones(1, 8, 0, device=x.device), 64, 100), "group >= 1"),
+    (lambda b, x, c: b.dct_decode(torch.ones(1, 65, 2, device=x.device), 64, 100), "keep <= 64"),
+])
+def test_dct_grouped_layout_rejects_bad_input(backend, call, match, device):
+    x, coeffs = torch.ones(100, device=device), torch.ones(2, 8, device=device)
+    with untouched(x, coeffs), pytest.raises((ValueError, TypeError), match=match):
+        call(backend, x, coeffs)
+
+
+@DEVICES
+def test_dct_grouped_ops_pass_opcheck(device):
+    x = random_tensor(1000, torch.float32, seed=8).to(device)
+    torch.library.opcheck(torch.ops.hetero_comm.dct_encode.default, (x, 64, 8, 3))
+    torch.library.opcheck(torch.ops.hetero_comm.dct_encode_into_.default,
+                          (x, 64, torch.empty(6, 8, 3, device=device)))
+    torch.library.opcheck(torch.ops.hetero_comm.dct_decode_into_.default,
+                          (torch.rand(6, 8, 3, device=device), 64, torch.empty(1000, device=device)))

@@ -12,8 +12,6 @@ from hypothesis import given, settings, strategies as st
 
 from hetero_comm.hooks import (AllreduceState, DCTQuantState, SegmentSparseState, allreduce_hook,
                                dct_quant_hook, segment_sparse_hook)
-from hetero_comm import reference
-from hetero_comm.hooks._basis import DctBasis
 from hetero_comm.hooks.segment_sparse import int8_levels
 from hetero_comm.hooks.dct_quant import pack_int16_pairs, quantization_levels, unpack_int16_pair_sums
 from hetero_comm.lab.launch import run_ranks
@@ -120,24 +118,6 @@ def test_sign_output_is_the_sign_of_the_sum(basis):
         tiny = np.abs(weighted_sum(results)[compressed]) < 1e-5
         np.testing.assert_array_equal(applied[~tiny], expected[~tiny])
     assert_ranks_identical(results)
-
-
-@pytest.mark.parametrize("numel,block,group", [(1, 4, 2), (100, 8, 3), (1000, 64, 4), (4096, 16, 16)])
-def test_dct_basis_segments_are_one_frequency_of_a_group_of_blocks(numel, block, group):
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
-    basis = DctBasis(numel, block, group)
-    coefficients, scratch = torch.empty(basis.coefficients), torch.empty(basis.coefficients)
-    basis.encode(x, coefficients, scratch)
-    by_block = reference.dct_encode(x, block, block)  # [blocks, block]
-    padded = torch.zeros(basis.groups * group, block)
-    padded[: by_block.shape[0]] = by_block
-    segments = coefficients.view(-1, group)
-    for segment in (0, segments.shape[0] // 2, segments.shape[0] - 1):
-        g, frequency = divmod(segment, block)
-        torch.testing.assert_close(segments[segment], padded[g * group:(g + 1) * group, frequency])
-    torch.testing.assert_close(coefficients.norm(), x.norm())  # orthonormal: importance carries over
-    decoded = torch.empty(numel)
-    torch.testing.assert_close(basis.decode(coefficients, decoded, scratch), x, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("variant", [

@@ -22,6 +22,17 @@ inline std::vector<float> dct_twiddles(int64_t block_size) {
   return twiddles;
 }
 
+// Where coefficient k of block b is stored. The plain layout [blocks, keep] is group 1; the
+// grouped one [ceil(blocks / group), keep, group] keeps frequency k of `group` consecutive
+// blocks side by side (the sparse hook's segments), its padding blocks' coefficients zero.
+struct DctLayout {
+  int64_t keep, group;
+  // Offset of coefficient 0 of `block`; coefficient k is k * group further.
+  int64_t block_offset(int64_t block) const {
+    return (block / group) * (keep * group) + block % group;
+  }
+};
+
 // Orthonormal scale of coefficient k: sqrt(1/B) for k = 0, sqrt(2/B) otherwise.
 inline float dct_ortho_scale(int64_t k, int64_t block_size) {
   return static_cast<float>(std::sqrt((k == 0 ? 1.0 : 2.0) / static_cast<double>(block_size)));

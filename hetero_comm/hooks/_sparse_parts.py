@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from .._layout import num_segments
-from ._basis import DctBasis
+from .._layout import dct_coeffs_shape, num_segments
 from ._plan import PlanBucket
 
 __all__ = ["ElementSegments", "DctSegments", "CurrentSelection", "LaggedSelection",
@@ -78,23 +77,39 @@ class ElementSegments:
 
 
 class DctSegments:
-    """Segments of the residual's interleaved DCT coefficients (pooled work buffers): one
-    frequency of ``state.segment_size`` consecutive blocks of ``state.dct_block_size``."""
+    """Segments of the residual's DCT coefficients (``basis="dct"``, pooled work buffer).
+
+    The residual is cut into blocks of ``state.dct_block_size`` elements, each goes through an
+    orthonormal DCT-II, and a segment is ONE frequency of ``state.segment_size`` consecutive
+    blocks (:func:`hetero_comm.ops.dct_encode`'s grouped layout, in which such a segment is
+    contiguous; the last group's padding blocks are zero). A plain segment of elements
+    delivers those elements and nothing to the rest, which may wait many steps for their
+    turn; sending a segment of coefficients touches every element of its blocks, so a sparse
+    selection still moves almost every coordinate at every step. The transform is
+    orthonormal, so norms (the importance) and error feedback carry over unchanged."""
 
     def __init__(self, state, residual: torch.Tensor, grad: torch.Tensor) -> None:
         self.residual = residual
         self.segment = state.segment_size_for(residual.numel())
-        self.basis = DctBasis(residual.numel(), state.dct_block_size, self.segment)
-        self.numel = self.basis.coefficients
+        self.block_size = state.dct_block_size
+        self.shape = dct_coeffs_shape(residual.numel(), self.block_size, self.block_size, self.segment)
+        self.numel = math.prod(self.shape)
         self.count = num_segments(self.numel, self.segment)
         pool, device = state.pool, grad.device
         self.vector = pool.acquire(self.numel, torch.float32, device)
-        self.scratch = pool.acquire(self.numel, torch.float32, device)
-        self.buffers = (self.vector, self.scratch)
+        self.buffers: Tuple[torch.Tensor, ...] = (self.vector,)
         self.decoded = grad  # the decoded sum; float32, or a buffer before the cast into grad
         if grad.dtype != torch.float32:
             self.decoded = pool.acquire(grad.numel(), torch.float32, device)
             self.buffers += (self.decoded,)
+
+    def _encode(self, flat: torch.Tensor) -> None:
+        """``flat``'s coefficients into :attr:`vector`."""
+        ops.dct_encode(flat, self.block_size, self.block_size, self.segment, out=self.vector.view(self.shape))
+
+    def _decode(self, out: torch.Tensor) -> None:
+        """:attr:`vector`'s coefficients transformed back into ``out`` (float32, like the residual)."""
+        ops.dct_decode(self.vector.view(self.shape), self.block_size, out.numel(), out=out)
 
     def warn_if_coarse(self, state, index: int, k: int) -> None:
         """Nothing: every segment of coefficients touches all of its blocks' elements."""
@@ -103,26 +118,26 @@ class DctSegments:
         """``residual += contribution``; its coefficients into :attr:`vector` and every
         segment's L2 norm into ``importance`` (the transform is orthonormal)."""
         self.residual.add_(contribution)
-        self.basis.encode(self.residual, self.vector, self.scratch)
+        self._encode(self.residual)
         torch.linalg.vector_norm(self.vector.view(-1, self.segment), dim=1, out=importance)
 
     def keep_unsent(self) -> None:
         """After packing zeroed the sent coefficients: the residual is the rest, transformed
         back."""
-        self.basis.decode(self.vector, self.residual, self.scratch)
+        self._decode(self.residual)
 
     def clear(self, state, flat: torch.Tensor, indices: torch.Tensor) -> None:
         """Zero the selected segments of ``flat``'s coefficients (``flat`` laid out like the
-        residual). Uses :attr:`vector` and :attr:`scratch`: call it only after
-        :meth:`keep_unsent` and before :meth:`deliver`, when they hold nothing needed."""
-        self.basis.encode(flat, self.vector, self.scratch)
+        residual). Uses :attr:`vector`: call it only after :meth:`keep_unsent` and before
+        :meth:`deliver`, when it holds nothing needed."""
+        self._encode(flat)
         self.vector.view(-1, self.segment).index_fill_(0, indices, 0.0)
-        self.basis.decode(self.vector, flat, self.scratch)
+        self._decode(flat)
 
     def deliver(self, packed: torch.Tensor, indices: torch.Tensor, grad: torch.Tensor) -> None:
         """The summed coefficients, transformed back, into ``grad``."""
         ops.unpack_segments(packed, indices, self.segment, self.numel, out=self.vector)
-        self.basis.decode(self.vector, self.decoded, self.scratch)
+        self._decode(self.decoded)
         if self.decoded is not grad:
             grad.copy_(self.decoded)
 
