@@ -158,7 +158,7 @@ at::Tensor basis_rows(const at::Tensor& like, int64_t block_size, int64_t keep, 
   return basis;
 }
 
-// coeffs = blocks(x) @ basis.T, the last block zero-padded. `coeffs` as in encode_into.
+// coeffs = blocks(x) @ basis.T, the last block zero-padded. `coeffs` as in encode_plain.
 void encode_by_product(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs,
                        cudaStream_t stream) {
   const int64_t keep = coeffs.size(1);
@@ -177,7 +177,7 @@ void encode_by_product(const at::Tensor& x, int64_t block_size, at::Tensor& coef
   }
 }
 
-// x_hat = (coeffs @ basis) flattened, cut to its numel. `x_hat` as in decode_into.
+// x_hat = (coeffs @ basis) flattened, cut to its numel. `x_hat` as in decode_plain.
 void decode_by_product(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat,
                        cudaStream_t stream) {
   const int64_t keep = coeffs.size(1), numel = x_hat.numel();
@@ -242,9 +242,10 @@ BlockViews block_views(const at::Tensor& grouped, int64_t blocks) {
 }
 
 // The plain coefficients [blocks, keep] into the grouped `grouped`, padding blocks zero (or,
-// with to_plain, back). One copy through a plain buffer: a batched product with the basis
-// could write the grouped layout directly (not yet measured on a GPU).
-void copy_grouped(at::Tensor& plain, at::Tensor& grouped, bool to_plain) {
+// with to_plain, back). One copy through a plain buffer, allocated per call (so on CUDA the
+// grouped layout saves the hook no memory): a batched product with the basis could write it
+// directly (not yet measured on a GPU).
+void copy_grouped(const at::Tensor& plain, const at::Tensor& grouped, bool to_plain) {
   const int64_t blocks = plain.size(0), group = grouped.size(2), keep = plain.size(1);
   const BlockViews views = block_views(grouped, blocks);
   at::Tensor plain_whole = plain.narrow(0, 0, views.whole.size(0) * group)
@@ -320,8 +321,7 @@ void decode_into(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat
   if (x_hat.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(coeffs.device());
   at::Tensor plain = at::empty({num_segments(x_hat.numel(), block_size), coeffs.size(1)}, coeffs.options());
-  at::Tensor grouped = coeffs.contiguous();
-  copy_grouped(plain, grouped, /*to_plain=*/true);
+  copy_grouped(plain, coeffs, /*to_plain=*/true);  // copy_ reads a strided coeffs as it is
   decode_plain(plain, block_size, x_hat);
 }
 

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from ._backend import extension_loaded, kernel_backend
+from ._checks import check_int
 from ._kernels import KERNELS
 from ._layout import dct_coeffs_shape, num_segments
 
@@ -215,8 +216,13 @@ def dct_encode(x: torch.Tensor, block_size: int, keep: int, group: Optional[int]
         return _reference().dct_encode(x, block_size, keep, group, out=out)
     if out is None:
         return torch.ops.hetero_comm.dct_encode.default(x, block_size, keep, group)
-    _check_out_matches(out, "keep = out.shape[1] =", keep, out.shape[1] if out.dim() in (2, 3) else None)
-    _check_out_matches(out, "dimensions", 2 if group is None else 3, out.dim())
+    # The _into_ op reads the layout from out: check it is the one asked for.
+    if group is not None:
+        check_int("group", group, 1)
+    ndim = 2 if group is None else 3
+    if out.dim() != ndim:
+        raise ValueError(f"out must be {ndim}-D; got a tensor of shape {tuple(out.shape)}")
+    _check_out_matches(out, "keep = out.shape[1] =", keep, out.shape[1])
     if group is not None:
         _check_out_matches(out, "group = out.shape[2] =", group, out.shape[2])
     torch.ops.hetero_comm.dct_encode_into_.default(x, block_size, out)

@@ -364,7 +364,7 @@ def dct_encode(x: torch.Tensor, block_size: int, keep: int, group: Optional[int]
         keep: coefficients kept per block, 0 <= keep <= block_size.
         group: None (plain layout) or the blocks per group, >= 1 (grouped layout).
         out: optional float32 tensor of the layout's shape, contiguous, to write instead of
-            allocating (its shape gives the layout).
+            allocating.
 
     Returns:
         coeffs: ``out``, or a new float32 [num_blocks, keep] (plain) or

@@ -37,6 +37,16 @@ def test_kernel_benchmark_prints_and_saves_every_row(tmp_path):
     assert {aim["aim"].split()[0] for aim in report["aims"]} == {"quantize", "dequantize"}
 
 
+def test_kernel_benchmark_times_the_dct_in_the_hooks_grouped_layout(tmp_path):
+    saved = tmp_path / "dct.json"
+    out = run_script("bench_kernels", "--sizes", "64K", "--quick", "--only", "dct", "--json", str(saved))
+    assert "the sparse hook's grouped layout" in out
+    (row,) = json.loads(saved.read_text())["dct_grouped"]
+    assert row["numel"] == 64_000
+    assert all(row[key] > 0 for key in ("encode_then_interleave_ms", "encode_grouped_ms",
+                                        "deinterleave_then_decode_ms", "decode_grouped_ms"))
+
+
 def test_cuda_aims_judge_rows_of_16_mb_and_the_named_dct_configurations():
     bench = load_benchmark("bench_kernels")
     bench.copy_bandwidth_gbps = 100.0

@@ -82,6 +82,10 @@ def test_dct_reads_non_contiguous_input(dtype, device):
     transposed = coeffs.t().contiguous().t()
     assert not transposed.is_contiguous()
     assert torch.equal(ops.dct_decode(transposed, 64, 1000), ops.dct_decode(coeffs, 64, 1000))
+    grouped = ops.dct_encode(x.to(device), 64, 16, 3)
+    strided = grouped.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided.is_contiguous()
+    assert torch.equal(ops.dct_decode(strided, 64, 1000), ops.dct_decode(grouped, 64, 1000))
 
 
 @DEVICES
@@ -221,35 +225,53 @@ def test_dct_grouped_layout_is_the_plain_one_rearranged(backend, numel, block_si
 
 
 @DEVICES
-def test_dct_decode_ignores_the_grouped_padding(device):
+@BACKENDS
+@pytest.mark.parametrize("keep", (64, 1))  # the fast transform and (on the CPU) the direct product
+def test_dct_decode_ignores_the_grouped_padding(backend, keep, device):
     x = random_tensor(1000, torch.float32, seed=9).to(device)
-    grouped = ops.dct_encode(x, 64, 64, 5)  # 16 blocks: the last group holds 1 and 4 padding
-    expected = ops.dct_decode(grouped, 64, 1000)
+    grouped = backend.dct_encode(x, 64, keep, 5)  # 16 blocks: the last group holds 1 and 4 padding
+    expected = backend.dct_decode(grouped, 64, 1000)
     grouped[-1, :, 1:] = 7.0
-    assert torch.equal(ops.dct_decode(grouped, 64, 1000), expected)
+    assert torch.equal(backend.dct_decode(grouped, 64, 1000), expected)
 
 
 @DEVICES
 @BACKENDS
-@pytest.mark.parametrize("call, match", [
-    (lambda b, x, c: b.dct_encode(x, 64, 8, 0), "group must be an integer >= 1"),
-    (lambda b, x, c: b.dct_encode(x, 64, 8, 3, out=torch.zeros(2, 8, 3, device=x.device)), "out must have"),
-    (lambda b, x, c: b.dct_encode(x, 64, 8, 2, out=torch.zeros(1, 8, 3, device=x.device)), "out must have"),
-    (lambda b, x, c: b.dct_encode(x, 64, 8, out=torch.zeros(1, 8, 2, device=x.device)), "out must"),
-    (lambda b, x, c: b.dct_decode(c.view(2, 8, 1)[:1], 64, 100), r"grouped coeffs must have shape \[.* = 2"),
-    (lambda b, x, c: b.dct_decode(torch.ones(1, 8, 0, device=x.device), 64, 100), "group >= 1"),
-    (lambda b, x, c: b.dct_decode(torch.ones(1, 65, 2, device=x.device), 64, 100), "keep <= 64"),
+@pytest.mark.parametrize("group, out_shape, match", [
+    (0, (1, 8, 3), "group must be an integer >= 1"),
+    (3, (2, 8, 3), "out must have"),
+    (2, (1, 8, 3), "out must have"),
+    (None, (1, 8, 2), "out must be 2-D"),
+    (2, (2, 8), "out must be 3-D"),
 ])
-def test_dct_grouped_layout_rejects_bad_input(backend, call, match, device):
-    x, coeffs = torch.ones(100, device=device), torch.ones(2, 8, device=device)
-    with untouched(x, coeffs), pytest.raises((ValueError, TypeError), match=match):
-        call(backend, x, coeffs)
+def test_dct_grouped_encode_rejects_bad_input(backend, group, out_shape, match, device):
+    x, out = torch.ones(100, device=device), torch.zeros(out_shape, device=device)
+    with untouched(x, out), pytest.raises((ValueError, TypeError), match=match):
+        backend.dct_encode(x, 64, 8, group, out=out)
+    if group == 0:
+        with untouched(x), pytest.raises(ValueError, match=match):
+            backend.dct_encode(x, 64, 8, group)
+
+
+@DEVICES
+@BACKENDS
+@pytest.mark.parametrize("shape, match", [
+    ((1, 8, 1), r"grouped coeffs must have shape \[.* = 2"),
+    ((1, 8, 0), "group >= 1"),
+    ((1, 65, 2), "keep <= 64"),
+    ((1, 8, 1, 2), r"coeffs must be 2-D \[blocks, keep\] or 3-D"),
+])
+def test_dct_grouped_decode_rejects_bad_input(backend, shape, match, device):
+    coeffs, out = torch.ones(shape, device=device), torch.zeros(100, device=device)
+    with untouched(coeffs, out), pytest.raises((ValueError, TypeError), match=match):
+        backend.dct_decode(coeffs, 64, 100, out=out)
 
 
 @DEVICES
 def test_dct_grouped_ops_pass_opcheck(device):
     x = random_tensor(1000, torch.float32, seed=8).to(device)
     torch.library.opcheck(torch.ops.hetero_comm.dct_encode.default, (x, 64, 8, 3))
+    torch.library.opcheck(torch.ops.hetero_comm.dct_decode.default, (torch.rand(6, 8, 3, device=device), 64, 1000))
     torch.library.opcheck(torch.ops.hetero_comm.dct_encode_into_.default,
                           (x, 64, torch.empty(6, 8, 3, device=device)))
     torch.library.opcheck(torch.ops.hetero_comm.dct_decode_into_.default,

@@ -12,6 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 from hetero_comm.hooks import (AllreduceState, DCTQuantState, SegmentSparseState, allreduce_hook,
                                dct_quant_hook, segment_sparse_hook)
+from hetero_comm import reference
+from hetero_comm.hooks._sparse_parts import DctSegments
 from hetero_comm.hooks.segment_sparse import int8_levels
 from hetero_comm.hooks.dct_quant import pack_int16_pairs, quantization_levels, unpack_int16_pair_sums
 from hetero_comm.lab.launch import run_ranks
@@ -118,6 +120,48 @@ def test_sign_output_is_the_sign_of_the_sum(basis):
         tiny = np.abs(weighted_sum(results)[compressed]) < 1e-5
         np.testing.assert_array_equal(applied[~tiny], expected[~tiny])
     assert_ranks_identical(results)
+
+
+def segments_of_blocks(by_block: torch.Tensor, size: int) -> torch.Tensor:
+    """Plain coefficients [blocks, B] as the DCT segments [groups * B, size]: row g * B + f is
+    frequency f of blocks g * size .. (g + 1) * size (the last group padded with zeros)."""
+    blocks, block = by_block.shape
+    padded = torch.zeros(-(-blocks // size) * size, block)
+    padded[:blocks] = by_block
+    return padded.view(-1, size, block).transpose(1, 2).reshape(-1, size)
+
+
+def blocks_of_segments(by_segment: torch.Tensor, blocks: int, block: int) -> torch.Tensor:
+    """Inverse of :func:`segments_of_blocks`, the padding dropped."""
+    size = by_segment.shape[1]
+    return by_segment.reshape(-1, block, size).transpose(1, 2).reshape(-1, block)[:blocks]
+
+
+@pytest.mark.parametrize("numel,block,group", [(1, 4, 2), (100, 8, 3), (1000, 64, 4), (4096, 16, 16)])
+def test_dct_segments_are_one_frequency_of_a_group_of_blocks(numel, block, group):
+    generator = torch.Generator().manual_seed(numel)
+    residual, contribution, other = (torch.randn(numel, generator=generator) for _ in range(3))
+    state = SegmentSparseState(basis="dct", dct_block_size=block, segment_size=group)
+    segments = DctSegments(state, residual, torch.empty(numel))
+    blocks, size = -(-numel // block), segments.segment
+    importance = torch.empty(segments.count)
+    expected = segments_of_blocks(reference.dct_encode(residual + contribution, block, block), size)
+    segments.accumulate(contribution, importance)
+    torch.testing.assert_close(segments.vector.view(-1, size), expected, rtol=0, atol=1e-4)
+    torch.testing.assert_close(importance, expected.norm(dim=1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(importance.norm(), residual.norm())  # orthonormal: norms carry over
+    # What stays unsent goes back into the residual; clear() zeroes segments of another vector.
+    sent = torch.tensor([0, segments.count - 1])
+    segments.vector.view(-1, size)[sent] = 0.0
+    expected[sent] = 0.0
+    segments.keep_unsent()
+    torch.testing.assert_close(residual, reference.dct_decode(blocks_of_segments(expected, blocks, block),
+                                                              block, numel), rtol=0, atol=1e-4)
+    cleared = segments_of_blocks(reference.dct_encode(other, block, block), size)
+    cleared[sent] = 0.0
+    segments.clear(state, other, sent)
+    torch.testing.assert_close(other, reference.dct_decode(blocks_of_segments(cleared, blocks, block),
+                                                           block, numel), rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("variant", [

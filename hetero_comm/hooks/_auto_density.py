@@ -30,6 +30,7 @@ step's end, so every rank changes density at the same step without waiting for i
 import collections
 import math
 import statistics
+import time
 from typing import Optional
 
 import torch
@@ -159,7 +160,10 @@ class AutoDensity:
         """Start the agreement on ``proposal`` (the smallest over ``group``) and return the
         previous one's result (``None`` at the first call): the density from the next step
         on, the same on every rank."""
+        began = time.perf_counter()
         self.finish()
+        if self.history:  # the time this step waited for the previous agreement
+            self.history[-1]["agreement_wait_seconds"] = time.perf_counter() - began
         agreed = None if self._pending is None else float(self._pending[1])
         value = torch.tensor([proposal], dtype=torch.float64)
         self._pending = (dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group, async_op=True), value)

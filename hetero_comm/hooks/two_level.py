@@ -284,7 +284,8 @@ class TwoLevelState(SegmentSparseState):
         would hand per rank over those, plus ``bytes_inside_machines`` (handed to the
         collectives inside the machine), ``density`` (the current one) and, with
         ``density="auto"``, ``auto_density``: the last step's measurements (backward window,
-        compute, link and codec seconds, bytes sent, the bandwidth it was read at) and its proposal."""
+        compute, link and codec seconds, bytes sent, the bandwidth it was read at, the seconds
+        it waited for the previous step's agreement) and its proposal."""
         self.wait()
         stats = dict(super().stats(), density=self.density)
         if self.auto_density is not None and self.auto_density.history:
