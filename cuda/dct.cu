@@ -228,41 +228,16 @@ void encode_plain(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
   });
 }
 
-// Grouped coefficients [groups, keep, group] of `blocks` blocks, block by block: the whole
-// groups as [whole, group, keep] and the last group's blocks as [rest, keep] (views).
-struct BlockViews {
-  at::Tensor whole, rest;
-};
-
-BlockViews block_views(const at::Tensor& grouped, int64_t blocks) {
-  const int64_t group = grouped.size(2), whole = blocks / group, rest = blocks % group;
-  BlockViews views{grouped.narrow(0, 0, whole).transpose(1, 2), at::Tensor()};
-  if (rest > 0) views.rest = grouped.select(0, whole).t().narrow(0, 0, rest);
-  return views;
+// The grouped layout goes through a plain buffer padded to whole groups, [groups * group,
+// keep]: seen as [groups, group, keep] it is the grouped tensor transposed, so one copy either
+// way. Allocated per call (so on CUDA the grouped layout saves the hook no memory); a batched
+// product with the basis could write the grouped layout directly (not yet measured on a GPU).
+at::Tensor padded_plain(const at::Tensor& grouped) {
+  return at::empty({grouped.size(0) * grouped.size(2), grouped.size(1)}, grouped.options());
 }
 
-// The plain coefficients [blocks, keep] into the grouped `grouped`, padding blocks zero (or,
-// with to_plain, back). One copy through a plain buffer, allocated per call (so on CUDA the
-// grouped layout saves the hook no memory): a batched product with the basis could write it
-// directly (not yet measured on a GPU).
-void copy_grouped(const at::Tensor& plain, const at::Tensor& grouped, bool to_plain) {
-  const int64_t blocks = plain.size(0), group = grouped.size(2), keep = plain.size(1);
-  const BlockViews views = block_views(grouped, blocks);
-  at::Tensor plain_whole = plain.narrow(0, 0, views.whole.size(0) * group)
-                               .view({views.whole.size(0), group, keep});
-  if (to_plain) {
-    plain_whole.copy_(views.whole);
-  } else {
-    views.whole.copy_(plain_whole);
-  }
-  if (!views.rest.defined()) return;
-  at::Tensor plain_rest = plain.narrow(0, plain_whole.size(0) * group, views.rest.size(0));
-  if (to_plain) {
-    plain_rest.copy_(views.rest);
-    return;
-  }
-  views.rest.copy_(plain_rest);
-  grouped.select(0, grouped.size(0) - 1).t().narrow(0, views.rest.size(0), group - views.rest.size(0)).zero_();
+at::Tensor as_grouped(const at::Tensor& padded, const at::Tensor& grouped) {
+  return padded.view({grouped.size(0), grouped.size(2), grouped.size(1)}).transpose(1, 2);
 }
 
 // Assumes validated arguments; `coeffs` is float32, plain or grouped, contiguous, on x's
@@ -274,9 +249,12 @@ void encode_into(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
   }
   if (coeffs.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor plain = at::empty({num_segments(x.numel(), block_size), coeffs.size(1)}, coeffs.options());
+  const at::Tensor padded = padded_plain(coeffs);
+  const int64_t blocks = num_segments(x.numel(), block_size);
+  at::Tensor plain = padded.narrow(0, 0, blocks);
   encode_plain(x, block_size, plain);
-  copy_grouped(plain, coeffs, /*to_plain=*/false);
+  padded.narrow(0, blocks, padded.size(0) - blocks).zero_();
+  coeffs.copy_(as_grouped(padded, coeffs));
 }
 
 at::Tensor dct_encode_cuda(const at::Tensor& x, int64_t block_size, int64_t keep,
@@ -293,8 +271,8 @@ void dct_encode_into_cuda(const at::Tensor& x, int64_t block_size, at::Tensor& o
   encode_into(x, block_size, out);
 }
 
-// Assumes validated arguments; `coeffs` is plain; `x_hat` is float32 [numel], contiguous, on coeffs' device, and
-// every element of it is written.
+// Assumes validated arguments; `coeffs` is plain; `x_hat` is float32 [numel], contiguous,
+// on coeffs' device, and every element of it is written.
 void decode_plain(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat) {
   const int64_t numel = x_hat.numel();
   if (numel == 0) return;
@@ -320,9 +298,9 @@ void decode_into(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat
   }
   if (x_hat.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(coeffs.device());
-  at::Tensor plain = at::empty({num_segments(x_hat.numel(), block_size), coeffs.size(1)}, coeffs.options());
-  copy_grouped(plain, coeffs, /*to_plain=*/true);  // copy_ reads a strided coeffs as it is
-  decode_plain(plain, block_size, x_hat);
+  const at::Tensor padded = padded_plain(coeffs);
+  as_grouped(padded, coeffs).copy_(coeffs);  // copy_ reads a strided coeffs as it is
+  decode_plain(padded.narrow(0, 0, num_segments(x_hat.numel(), block_size)), block_size, x_hat);
 }
 
 at::Tensor dct_decode_cuda(const at::Tensor& coeffs, int64_t block_size, int64_t numel) {
