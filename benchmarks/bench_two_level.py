@@ -25,8 +25,9 @@ Workloads: ``gpt_adamw``, bench_convergence's byte-level transformer (0.83M para
 Each run evaluates every ``--evaluate-every`` steps (outside the timed training). "to dense
 loss": the training seconds at which its validation loss first came within 2% of the dense
 run's final loss on the same link and seed. With ``--seeds N`` every row runs from seeds
-0..N-1 and the table shows means over the seeds (the time to dense loss only where every seed
-reached it; otherwise how many did). One table; ``--json`` keeps every record (written after
+0..N-1 and the table shows means over the seeds; the time to dense loss is the mean over the
+seeds in which every row of the link reached it (a seed whose dense run ended unusually low can
+leave every row short), with how many seeds each row reached where not all. One table; ``--json`` keeps every record (written after
 each link). ``--dense-from PATH`` takes the dense targets from an earlier ``--json`` instead of
 running dense again: dense training is deterministic, its losses the same on every link (the
 dense row's time does need the link: run it to show it). Root only.
@@ -86,7 +87,8 @@ def worker() -> None:
     for entry in json.loads(os.environ["HC_CONFIGS"]):
         record = train_rank(rank, TrainConfig(**entry["config"]))
         if rank == 0:
-            keep = ("history", "evaluations", "epochs", "final_accuracy", "steps", "ranks_identical")
+            keep = ("history", "evaluations", "epochs", "final_accuracy", "steps", "ranks_identical",
+                    "auto_density_history")
             stats = record["hook_stats"] or {}
             print(json.dumps({"key": entry["key"], **{k: record[k] for k in keep},
                               "hook_stats": {k: v for k, v in stats.items() if k != "pool"}}),
@@ -172,18 +174,20 @@ def seed_key(row: str, seed: int) -> str:
     return row if seed == 0 else f"{row} seed {seed}"  # seed 0 keeps the older records' keys
 
 
-def mean_summary(records: dict, row: str, seeds: int) -> dict:
-    """``summary`` of ``row`` averaged over the seeds, each seed against dense of that seed."""
+def mean_summary(records: dict, row: str, seeds: int, common=None) -> dict:
+    """``summary`` of ``row`` averaged over the seeds, each seed against dense of that seed;
+    the time to dense's loss over the seeds in ``common`` (default: all), where it is known
+    for each (``None`` otherwise)."""
     summaries = [summary(records[seed_key(row, seed)], records[seed_key("dense", seed)])
                  for seed in range(seeds)]
-    reached = [s["to_dense_loss"] for s in summaries if s["to_dense_loss"] is not None]
     mean = {key: statistics.mean(s[key] for s in summaries)
             for key in ("final_loss", "final_accuracy", "seconds", "step_ms")}
     for key in ("bytes_per_step", "density"):
         values = [s[key] for s in summaries if s[key] is not None]
         mean[key] = statistics.mean(values) if values else None
-    mean["to_dense_loss"] = statistics.mean(reached) if len(reached) == seeds else None
-    mean["reached"] = len(reached)
+    timed = [summaries[seed]["to_dense_loss"] for seed in (range(seeds) if common is None else common)]
+    mean["to_dense_loss"] = statistics.mean(timed) if timed and None not in timed else None
+    mean["reached_seeds"] = {seed for seed, s in enumerate(summaries) if s["to_dense_loss"] is not None}
     return mean
 
 
@@ -205,19 +209,26 @@ def table(results: dict, rows, seeds: int = 1) -> str:
     for (workload, link), records in results.items():
         if any(seed_key("dense", seed) not in records for seed in range(seeds)):
             continue  # every row is judged against dense of its seed
-        summaries = {row: mean_summary(records, row, seeds) for row in rows
-                     if all(seed_key(row, seed) in records for seed in range(seeds))}
+        present = [row for row in rows if all(seed_key(row, seed) in records for seed in range(seeds))]
+        # the rows' times to dense's loss are compared over the seeds in which every row reached it
+        reached = {row: mean_summary(records, row, seeds)["reached_seeds"] for row in present}
+        common = sorted(set.intersection(*reached.values())) if present else []
+        summaries = {row: mean_summary(records, row, seeds, common) for row in present}
         flat = summaries.get("flat", {}).get("to_dense_loss")
         for row, s in summaries.items():
             reach = s["to_dense_loss"]
             versus = f"{flat / reach:.2f}x" if flat and reach else ""
             sent = f"{s['bytes_per_step']:,.0f}" if s["bytes_per_step"] is not None else ""
             density = f"{s['density']:.3f}" if s["density"] is not None else ""
-            missed = "not reached" if seeds == 1 else f"{s['reached']} of {seeds} seeds reached"
+            if reach is None:
+                timed = "not reached" if seeds == 1 else f"{len(reached[row])} of {seeds} seeds reached"
+            else:
+                timed = f"{reach:.2f}" if reach < 10 else f"{reach:.0f}"
+                if len(common) < seeds:
+                    timed += f" ({len(reached[row])} of {seeds} reached)"
             lines.append(f"| {workload} | {link} | {ROWS[row][0]} | {s['final_loss']:.3f} | "
-                         f"{100 * s['final_accuracy']:.1f}% | {s['seconds']:.0f} | "
-                         f"{missed if reach is None else f'{reach:.0f}'} | {versus} | "
-                         f"{s['step_ms']:.0f} | {sent} | {density} |")
+                         f"{100 * s['final_accuracy']:.1f}% | {s['seconds']:.0f} | {timed} | "
+                         f"{versus} | {s['step_ms']:.0f} | {sent} | {density} |")
     return "\n".join(lines)
 
 

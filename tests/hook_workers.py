@@ -357,3 +357,29 @@ def integer_gradient_steps(rank, world_size, hook, settings, steps):
         applied.append(model.weight.grad.detach().clone().numpy())
         model.weight.grad = None
     return np.stack(applied)
+
+
+def auto_density_agreement(rank, world_size, steps, resume_at):
+    """The automatic density's agreement on real ranks with synthetic measurements: each step
+    rank r's exchange took ``0.01 + 0.002 * r`` s plus ``0.001 * step`` s of waiting on the
+    last rank. At ``resume_at`` a copy resumes from ``state_dict()`` and runs beside the
+    original on the same inputs. Per step: what each agreed (``None`` where nothing was
+    returned) and, at the end, the history's least seconds."""
+    from hetero_comm.hooks._auto_density import AutoDensity
+
+    def measured(step):
+        return 0.01 + 0.002 * rank + (0.001 * step if rank == world_size - 1 else 0.0)
+
+    runs = [AutoDensity(0.02, 0.5, wire_bytes_per_value=1, segment_size=256)]
+    agreed = {0: [], 1: []}
+    density = 0.5
+    for step in range(steps):
+        if step == resume_at:
+            runs.append(AutoDensity(0.02, 0.5, wire_bytes_per_value=1, segment_size=256))
+            runs[1].load_state_dict(loaded(_saved(runs[0].state_dict())))
+        for index, run in enumerate(runs):
+            run.add_exchange(int(100_000 * run.bytes_per_value(density)), measured(step), 0.0)
+            agreed[index].append(run.agree(run.propose(0.02, 0.1, density), None))
+        density = agreed[0][-1] if agreed[0][-1] is not None else density
+    return dict(agreed=agreed, least=[entry.get("least_link_seconds") for entry in runs[0].history],
+                own=[entry["link_seconds"] for entry in runs[0].history])

@@ -114,13 +114,20 @@ def test_two_level_benchmark_averages_seeds_each_against_dense_of_its_seed():
         return next(line for line in text.splitlines()
                     if line.startswith("| mlp_sgd") and hook in line).split(" | ")
 
+    both = bench.table({("mlp_sgd", "1gbit"): records}, ["dense", "flat"], seeds=2)
+    assert row(both, "flat recipe")[6] == "2.00"  # every row reached dense's loss in both seeds
+    # the times are compared over the seeds every row reached: seed 1 only
     text = bench.table({("mlp_sgd", "1gbit"): records}, ["dense", "flat", "two_level_auto"], seeds=2)
     flat = row(text, "flat recipe")
-    assert flat[3] == "1.500" and flat[6] == "2" and flat[7] == "1.00x"
+    assert flat[3] == "1.500" and flat[6] == "1.00 (2 of 2 reached)" and flat[7] == "1.00x"
     auto = row(text, "ratio='auto'")
-    assert auto[3] == "1.550" and auto[6] == "1 of 2 seeds reached" and auto[7] == ""
+    assert auto[3] == "1.550" and auto[6] == "1.00 (1 of 2 reached)" and auto[7] == "1.00x"
+    never = dict(records, **{"two_level_auto seed 1": two_level_record(2.1, [2.1, 2.1, 2.1])})
+    text_never = bench.table({("mlp_sgd", "1gbit"): never}, ["dense", "flat", "two_level_auto"], seeds=2)
+    assert row(text_never, "ratio='auto'")[6] == "0 of 2 seeds reached"  # no seed in common
+    assert row(text_never, "flat recipe")[6] == "2 of 2 seeds reached"
     one_seed = bench.table({("mlp_sgd", "1gbit"): records}, ["dense", "flat"], seeds=1)
-    assert row(one_seed, "flat recipe")[6] == "3"
+    assert row(one_seed, "flat recipe")[6] == "3.00"
     # --dense-from: the targets from another link's run; this run's own records are kept
     earlier = {"mlp_sgd 100mbit": {key: records[key] for key in ("dense", "dense seed 1")},
                "gpt_adamw 100mbit": {"dense": two_level_record(9.0, [9.0])}}

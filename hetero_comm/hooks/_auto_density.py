@@ -4,46 +4,62 @@ backward pass.
 Each step the two-level sync measures: the backward pass's window (from DDP's first bucket to
 its last, the time the exchange can overlap), the step's compute (from the previous step's
 result to this step's last bucket: optimizer, forward and backward), the bytes its exchange
-between machines sent and the seconds those collectives took (the measured bandwidth ``R``),
-and the seconds it spent encoding and decoding. A collective's seconds include its latency and
-the wait for the other machines' ranks, which do not grow with the bytes: on a fast link they
-are most of it (37 ms for 1 ms of wire at 1 Gbit/s), so bytes over seconds underestimates the
-bandwidth there. ``R`` is therefore read from the slope of seconds against bytes over the last
-steps (whose bytes differ as the density moves), the slope taken two standard errors high: a
-clean line gives the link's bandwidth, seconds that stay flat while the bytes spread widely
-give a fast link (the bytes cost nothing measurable), and a line lost in noise gives little.
-``R`` is never below this step's bytes over seconds (a lower bound). Where the density sits at
-the floor and the bytes have not spread for as many steps, no reading is possible (an exchange
-that is all latency pins the floor this way, however fast the link): one step then runs at twice
-the bytes (a probe), so that the slope can be read; the reading lasts until the probe leaves
-the last steps and then :data:`FIT_STEPS` more, so a slow link at the floor pays about one
-probe step in 34. The time a step can give the exchange is the
-window, or a quarter of the compute where that is longer (a model of one bucket has no window:
-its exchange then adds at most a quarter to the step); the bytes it can afford are ``R`` times
-that time less the codec's; the density that sends them follows from how the recipe's
-bytes grow with the density: ``wire_bytes * density + 4 / segment`` per value (the selected
-values, and one float32 importance per segment). Ranks agree on the smallest proposal (the
-slowest link decides) by a one-float allreduce issued at a step's end and read at the next
-step's end, so every rank changes density at the same step without waiting for it.
+between machines sent and the seconds those collectives took, and the seconds it spent
+encoding and decoding.
+
+The link's bandwidth ``R``. A collective's seconds include its latency and the wait for the
+other machines' ranks, which do not grow with the bytes: on a fast link they are most of it
+(37 ms for 1 ms of wire at 1 Gbit/s), so bytes over seconds underestimates the bandwidth there.
+The wait for peers that are still computing is taken out first: the agreement below also
+carries each rank's seconds and takes the least (the rank that arrived last waited for no one);
+a step's seconds are replaced by those a step later, before the fit reads them. ``R`` is then
+read from the slope of seconds against bytes over the last steps (whose bytes differ as the
+density moves), the slope taken two standard errors high for what the link carries *at least*
+and two low for what it carries *at most*: a clean line gives the link's bandwidth for both,
+seconds that stay flat while the bytes spread widely give a fast link, and a line lost in noise
+gives little at least and no bound at most. ``R`` at least is never below this step's bytes
+over seconds, nor the previous step's over its least seconds. Where the density sits at the
+floor and the bytes have not spread for as many steps, no reading is possible (an exchange
+that is all latency pins the floor this way, however fast the link): one step then runs at
+twice the bytes (a probe), so that the slope can be read; the reading lasts until the probe
+leaves the last steps and then :data:`FIT_STEPS` more, so a slow link at the floor pays about
+one probe step in 34.
+
+The density. The time a step can give the wire is the window, or a quarter of the compute
+where that is longer (a model of one bucket has no window: its exchange then adds at most a
+quarter to the step), less the codec's, the median of the last steps'; the bytes it affords
+are ``R`` times that time, and the density that sends them follows from how the recipe's bytes
+grow with the density: ``wire_bytes * density + 4 / segment`` per value (the selected values,
+and one float32 importance per segment). The density is the largest the link is shown to
+afford (``R`` at least), and at least the middle of the bounds (their geometric mean: 32x
+between compress's 16x and 64x, where the recipes were measured) unless the link is shown too
+slow for that (``R`` at most). Exchanges of a few kilobytes on a busy machine are why: their
+bytes cost microseconds that per-step timing cannot read under milliseconds of jitter, so no
+reading ever shows the link fast enough for them, and the floor, which the reading at least
+chooses, costs accuracy for nothing. Not the ceiling where nothing is shown: a line read across
+a change of the link fits neither speed, and shows nothing either. Ranks agree on the smallest
+proposal (the slowest link decides), and the least seconds, by a two-float allreduce issued at
+a step's end and read at the next step's end, so every rank changes density at the same step
+without waiting for it.
 """
 
 import collections
 import math
 import statistics
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .._checks import check_float
 
-__all__ = ["AutoDensity", "DEFAULT_FLOOR", "DEFAULT_CEILING"]
+__all__ = ["AutoDensity", "DEFAULT_FLOOR", "DEFAULT_CEILING", "bandwidth_bounds"]
 
 DEFAULT_FLOOR = 0.01
 DEFAULT_CEILING = 0.25
-# The affordable bytes are the median of the last steps' (a link that changes is followed within
-# a few steps; one step whose codec or wait ate its window, affording nothing, moves nothing).
+# The wire's time is the median of the last steps' (one step whose codec or wait ate its window,
+# affording nothing, moves nothing).
 MEDIAN_STEPS = 5
 # Where the backward pass leaves no window to hide in, the exchange may take this share of the
 # step's compute.
@@ -59,9 +75,10 @@ MIN_FIT_POINTS = 4
 MIN_SPREAD = 0.1
 SLOPE_ERRORS = 2.0
 MAX_BANDWIDTH = 1e12  # bytes per second: what flat seconds read as (no link is faster)
-# A proposal runs two steps later (the agreement is read a step late): no second probe before
-# the first one's bytes are measured.
-PROBE_LAG = 2
+# Ranks agree at every this many steps: the agreement's collective took about 1 ms of CPU a
+# step where four ranks share two cores (benchmarks/NOTES.md, "The automatic density on the
+# MLP"). A proposal agreed at step s runs from step s + 2 to s + AGREE_EVERY + 1.
+AGREE_EVERY = 4
 
 
 class AutoDensity:
@@ -81,12 +98,20 @@ class AutoDensity:
             raise ValueError(f"density_floor ({floor}) is above density_ceiling ({ceiling})")
         self.wire_bytes = wire_bytes_per_value
         self.importance_bytes = 4.0 / segment_size
-        self._affordable: collections.deque = collections.deque(maxlen=MEDIAN_STEPS)  # bytes
-        self._pending: Optional[tuple] = None  # (work, tensor) of the last agreement
-        self._exchanges: collections.deque = collections.deque(maxlen=FIT_STEPS)  # (bytes, s)
-        self._fitted_bandwidth = 0.0  # bytes per second from the last line that fitted
+        self.middle = math.sqrt(self.floor * self.ceiling)  # (see the module's docstring)
+        # the seconds the last steps could give the wire
+        self._wire_seconds: collections.deque = collections.deque(maxlen=MEDIAN_STEPS)
+        self._exchanges: collections.deque = collections.deque(maxlen=FIT_STEPS)  # [bytes, s]
+        # the steps since the last agreement: (the exchange measured or None, history entry)
+        self._unagreed: list = []
+        # the agreement in flight: (work, [proposal, each step's least seconds], its steps)
+        self._pending: Optional[tuple] = None
+        self._agreed: Optional[float] = None  # its proposal once read, until agree() returns it
+        self._fitted_bandwidth = 0.0  # bytes per second from the last line that fitted...
+        self._fitted_at_most: Optional[float] = None  # ...and at most (None: no line)
         self._fit_age = 0  # steps since that line last fitted
-        self._probe_wait = 0  # steps until a probe proposed may be measured
+        self._probe_proposed = False  # at the last agreement (the next one has measured it)
+        self._steps = 0  # proposals made: the agreements' clock, alike on every rank
         # the last steps' measurements and proposals (bounded: a long run keeps no more)
         self.history: collections.deque = collections.deque(maxlen=HISTORY_STEPS)
         self.reset_step()
@@ -108,42 +133,82 @@ class AutoDensity:
     def propose(self, window_seconds: float, compute_seconds: float, density: float) -> float:
         """The density for the coming steps from this step's measurements (``density``: the
         one this step ran at)."""
-        proposal, bandwidth = density, 0.0
+        began = time.perf_counter()
+        previous = self._read_agreement()
+        waited = time.perf_counter() - began
+        proposal, bandwidth, at_most, measured = density, 0.0, None, None
         if self.sent_bytes and self.link_seconds > 0:
-            bandwidth = self._bandwidth()
+            bandwidth, at_most = self._bandwidth(previous)
+            measured = self._exchanges[-1]
             budget = max(window_seconds, COMPUTE_SHARE * compute_seconds)
-            affordable = bandwidth * max(budget - self.codec_seconds, 0.0)
-            self._affordable.append(affordable)
+            self._wire_seconds.append(max(budget - self.codec_seconds, 0.0))
+            wire_seconds = statistics.median(self._wire_seconds)
             values = self.sent_bytes / self.bytes_per_value(density)  # what a step exchanges
-            per_value = statistics.median(self._affordable) / values
-            proposal = (per_value - self.importance_bytes) / self.wire_bytes
-            # after a probe's own step the density may return to the floor at once
-            lower = self.floor if self._probe_wait == 1 else density / MAX_STEP_FACTOR
+            proposal = self._density_sending(bandwidth * wire_seconds / values)
+            if at_most is not None:  # the middle, unless the link is shown too slow for it
+                possible = (self.ceiling if at_most == math.inf  # (bytes cost nothing readable)
+                            else self._density_sending(at_most * wire_seconds / values))
+                proposal = max(proposal, min(self.middle, possible))
+            # after a probe the density may return to the floor at once
+            lower = self.floor if self._probe_proposed else density / MAX_STEP_FACTOR
             proposal = min(max(proposal, lower), density * MAX_STEP_FACTOR)
-            if self._probe_wait:
-                self._probe_wait -= 1
-            elif self._should_probe(density):
-                proposal, self._probe_wait = self._probe_density(density), PROBE_LAG
+            if self._agreeing():  # (a probe proposed at another step would not run)
+                probe = not self._probe_proposed and self._should_probe(density)
+                if probe:
+                    proposal = self._probe_density(density)
+                self._probe_proposed = probe
         proposal = min(max(proposal, self.floor), self.ceiling)
-        self.history.append(dict(window_seconds=window_seconds, compute_seconds=compute_seconds,
-                                 link_seconds=self.link_seconds,
-                                 codec_seconds=self.codec_seconds, sent_bytes=self.sent_bytes,
-                                 density=density, proposal=proposal,
-                                 bandwidth=bandwidth))
+        entry = dict(window_seconds=window_seconds, compute_seconds=compute_seconds,
+                     link_seconds=self.link_seconds, codec_seconds=self.codec_seconds,
+                     sent_bytes=self.sent_bytes, density=density, proposal=proposal,
+                     bandwidth=bandwidth, bandwidth_at_most=at_most, agreement_wait_seconds=waited)
+        self.history.append(entry)
+        self._unagreed = (self._unagreed + [(measured, entry)])[-AGREE_EVERY:]
         self.reset_step()
+        self._steps += 1
         return proposal
 
-    def _bandwidth(self) -> float:
-        """The link's bytes per second from this step's exchange and the last steps' (see the
-        module's docstring)."""
-        self._exchanges.append((float(self.sent_bytes), self.link_seconds))
+    def _agreeing(self) -> bool:
+        """Whether the proposal being made is one :meth:`agree` will start agreeing on."""
+        return self._steps % AGREE_EVERY == 0
+
+    def _density_sending(self, bytes_per_value: float) -> float:
+        return (bytes_per_value - self.importance_bytes) / self.wire_bytes
+
+    def _read_agreement(self) -> Optional[list]:
+        """Wait for the agreement in flight and give the exchanges of its steps the least
+        seconds any rank measured there (their history entries record them); returns the
+        last of them (``None`` if that step exchanged nothing)."""
+        self.finish()
+        if self._pending is None:
+            return None
+        _, result, steps = self._pending
+        self._pending = None
+        self._agreed = float(result[0])
+        leasts = result[len(result) - len(steps):].tolist()
+        for (exchange, entry), least in zip(steps, leasts):
+            if exchange is not None:
+                exchange[1] = min(exchange[1], least)
+            if entry is not None:
+                entry["least_link_seconds"] = least
+        return steps[-1][0] if steps else None
+
+    def _bandwidth(self, previous: Optional[list]) -> Tuple[float, Optional[float]]:
+        """The bytes per second the link is shown to carry at least, and at most (``None``:
+        no reading), from this step's exchange and the last steps' (see the module's
+        docstring); ``previous``: the last step's, at its least seconds."""
+        self._exchanges.append([float(self.sent_bytes), self.link_seconds])
         self._fit_age += 1
         if self._fit_age > FIT_STEPS:  # a link that slowed must not keep an old, faster fit
-            self._fitted_bandwidth = 0.0
-        fitted = bandwidth_at_least(self._exchanges)
+            self._fitted_bandwidth, self._fitted_at_most = 0.0, None
+        fitted = bandwidth_bounds(self._exchanges)
         if fitted is not None:
-            self._fitted_bandwidth, self._fit_age = fitted, 0
-        return max(self.sent_bytes / self.link_seconds, self._fitted_bandwidth)
+            (self._fitted_bandwidth, self._fitted_at_most), self._fit_age = fitted, 0
+        lower = self.sent_bytes / self.link_seconds
+        if previous is not None and previous[1] > 0:
+            lower = max(lower, previous[0] / previous[1])
+        at_least = max(lower, self._fitted_bandwidth)
+        return at_least, None if self._fitted_at_most is None else max(self._fitted_at_most, at_least)
 
     def _should_probe(self, density: float) -> bool:
         """At the floor with no fit, and none possible: the last :data:`FIT_STEPS` steps' bytes
@@ -157,41 +222,70 @@ class AutoDensity:
         return 2 * density + self.importance_bytes / self.wire_bytes
 
     def agree(self, proposal: float, group: Optional[dist.ProcessGroup]) -> Optional[float]:
-        """Start the agreement on ``proposal`` (the smallest over ``group``) and return the
-        previous one's result (``None`` at the first call): the density from the next step
-        on, the same on every rank."""
-        began = time.perf_counter()
-        self.finish()
-        if self.history:  # the time this step waited for the previous agreement
-            self.history[-1]["agreement_wait_seconds"] = time.perf_counter() - began
-        agreed = None if self._pending is None else float(self._pending[1])
-        value = torch.tensor([proposal], dtype=torch.float64)
-        self._pending = (dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group, async_op=True), value)
+        """After every :data:`AGREE_EVERY`-th :meth:`propose`, start the agreement on its
+        ``proposal`` and on the exchange seconds of the steps since the last agreement (the
+        smallest of each over ``group``);
+        return the previous agreement's proposal once (else ``None``): the density from the
+        next step on, the same on every rank. Call after :meth:`propose`, which reads the
+        previous agreement."""
+        self._read_agreement()
+        agreed, self._agreed = self._agreed, None
+        if (self._steps - 1) % AGREE_EVERY == 0:
+            seconds = [math.inf] * (AGREE_EVERY - len(self._unagreed)) + [
+                math.inf if exchange is None else exchange[1] for exchange, _ in self._unagreed]
+            value = torch.tensor([proposal] + seconds, dtype=torch.float64)
+            work = dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group, async_op=True)
+            self._pending, self._unagreed = (work, value, self._unagreed), []
         return agreed
 
     def finish(self) -> None:
         """Wait for the agreement in flight."""
         if self._pending is not None and self._pending[0] is not None:
             self._pending[0].wait()
-            self._pending = (None, self._pending[1])
+            self._pending = (None,) + self._pending[1:]
 
     def state_dict(self) -> dict:
-        """The last steps' affordable bytes, the bandwidth fit and the agreement in flight
-        (waited for), so that a resumed run changes density at the same steps."""
+        """The last steps' wire time, the bandwidth fit, the steps not yet agreed on and the
+        agreement in flight (waited for), so that a resumed run changes density at the same
+        steps."""
         self.finish()
-        return dict(affordable=list(self._affordable),
-                    pending=None if self._pending is None else float(self._pending[1]),
-                    exchanges=list(self._exchanges), fitted_bandwidth=self._fitted_bandwidth,
-                    fit_age=self._fit_age, probe_wait=self._probe_wait)
+        if self._agreed is not None:  # read, not yet returned (between propose and agree)
+            pending, pending_steps = [self._agreed], []
+        elif self._pending is not None:
+            pending, pending_steps = self._pending[1].tolist(), self._pending[2]
+        else:
+            pending, pending_steps = None, []
+        return dict(wire_seconds=list(self._wire_seconds),
+                    exchanges=[list(pair) for pair in self._exchanges],
+                    fitted_bandwidth=self._fitted_bandwidth, fitted_at_most=self._fitted_at_most,
+                    fit_age=self._fit_age, probe_proposed=self._probe_proposed, steps=self._steps,
+                    pending=pending,
+                    # which of those steps, and of those not yet agreed on, measured an
+                    # exchange (theirs are the last in exchanges, in order)
+                    pending_measured=[exchange is not None for exchange, _ in pending_steps],
+                    unagreed_measured=[exchange is not None for exchange, _ in self._unagreed])
 
     def load_state_dict(self, saved: dict) -> None:
-        self._affordable = collections.deque(saved.get("affordable", ()), maxlen=MEDIAN_STEPS)
-        self._exchanges = collections.deque(map(tuple, saved.get("exchanges", ())), maxlen=FIT_STEPS)
+        self._wire_seconds = collections.deque(saved.get("wire_seconds", ()), maxlen=MEDIAN_STEPS)
+        self._exchanges = collections.deque(map(list, saved.get("exchanges", ())), maxlen=FIT_STEPS)
         self._fitted_bandwidth = saved.get("fitted_bandwidth", 0.0)
+        self._fitted_at_most = saved.get("fitted_at_most")
         self._fit_age = saved.get("fit_age", 0)
-        self._probe_wait = saved.get("probe_wait", 0)
+        self._probe_proposed = saved.get("probe_proposed", False)
+        self._steps = saved.get("steps", 0)
+        pending_measured = saved.get("pending_measured", [])
+        unagreed_measured = saved.get("unagreed_measured", [])
+        # the exchanges those steps measured, oldest first, are the last ones kept
+        exchanges = iter(list(self._exchanges)[len(self._exchanges) - sum(pending_measured)
+                                               - sum(unagreed_measured):])
+        pending_steps = [(next(exchanges) if measured else None, None) for measured in pending_measured]
+        self._unagreed = [(next(exchanges) if measured else None, None) for measured in unagreed_measured]
         pending = saved["pending"]
-        self._pending = None if pending is None else (None, torch.tensor([pending], dtype=torch.float64))
+        if isinstance(pending, (int, float)):  # saved before the least seconds were agreed
+            pending = [pending]
+        self._pending = None if pending is None else (
+            None, torch.tensor(pending, dtype=torch.float64), pending_steps)
+        self._agreed = None
 
     def __getstate__(self) -> dict:
         self.finish()
@@ -213,10 +307,12 @@ def _spread(exchanges) -> Optional[tuple]:
     return mean_bytes, mean_seconds, var_bytes, covariance
 
 
-def bandwidth_at_least(exchanges) -> Optional[float]:
-    """Bytes per second that ``(bytes, seconds)`` pairs show a link carries, read from the slope
-    of seconds against bytes taken :data:`SLOPE_ERRORS` standard errors high (at most
-    :data:`MAX_BANDWIDTH`); ``None`` where the bytes do not spread (see :func:`_spread`)."""
+def bandwidth_bounds(exchanges) -> Optional[Tuple[float, float]]:
+    """The bytes per second that ``(bytes, seconds)`` pairs show a link carries at least and
+    at most, read from the slope of seconds against bytes taken :data:`SLOPE_ERRORS` standard
+    errors high and low (at least: at most :data:`MAX_BANDWIDTH`; at most: ``math.inf`` where
+    the low side reads more than that, no bound); ``None`` where the bytes do not spread (see
+    :func:`_spread`)."""
     moments = _spread(exchanges)
     if moments is None:
         return None
@@ -225,5 +321,6 @@ def bandwidth_at_least(exchanges) -> Optional[float]:
     count = len(exchanges)
     residual = sum((t - mean_seconds - slope * (b - mean_bytes)) ** 2 for b, t in exchanges)
     error = math.sqrt(residual / (count - 2) / (count * var_bytes))
-    high = max(slope, 0.0) + SLOPE_ERRORS * error
-    return MAX_BANDWIDTH if high * MAX_BANDWIDTH <= 1.0 else 1.0 / high
+    high, low = max(slope, 0.0) + SLOPE_ERRORS * error, slope - SLOPE_ERRORS * error
+    return (MAX_BANDWIDTH if high * MAX_BANDWIDTH <= 1.0 else 1.0 / high,
+            math.inf if low * MAX_BANDWIDTH <= 1.0 else 1.0 / low)

@@ -284,8 +284,9 @@ class TwoLevelState(SegmentSparseState):
         would hand per rank over those, plus ``bytes_inside_machines`` (handed to the
         collectives inside the machine), ``density`` (the current one) and, with
         ``density="auto"``, ``auto_density``: the last step's measurements (backward window,
-        compute, link and codec seconds, bytes sent, the bandwidth it was read at, the seconds
-        it waited for the previous step's agreement) and its proposal."""
+        compute, link and codec seconds, bytes sent, the bandwidth the link was shown to carry
+        at least and at most, the seconds it waited for the agreement in flight) and its
+        proposal (agreed on every 4th step)."""
         self.wait()
         stats = dict(super().stats(), density=self.density)
         if self.auto_density is not None and self.auto_density.history:
