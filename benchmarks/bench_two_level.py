@@ -26,8 +26,9 @@ Each run evaluates every ``--evaluate-every`` steps (outside the timed training)
 loss": the training seconds at which its validation loss first came within 2% of the dense
 run's final loss on the same link and seed. With ``--seeds N`` every row runs from seeds
 0..N-1 and the table shows means over the seeds; the time to dense loss is the mean over the
-seeds in which every row of the link reached it (a seed whose dense run ended unusually low can
-leave every row short), with how many seeds each row reached where not all. One table; ``--json`` keeps every record (written after
+seeds in which every row of the link that reached it at all reached it (a seed whose dense run
+ended unusually low can leave every row short), with how many seeds each row reached where not
+all. One table; ``--json`` keeps every record (written after
 each link). ``--dense-from PATH`` takes the dense targets from an earlier ``--json`` instead of
 running dense again: dense training is deterministic, its losses the same on every link (the
 dense row's time does need the link: run it to show it). Root only.
@@ -210,9 +211,11 @@ def table(results: dict, rows, seeds: int = 1) -> str:
         if any(seed_key("dense", seed) not in records for seed in range(seeds)):
             continue  # every row is judged against dense of its seed
         present = [row for row in rows if all(seed_key(row, seed) in records for seed in range(seeds))]
-        # the rows' times to dense's loss are compared over the seeds in which every row reached it
+        # the rows' times to dense's loss are compared over the seeds in which every row that
+        # reached it at all reached it
         reached = {row: mean_summary(records, row, seeds)["reached_seeds"] for row in present}
-        common = sorted(set.intersection(*reached.values())) if present else []
+        some = [seeds_ for seeds_ in reached.values() if seeds_]
+        common = sorted(set.intersection(*some)) if some else []
         summaries = {row: mean_summary(records, row, seeds, common) for row in present}
         flat = summaries.get("flat", {}).get("to_dense_loss")
         for row, s in summaries.items():

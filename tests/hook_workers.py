@@ -359,27 +359,40 @@ def integer_gradient_steps(rank, world_size, hook, settings, steps):
     return np.stack(applied)
 
 
-def auto_density_agreement(rank, world_size, steps, resume_at):
-    """The automatic density's agreement on real ranks with synthetic measurements: each step
-    rank r's exchange took ``0.01 + 0.002 * r`` s plus ``0.001 * step`` s of waiting on the
-    last rank. At ``resume_at`` a copy resumes from ``state_dict()`` and runs beside the
-    original on the same inputs. Per step: what each agreed (``None`` where nothing was
-    returned) and, at the end, the history's least seconds."""
+def auto_density_agreement(rank, world_size, steps, resume_at, rails):
+    """The automatic density's agreement on real ranks with synthetic measurements, ``rails``
+    rails (rank r in rail r % rails; rail 1 exchanges 80% of rail 0's bytes): a rank's exchange
+    takes its bytes over 1 MB/s, 1 ms more per rail index and 0.5 ms per step modulo 3, and the
+    ranks of the second machine (r // rails == 1) wait 2-4 ms more. At ``resume_at`` a copy
+    resumes from ``state_dict()`` and runs beside the original on the same inputs. Returns,
+    per copy, what each step's agree() returned, the least seconds in its history, and the
+    least seconds this rank's rail should have found."""
     from hetero_comm.hooks._auto_density import AutoDensity
 
-    def measured(step):
-        return 0.01 + 0.002 * rank + (0.001 * step if rank == world_size - 1 else 0.0)
+    rail, values = rank % rails, (100_000, 80_000)[rank % rails]
 
-    runs = [AutoDensity(0.02, 0.5, wire_bytes_per_value=1, segment_size=256)]
-    agreed = {0: [], 1: []}
-    density = 0.5
+    def seconds(step, sent, waits):
+        return sent / 1e6 + 0.001 * rail + 0.0005 * (step % 3) + (0.002 * (1 + step % 2) if waits else 0.0)
+
+    def build():
+        auto = AutoDensity(0.02, 0.5, wire_bytes_per_value=1, segment_size=256)
+        auto.rail, auto.rails = rail, rails
+        return auto
+
+    runs, densities = [build()], [0.5]
+    agreed, expected = {0: [], 1: []}, []
     for step in range(steps):
         if step == resume_at:
-            runs.append(AutoDensity(0.02, 0.5, wire_bytes_per_value=1, segment_size=256))
+            runs.append(build())
             runs[1].load_state_dict(loaded(_saved(runs[0].state_dict())))
+            densities.append(densities[0])
+        sent = int(values * runs[0].bytes_per_value(densities[0]))
+        expected.append(seconds(step, sent, False))
         for index, run in enumerate(runs):
-            run.add_exchange(int(100_000 * run.bytes_per_value(density)), measured(step), 0.0)
-            agreed[index].append(run.agree(run.propose(0.02, 0.1, density), None))
-        density = agreed[0][-1] if agreed[0][-1] is not None else density
-    return dict(agreed=agreed, least=[entry.get("least_link_seconds") for entry in runs[0].history],
-                own=[entry["link_seconds"] for entry in runs[0].history])
+            run.add_exchange(sent, seconds(step, sent, rank // rails == 1), 0.0)
+            agreed[index].append(run.agree(run.propose(0.02, 0.1, densities[index]), None))
+            if agreed[index][-1] is not None:
+                densities[index] = agreed[index][-1]
+    return dict(agreed=agreed, expected=expected,
+                least={index: [entry.get("least_link_seconds") for entry in run.history]
+                       for index, run in enumerate(runs)})

@@ -124,8 +124,11 @@ def test_two_level_benchmark_averages_seeds_each_against_dense_of_its_seed():
     assert auto[3] == "1.550" and auto[6] == "1.00 (1 of 2 reached)" and auto[7] == "1.00x"
     never = dict(records, **{"two_level_auto seed 1": two_level_record(2.1, [2.1, 2.1, 2.1])})
     text_never = bench.table({("mlp_sgd", "1gbit"): never}, ["dense", "flat", "two_level_auto"], seeds=2)
-    assert row(text_never, "ratio='auto'")[6] == "0 of 2 seeds reached"  # no seed in common
-    assert row(text_never, "flat recipe")[6] == "2 of 2 seeds reached"
+    # a row that never reached it leaves the others compared over every seed they reached
+    assert row(text_never, "ratio='auto'")[6] == "0 of 2 seeds reached"
+    assert row(text_never, "flat recipe")[6] == "2.00"
+    one_missed = bench.table({("mlp_sgd", "1gbit"): never}, ["dense", "flat", "two_level_auto"], seeds=1)
+    assert row(one_missed, "flat recipe")[6] == "3.00" and row(one_missed, "ratio='auto'")[6] == "not reached"
     one_seed = bench.table({("mlp_sgd", "1gbit"): records}, ["dense", "flat"], seeds=1)
     assert row(one_seed, "flat recipe")[6] == "3.00"
     # --dense-from: the targets from another link's run; this run's own records are kept

@@ -127,22 +127,27 @@ def test_automatic_density_stays_in_its_bounds_and_ranks_agree():
     assert len(densities) == 1 and 0.02 <= densities.pop() <= 0.3
 
 
-def test_the_agreement_takes_the_least_seconds_every_few_steps_and_resumes_exactly():
-    """Three ranks: every AGREE_EVERY-th proposal is agreed (the same on every rank, returned
-    once, a step later), each step's seconds become the least any rank measured (rank 0's,
-    which waited for no one) once its agreement is read; a copy resumed mid-run agrees alike."""
-    steps, resume_at = 14, 6
-    results = run_ranks(3, auto_density_agreement, steps, resume_at)
+@pytest.mark.parametrize("resume_at", [5, 6])  # with an agreement in flight, or just read
+def test_the_agreement_takes_each_rails_least_seconds_every_few_steps_and_resumes_exactly(resume_at):
+    """Two machines of two rails (four ranks): every AGREE_EVERY-th proposal is agreed (the
+    same on every rank, returned once, a step later) and moves the density within its bounds;
+    each step's seconds become the least its rail measured (the first machine's, which waited
+    for no one; not the other rail's, which sent other bytes) once its agreement is read; a copy
+    resumed mid-run agrees and reads alike."""
+    steps = 14
+    results = run_ranks(4, auto_density_agreement, steps, resume_at, 2)
     agreed = results[0]["agreed"][0]
     returned = [step for step, value in enumerate(agreed) if value is not None]
     assert returned == list(range(1, steps, AGREE_EVERY))
+    assert len({agreed[step] for step in returned}) > 2 and all(0.02 < agreed[step] < 0.5 for step in returned[1:])
+    read = returned[-1] - 1  # the steps agreed on by the last read: 0 .. read
     for result in results:
-        assert result["agreed"][0] == agreed  # every rank the same
-        assert result["agreed"][1] == agreed[resume_at:]  # the resumed copy too
-        read = returned[-1] - 1  # the steps agreed on by then have their least seconds
-        assert result["least"][:read] == pytest.approx([0.01] * read)
-        assert all(least is None for least in result["least"][read + 1:])
-    assert results[2]["own"][4] == pytest.approx(0.01 + 0.004 + 0.004)
+        assert result["agreed"][0] == agreed and result["agreed"][1] == agreed[resume_at:]
+        for index, first in ((0, 0), (1, resume_at)):
+            least = result["least"][index]
+            assert least[:read + 1 - first] == pytest.approx(result["expected"][first:read + 1])
+            assert all(value is None for value in least[read + 1 - first:])
+    assert results[1]["expected"][4] != pytest.approx(results[0]["expected"][4])  # rails differ
 
 
 def test_int4_baseline_is_close_to_dense_and_identical_on_every_rank():

@@ -10,20 +10,21 @@ encoding and decoding.
 The link's bandwidth ``R``. A collective's seconds include its latency and the wait for the
 other machines' ranks, which do not grow with the bytes: on a fast link they are most of it
 (37 ms for 1 ms of wire at 1 Gbit/s), so bytes over seconds underestimates the bandwidth there.
-The wait for peers that are still computing is taken out first: the agreement below also
-carries each rank's seconds and takes the least (the rank that arrived last waited for no one);
-a step's seconds are replaced by those a step later, before the fit reads them. ``R`` is then
+The wait for peers that are still computing is taken out: the agreement below also carries
+each rank's seconds of the steps since the last one and takes, within each rail (the ranks that
+exchanged the same bytes), the least (the rank that arrived last waited for no one); the fit's
+points take them when the agreement is read, so its newest few are still a rank's own. ``R`` is then
 read from the slope of seconds against bytes over the last steps (whose bytes differ as the
 density moves), the slope taken two standard errors high for what the link carries *at least*
 and two low for what it carries *at most*: a clean line gives the link's bandwidth for both,
 seconds that stay flat while the bytes spread widely give a fast link, and a line lost in noise
 gives little at least and no bound at most. ``R`` at least is never below this step's bytes
-over seconds, nor the previous step's over its least seconds. Where the density sits at the
+over seconds, nor the last agreed step's over its least seconds. Where the density sits at the
 floor and the bytes have not spread for as many steps, no reading is possible (an exchange
-that is all latency pins the floor this way, however fast the link): one step then runs at
-twice the bytes (a probe), so that the slope can be read; the reading lasts until the probe
-leaves the last steps and then :data:`FIT_STEPS` more, so a slow link at the floor pays about
-one probe step in 34.
+that is all latency pins the floor this way, however fast the link): the next agreement then
+proposes twice the bytes (a probe, run until the agreement after it applies: AGREE_EVERY
+steps), so that the slope can be read; the reading lasts until the probe leaves the last steps
+and then :data:`FIT_STEPS` more, so a slow link at the floor pays 4 probe steps in 40.
 
 The density. The time a step can give the wire is the window, or a quarter of the compute
 where that is longer (a model of one bucket has no window: its exchange then adds at most a
@@ -38,9 +39,9 @@ bytes cost microseconds that per-step timing cannot read under milliseconds of j
 reading ever shows the link fast enough for them, and the floor, which the reading at least
 chooses, costs accuracy for nothing. Not the ceiling where nothing is shown: a line read across
 a change of the link fits neither speed, and shows nothing either. Ranks agree on the smallest
-proposal (the slowest link decides), and the least seconds, by a two-float allreduce issued at
-a step's end and read at the next step's end, so every rank changes density at the same step
-without waiting for it.
+proposal (the slowest link decides), and the least seconds, by an allreduce issued at the end
+of every :data:`AGREE_EVERY`-th step and read at the next step's end, so every rank changes
+density at the same step without waiting for it.
 """
 
 import collections
@@ -65,7 +66,7 @@ MEDIAN_STEPS = 5
 # step's compute.
 COMPUTE_SHARE = 0.25
 HISTORY_STEPS = 256
-# At most this factor up or down per step: a collective whose time was mostly latency must
+# At most this factor up or down per agreement: a collective whose time was mostly latency must
 # not swing the density from ceiling to floor at once.
 MAX_STEP_FACTOR = 2.0
 # The bandwidth fit: over this many steps' (bytes, seconds), once the bytes spread by this
@@ -88,6 +89,10 @@ class AutoDensity:
         floor, ceiling: the density's bounds, ``0 < floor <= ceiling <= 1``.
         wire_bytes_per_value: bytes per selected value on the wire (int8: 1).
         segment_size: values per segment (each segment also sends a float32 importance).
+
+    Attributes:
+        rail, rails: this rank's rail (the ranks that exchange the same share) and how many
+            rails there are (the two-level sync sets them; by default one).
     """
 
     def __init__(self, floor: float, ceiling: float, wire_bytes_per_value: int,
@@ -107,6 +112,8 @@ class AutoDensity:
         # the agreement in flight: (work, [proposal, each step's least seconds], its steps)
         self._pending: Optional[tuple] = None
         self._agreed: Optional[float] = None  # its proposal once read, until agree() returns it
+        self._agreed_rate = 0.0  # bytes over least seconds of the last step agreed on
+        self.rail, self.rails = 0, 1  # this rank's rail and how many (set by the two-level sync)
         self._fitted_bandwidth = 0.0  # bytes per second from the last line that fitted...
         self._fitted_at_most: Optional[float] = None  # ...and at most (None: no line)
         self._fit_age = 0  # steps since that line last fitted
@@ -134,11 +141,11 @@ class AutoDensity:
         """The density for the coming steps from this step's measurements (``density``: the
         one this step ran at)."""
         began = time.perf_counter()
-        previous = self._read_agreement()
+        self._read_agreement()
         waited = time.perf_counter() - began
         proposal, bandwidth, at_most, measured = density, 0.0, None, None
         if self.sent_bytes and self.link_seconds > 0:
-            bandwidth, at_most = self._bandwidth(previous)
+            bandwidth, at_most = self._bandwidth()
             measured = self._exchanges[-1]
             budget = max(window_seconds, COMPUTE_SHARE * compute_seconds)
             self._wire_seconds.append(max(budget - self.codec_seconds, 0.0))
@@ -175,28 +182,29 @@ class AutoDensity:
     def _density_sending(self, bytes_per_value: float) -> float:
         return (bytes_per_value - self.importance_bytes) / self.wire_bytes
 
-    def _read_agreement(self) -> Optional[list]:
+    def _read_agreement(self) -> None:
         """Wait for the agreement in flight and give the exchanges of its steps the least
-        seconds any rank measured there (their history entries record them); returns the
-        last of them (``None`` if that step exchanged nothing)."""
+        seconds any rank of this rail measured there (their history entries record them)."""
         self.finish()
         if self._pending is None:
-            return None
+            return
         _, result, steps = self._pending
         self._pending = None
         self._agreed = float(result[0])
-        leasts = result[len(result) - len(steps):].tolist()
-        for (exchange, entry), least in zip(steps, leasts):
+        # this rail's seconds: AGREE_EVERY of them after the proposal, the last for the last step
+        ours = result[1 + self.rail * AGREE_EVERY:1 + (self.rail + 1) * AGREE_EVERY].tolist()
+        for (exchange, entry), least in zip(steps, ours[AGREE_EVERY - len(steps):]):
             if exchange is not None:
                 exchange[1] = min(exchange[1], least)
             if entry is not None:
                 entry["least_link_seconds"] = least
-        return steps[-1][0] if steps else None
+        last = steps[-1][0] if steps else None
+        self._agreed_rate = last[0] / last[1] if last is not None and last[1] > 0 else 0.0
 
-    def _bandwidth(self, previous: Optional[list]) -> Tuple[float, Optional[float]]:
+    def _bandwidth(self) -> Tuple[float, Optional[float]]:
         """The bytes per second the link is shown to carry at least, and at most (``None``:
         no reading), from this step's exchange and the last steps' (see the module's
-        docstring); ``previous``: the last step's, at its least seconds."""
+        docstring)."""
         self._exchanges.append([float(self.sent_bytes), self.link_seconds])
         self._fit_age += 1
         if self._fit_age > FIT_STEPS:  # a link that slowed must not keep an old, faster fit
@@ -204,10 +212,7 @@ class AutoDensity:
         fitted = bandwidth_bounds(self._exchanges)
         if fitted is not None:
             (self._fitted_bandwidth, self._fitted_at_most), self._fit_age = fitted, 0
-        lower = self.sent_bytes / self.link_seconds
-        if previous is not None and previous[1] > 0:
-            lower = max(lower, previous[0] / previous[1])
-        at_least = max(lower, self._fitted_bandwidth)
+        at_least = max(self.sent_bytes / self.link_seconds, self._agreed_rate, self._fitted_bandwidth)
         return at_least, None if self._fitted_at_most is None else max(self._fitted_at_most, at_least)
 
     def _should_probe(self, density: float) -> bool:
@@ -231,8 +236,12 @@ class AutoDensity:
         self._read_agreement()
         agreed, self._agreed = self._agreed, None
         if (self._steps - 1) % AGREE_EVERY == 0:
-            seconds = [math.inf] * (AGREE_EVERY - len(self._unagreed)) + [
-                math.inf if exchange is None else exchange[1] for exchange, _ in self._unagreed]
+            # each rail's seconds in slots of its own (the least is taken over ranks that
+            # exchanged the same bytes), the last steps last, inf where none was measured
+            seconds = [math.inf] * (AGREE_EVERY * self.rails)
+            for slot, (exchange, _) in enumerate(self._unagreed, AGREE_EVERY - len(self._unagreed)):
+                if exchange is not None:
+                    seconds[self.rail * AGREE_EVERY + slot] = exchange[1]
             value = torch.tensor([proposal] + seconds, dtype=torch.float64)
             work = dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group, async_op=True)
             self._pending, self._unagreed = (work, value, self._unagreed), []
@@ -259,6 +268,7 @@ class AutoDensity:
                     exchanges=[list(pair) for pair in self._exchanges],
                     fitted_bandwidth=self._fitted_bandwidth, fitted_at_most=self._fitted_at_most,
                     fit_age=self._fit_age, probe_proposed=self._probe_proposed, steps=self._steps,
+                    agreed_rate=self._agreed_rate,
                     pending=pending,
                     # which of those steps, and of those not yet agreed on, measured an
                     # exchange (theirs are the last in exchanges, in order)
@@ -273,6 +283,7 @@ class AutoDensity:
         self._fit_age = saved.get("fit_age", 0)
         self._probe_proposed = saved.get("probe_proposed", False)
         self._steps = saved.get("steps", 0)
+        self._agreed_rate = saved.get("agreed_rate", 0.0)
         pending_measured = saved.get("pending_measured", [])
         unagreed_measured = saved.get("unagreed_measured", [])
         # the exchanges those steps measured, oldest first, are the last ones kept

@@ -171,12 +171,14 @@ class TwoLevelState(SegmentSparseState):
         check_choice("inside_dtype", inside_dtype, INSIDE_DTYPES)
         auto = density == "auto"
         auto_density = None
-        if auto:
+        if auto:  # (its bad settings raise before any group is made)
             wire = WIRE_DTYPES[check_choice("wire_dtype", settings.get("wire_dtype", "float32"), WIRE_DTYPES)]
             auto_density = AutoDensity(density_floor, density_ceiling, wire.itemsize,
                                        settings.get("segment_size", 256))
         self.layout = MachineLayout.resolve(machines, process_group)
         self.groups = self.layout.groups(process_group)
+        if auto_density is not None:  # the least seconds are taken within each rail
+            auto_density.rail, auto_density.rails = self.groups.local_rank, self.groups.local_size
         self.between_machines = between_machines
         self.inside_dtype = inside_dtype
         self.auto_density = auto_density
