@@ -359,12 +359,13 @@ def integer_gradient_steps(rank, world_size, hook, settings, steps):
     return np.stack(applied)
 
 
-def auto_density_agreement(rank, world_size, steps, resume_at, rails):
+def auto_density_agreement(rank, world_size, steps, resume_at, rails, silent=None, start=0.5):
     """The automatic density's agreement on real ranks with synthetic measurements, ``rails``
     rails (rank r in rail r % rails; rail 1 exchanges 80% of rail 0's bytes): a rank's exchange
     takes its bytes over 1 MB/s, 1 ms more per rail index and 0.5 ms per step modulo 3, and the
     ranks of the second machine (r // rails == 1) wait 2-4 ms more. At ``resume_at`` a copy
-    resumes from ``state_dict()`` and runs beside the original on the same inputs. Returns,
+    resumes from ``state_dict()`` and runs beside the original on the same inputs. Rank
+    ``silent`` exchanges nothing (its shares empty). The density starts at ``start``. Returns,
     per copy, what each step's agree() returned, the least seconds in its history, and the
     least seconds this rank's rail should have found."""
     from hetero_comm.hooks._auto_density import AutoDensity
@@ -379,7 +380,7 @@ def auto_density_agreement(rank, world_size, steps, resume_at, rails):
         auto.rail, auto.rails = rail, rails
         return auto
 
-    runs, densities = [build()], [0.5]
+    runs, densities = [build()], [start]
     agreed, expected = {0: [], 1: []}, []
     for step in range(steps):
         if step == resume_at:
@@ -389,7 +390,8 @@ def auto_density_agreement(rank, world_size, steps, resume_at, rails):
         sent = int(values * runs[0].bytes_per_value(densities[0]))
         expected.append(seconds(step, sent, False))
         for index, run in enumerate(runs):
-            run.add_exchange(sent, seconds(step, sent, rank // rails == 1), 0.0)
+            if rank != silent:
+                run.add_exchange(sent, seconds(step, sent, rank // rails == 1), 0.0)
             agreed[index].append(run.agree(run.propose(0.02, 0.1, densities[index]), None))
             if agreed[index][-1] is not None:
                 densities[index] = agreed[index][-1]

@@ -150,6 +150,15 @@ def test_the_agreement_takes_each_rails_least_seconds_every_few_steps_and_resume
     assert results[1]["expected"][4] != pytest.approx(results[0]["expected"][4])  # rails differ
 
 
+def test_a_rank_that_exchanges_nothing_has_no_say():
+    """A rank whose shares are all empty measures nothing and would propose its density as it
+    is, holding every rank below there; the other moves it up from the floor alike."""
+    results = run_ranks(2, auto_density_agreement, 18, 99, 1, 1, 0.02)
+    agreed = [value for value in results[0]["agreed"][0] if value is not None]
+    assert results[1]["agreed"][0] == results[0]["agreed"][0]
+    assert agreed == sorted(agreed) and agreed[-1] > 0.1  # up towards 25 KB a step
+
+
 def test_int4_baseline_is_close_to_dense_and_identical_on_every_rank():
     flat = run_ranks(4, train, "dense", {}, 4)
     int4 = run_ranks(4, train, "int4_qgz", dict(machines=2, block=32), 4)

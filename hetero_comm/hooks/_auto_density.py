@@ -190,7 +190,7 @@ class AutoDensity:
             return
         _, result, steps = self._pending
         self._pending = None
-        self._agreed = float(result[0])
+        self._agreed = float(result[0]) if math.isfinite(result[0]) else None  # (no rank had a say)
         # this rail's seconds: AGREE_EVERY of them after the proposal, the last for the last step
         ours = result[1 + self.rail * AGREE_EVERY:1 + (self.rail + 1) * AGREE_EVERY].tolist()
         for (exchange, entry), least in zip(steps, ours[AGREE_EVERY - len(steps):]):
@@ -242,7 +242,9 @@ class AutoDensity:
             for slot, (exchange, _) in enumerate(self._unagreed, AGREE_EVERY - len(self._unagreed)):
                 if exchange is not None:
                     seconds[self.rail * AGREE_EVERY + slot] = exchange[1]
-            value = torch.tensor([proposal] + seconds, dtype=torch.float64)
+            # a rank that exchanged nothing since (its shares were empty) has no say
+            measured = any(exchange is not None for exchange, _ in self._unagreed)
+            value = torch.tensor([proposal if measured else math.inf] + seconds, dtype=torch.float64)
             work = dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group, async_op=True)
             self._pending, self._unagreed = (work, value, self._unagreed), []
         return agreed
