@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu_check.sh build kernels bench hookcost hooks
 #
-# Each step has its own time limit; on an H100 (2026-11-26) the five took 6 minutes. The output
+# Each step has its own time limit; on an H100 (2026-11-27) the five took 3.3 minutes. The output
 # folder holds more than the 8 files a device call brings back: pack it (tar) at the end of the
 # call. The test workers run torch with one thread each: with its default of one per core, 14
 # workers on 16 cores ran the kernel tests ten times slower. "kernels_changed" runs the tests of

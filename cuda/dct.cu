@@ -3,10 +3,12 @@
 // the kept basis rows fit in 64 MB, one matrix product with them (cuBLAS, float32; torch's
 // allow_tf32 setting applies), the basis built from a quarter-wave cosine table computed in
 // double (cospi). A direct sum per value was 30x slower on an H200 (benchmarks/NOTES.md);
-// it stays for larger bases, accumulated in double. The grouped layout (the sparse hook's)
-// goes through the plain one and a copy. Both forms of each op share one "write into a given
-// tensor" function. See hetero_comm/reference.py for the spec.
+// it stays for larger bases, accumulated in double. The grouped layout (the sparse hook's) is
+// written and read by batched products in place; with the direct sum it goes through the plain
+// layout and a copy. Both forms of each op share one "write into a given tensor" function.
+// See hetero_comm/reference.py for the spec.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
@@ -198,6 +200,59 @@ void decode_by_product(const at::Tensor& coeffs, int64_t block_size, at::Tensor&
   }
 }
 
+// The grouped layout [groups, keep, group] by batched products, no copy: group g's [keep,
+// group] slice, seen transposed as [group, keep] (column-major, which cuBLAS takes as it is),
+// is that group's blocks [group, B] @ basis.T; the basis is broadcast over the batch (stride
+// 0). Groups whose blocks all lie in x go in one batched product; the last group, partial or
+// ending in the zero-padded tail, goes through a zero-padded [group, B] copy of its values.
+// `coeffs` as in encode_into, grouped.
+void encode_grouped_by_product(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs,
+                               cudaStream_t stream) {
+  const int64_t keep = coeffs.size(1), group = coeffs.size(2);
+  const int64_t group_len = group * block_size;
+  const int64_t full = x.numel() / group_len;  // coeffs.size(0) is full or full + 1
+  const at::Tensor x_f = x.to(at::kFloat).contiguous();
+  const at::Tensor basis_t = basis_rows(x, block_size, keep, stream).t();
+  if (full > 0) {
+    at::Tensor head = coeffs.narrow(0, 0, full).transpose(1, 2);
+    at::bmm_out(head, x_f.narrow(0, 0, full * group_len).view({full, group, block_size}),
+                basis_t.expand({full, block_size, keep}));
+  }
+  if (full < coeffs.size(0)) {
+    const int64_t rest = x.numel() - full * group_len;
+    at::Tensor padded = at::zeros({group, block_size}, x_f.options());
+    padded.view({group_len}).narrow(0, 0, rest).copy_(x_f.narrow(0, full * group_len, rest));
+    at::Tensor last = coeffs.select(0, full).t();
+    at::mm_out(last, padded, basis_t);
+  }
+}
+
+// The inverse of encode_grouped_by_product: each whole group's [group, B] values are its
+// [keep, group] slice transposed @ basis; the last group's go through a [group, B] product cut
+// to x_hat's end (its padding blocks are never read into x_hat). `x_hat` as in decode_plain.
+void decode_grouped_by_product(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat,
+                               cudaStream_t stream) {
+  const int64_t keep = coeffs.size(1), group = coeffs.size(2), numel = x_hat.numel();
+  if (keep == 0) {
+    x_hat.zero_();
+    return;
+  }
+  const at::Tensor coeffs_c = coeffs.contiguous();  // one layout, so one result bit for bit
+  const at::Tensor basis = basis_rows(coeffs, block_size, keep, stream);
+  const int64_t group_len = group * block_size;
+  const int64_t full = numel / group_len;
+  if (full > 0) {
+    at::Tensor head = x_hat.narrow(0, 0, full * group_len).view({full, group, block_size});
+    at::bmm_out(head, coeffs_c.narrow(0, 0, full).transpose(1, 2),
+                basis.expand({full, keep, block_size}));
+  }
+  if (full * group_len < numel) {
+    const int64_t rest = numel - full * group_len;
+    const at::Tensor last = at::mm(coeffs_c.select(0, full).t(), basis);
+    x_hat.narrow(0, full * group_len, rest).copy_(last.view({group_len}).narrow(0, 0, rest));
+  }
+}
+
 at::Tensor cos_table(const at::Tensor& like, int64_t block_size, cudaStream_t stream) {
   at::Tensor table = at::empty({block_size + 1}, like.options().dtype(at::kDouble));
   cos_table_kernel<<<grid_for(block_size + 1), kThreads, 0, stream>>>(
@@ -228,10 +283,9 @@ void encode_plain(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
   });
 }
 
-// The grouped layout goes through a plain buffer padded to whole groups, [groups * group,
-// keep]: seen as [groups, group, keep] it is the grouped tensor transposed, so one copy either
-// way. Allocated per call (so on CUDA the grouped layout saves the hook no memory); a batched
-// product with the basis could write the grouped layout directly (not yet measured on a GPU).
+// With the direct sum (bases too large for the product), the grouped layout goes through a
+// plain buffer padded to whole groups, [groups * group, keep]: seen as [groups, group, keep] it
+// is the grouped tensor transposed, so one copy either way, allocated per call.
 at::Tensor padded_plain(const at::Tensor& grouped) {
   return at::empty({grouped.size(0) * grouped.size(2), grouped.size(1)}, grouped.options());
 }
@@ -249,6 +303,10 @@ void encode_into(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
   }
   if (coeffs.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
+  if (coeffs.size(1) * block_size <= kMaxGemmBasis) {
+    encode_grouped_by_product(x, block_size, coeffs, c10::cuda::getCurrentCUDAStream());
+    return;
+  }
   const at::Tensor padded = padded_plain(coeffs);
   const int64_t blocks = num_segments(x.numel(), block_size);
   at::Tensor plain = padded.narrow(0, 0, blocks);
@@ -298,6 +356,10 @@ void decode_into(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat
   }
   if (x_hat.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(coeffs.device());
+  if (coeffs.size(1) * block_size <= kMaxGemmBasis) {
+    decode_grouped_by_product(coeffs, block_size, x_hat, c10::cuda::getCurrentCUDAStream());
+    return;
+  }
   const at::Tensor padded = padded_plain(coeffs);
   as_grouped(padded, coeffs).copy_(coeffs);  // copy_ reads a strided coeffs as it is
   decode_plain(padded.narrow(0, 0, num_segments(x_hat.numel(), block_size)), block_size, x_hat);

@@ -205,13 +205,22 @@ def plain_of_grouped(grouped: torch.Tensor, blocks: int) -> torch.Tensor:
     (1, 1, 1), (8, 8, 3), (64, 64, 512), (64, 8, 8), (256, 32, 7), (1024, 16, 2), (64, 0, 4)])
 def test_dct_grouped_layout_is_the_plain_one_rearranged(backend, numel, block_size, keep, group,
                                                         dtype, device):
-    # The same transform whichever layout: bit for bit, padding blocks zero, decode inverse.
+    # The same transform whichever layout, padding blocks zero, decode inverse: bit for bit on
+    # the CPU (the same arithmetic); on CUDA the layouts are different cuBLAS products (a batched
+    # one for the grouped layout), whose float32 sums may round differently.
     x = random_tensor(numel, dtype, seed=numel + group).to(device)
     blocks = -(-numel // block_size)
     plain = backend.dct_encode(x, block_size, keep)
     grouped = backend.dct_encode(x, block_size, keep, group)
     assert grouped.shape == (-(-blocks // group), keep, group) and grouped.is_contiguous()
-    assert torch.equal(plain_of_grouped(grouped, blocks), plain)
+
+    def assert_same_transform(actual, expected):
+        if device == "cpu":
+            assert torch.equal(actual, expected)
+        else:
+            torch.testing.assert_close(actual, expected, rtol=0, atol=dct_tolerance(block_size))
+
+    assert_same_transform(plain_of_grouped(grouped, blocks), plain)
     padding = grouped.transpose(1, 2).reshape(grouped.shape[0] * group, keep)[blocks:]
     assert padding.numel() == (-(-blocks // group) * group - blocks) * keep and not padding.any()
     out = torch.full(grouped.shape, float("nan"), device=device)
@@ -219,7 +228,7 @@ def test_dct_grouped_layout_is_the_plain_one_rearranged(backend, numel, block_si
     assert torch.equal(out, grouped)
     decoded = torch.full((numel,), float("nan"), device=device)
     assert backend.dct_decode(grouped, block_size, numel, out=decoded) is decoded
-    assert torch.equal(decoded, backend.dct_decode(plain, block_size, numel))
+    assert_same_transform(decoded, backend.dct_decode(plain, block_size, numel))
     torch.testing.assert_close(grouped.cpu(), reference.dct_encode(x.cpu(), block_size, keep, group),
                                rtol=0, atol=2 * dct_tolerance(block_size))
 
