@@ -31,11 +31,14 @@ ended unusually low can leave every row short), with how many seeds each row rea
 all. One table; ``--json`` keeps every record (written after
 each link). ``--dense-from PATH`` takes the dense targets from an earlier ``--json`` instead of
 running dense again: dense training is deterministic, its losses the same on every link (the
-dense row's time does need the link: run it to show it). Root only.
+dense row's time does need the link: run it to show it). ``--first-seed F --merge PATH`` adds
+seeds F.. to an earlier ``--json`` of the same code (its records of the other seeds are kept; the
+table covers the seeds from 0 that every row has). Root
+only.
 
 Usage: python benchmarks/bench_two_level.py [--workloads gpt_adamw,mlp_sgd]
        [--links 100mbit,1gbit,100mbit>1gbit] [--rows dense,flat,...] [--seeds N] [--quick]
-       [--json PATH] [--dense-from PATH]
+       [--json PATH] [--dense-from PATH] [--first-seed N --merge PATH]
 """
 
 import argparse
@@ -203,6 +206,15 @@ def with_dense_targets(results: dict, earlier: dict) -> dict:
     return merged
 
 
+def seeds_present(results: dict, rows) -> int:
+    """How many seeds from 0 on have a record of every row on every link (``--merge`` can add
+    seeds on either side of the ones run)."""
+    count = 0
+    while all(seed_key(row, count) in records for records in results.values() for row in rows):
+        count += 1
+    return max(count, 1)
+
+
 def table(results: dict, rows, seeds: int = 1) -> str:
     lines = ["| workload | link | hook | final val loss | val acc | training s | to dense loss (+2%), s "
              "| vs flat recipe | ms/step (median) | bytes/step, rank 0 | last density |",
@@ -243,6 +255,12 @@ def main() -> int:
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--epochs", type=int, default=None, help="override every workload's epochs")
     parser.add_argument("--seeds", type=int, default=1, help="seeds per row: the table shows means")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="run seeds FIRST_SEED.. (with --merge: more seeds for an earlier run)")
+    parser.add_argument("--merge", default=None, metavar="PATH",
+                        help="an earlier --json's records of the same workloads and links, for the "
+                             "seeds this run does not run; the table covers the seeds from 0 that "
+                             "every row has")
     parser.add_argument("--quick", action="store_true", help="20 steps per run (a smoke test)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--dense-from", default=None,
@@ -258,8 +276,9 @@ def main() -> int:
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: delete the namespaces
     rows = args.rows.split(",")
-    if args.seeds < 1:
-        parser.error(f"--seeds must be at least 1; got {args.seeds}")
+    if args.seeds < 1 or args.first_seed < 0:
+        parser.error(f"--seeds must be at least 1 and --first-seed at least 0; got {args.seeds}, "
+                     f"{args.first_seed}")
     for name, chosen, known in (("workloads", args.workloads, WORKLOADS), ("links", args.links, LINKS),
                                 ("rows", args.rows, ROWS)):
         unknown = set(chosen.split(",")) - set(known)
@@ -277,17 +296,22 @@ def main() -> int:
             config.update(epochs=1, max_steps=20, evaluate_every=5, lr_warmup_steps=0)
         for link in args.links.split(","):
             entries = [dict(key=seed_key(row, seed), config=dict(config, seed=seed, **ROWS[row][1]))
-                       for seed in range(args.seeds) for row in rows]
+                       for seed in range(args.first_seed, args.first_seed + args.seeds) for row in rows]
             began = time.perf_counter()
             results[workload, link] = run_link(link, entries)
             print(f"  {workload} over {link}: {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
             if args.json:  # after every link: a run cut short keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump({f"{w} {l}": records for (w, l), records in results.items()}, f)
+    if args.merge:
+        with open(args.merge) as f:
+            earlier = json.load(f)
+        results = {(workload, link): {**earlier.get(f"{workload} {link}", {}), **records}
+                   for (workload, link), records in results.items()}
     if args.dense_from:
         with open(args.dense_from) as f:
             results = with_dense_targets(results, json.load(f))
-    print(table(results, rows, args.seeds))
+    print(table(results, rows, seeds_present(results, rows)))
     return 0
 
 

@@ -61,6 +61,34 @@ def test_cuda_aims_judge_rows_of_16_mb_and_the_named_dct_configurations():
     assert encode.judges(recipe, 0) and not encode.judges(other, 0)
 
 
+def test_cuda_aims_in_gpu_time_judge_only_rows_that_have_it():
+    # Rows measured without a CUDA graph (gpu_ms None) leave the GPU-time aims unjudged.
+    import torch
+    bench = load_benchmark("bench_kernels")
+    bench.copy_bandwidth_gbps, bench.device = 100.0, torch.device("cuda")
+    timed = bench.Row("quantize", "n=25M", 25 << 20, 125 << 20, 1.0, 2.0, gpu_ms=1.5)
+    untimed = bench.Row("dequantize", "n=25M", 25 << 20, 125 << 20, 1.0, 2.0)
+    assert timed.gpu_pct_of_copy == 100.0 * (125 << 20) / 1.5e-3 / 1e9 / 100.0
+    judged = {(r["aim"].split()[0], r["metric"]) for r in bench.evaluate_aims([timed, untimed], 25 << 20)}
+    assert ("quantize", "gpu_pct_of_copy") in judged and ("dequantize", "pct_of_copy") in judged
+    assert ("dequantize", "gpu_pct_of_copy") not in judged
+
+
+def test_density_sensitivity_rows_schedule_and_the_pinned_automatic_density_changes_nothing(tmp_path):
+    bench = load_benchmark("bench_density_sensitivity")
+    dipped = [i for i in range(200) if bench.scheduled_density("dips0.5", i, 0.2) != 0.2]
+    assert dipped == [40, 41, 42, 43, 140, 141, 142, 143]
+    assert bench.scheduled_density("dips0.5", 41, 0.2) == 0.1 and bench.scheduled_density("pinned", 41, 0.2) == 0.2
+    saved = tmp_path / "sensitivity.json"
+    out = run_script("bench_density_sensitivity", "--quick", "--rows", "fixed16,pinned", "--json", str(saved))
+    assert "fixed16" in out and "pinned" in out
+    rows = json.loads(saved.read_text())
+    # the automatic density's measurements and agreements alone move no number
+    assert rows["pinned"]["final_loss"] == rows["fixed16"]["final_loss"]
+    assert rows["pinned"]["bytes_sent"] == rows["fixed16"]["bytes_sent"]
+    assert rows["pinned"]["ranks_identical"] and rows["fixed16"]["ranks_identical"]
+
+
 def test_hook_cost_benchmark_reports_every_configuration(tmp_path):
     saved, profile = tmp_path / "cost.json", tmp_path / "profile.txt"
     out = run_script("bench_hook_cost", "--device", "cpu", "--width", "64", "--layers", "2",
@@ -138,3 +166,16 @@ def test_two_level_benchmark_averages_seeds_each_against_dense_of_its_seed():
     merged = bench.with_dense_targets({("mlp_sgd", "1gbit"): without_dense}, earlier)
     assert bench.table(merged, ["flat", "two_level_auto"], seeds=2) == "\n".join(
         line for line in text.splitlines() if "flat dense" not in line)
+
+
+def test_two_level_benchmark_counts_the_seeds_every_row_has_after_a_merge():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    bench = load_benchmark("bench_two_level")
+    record = two_level_record(1.0, [1.0, 1.0, 1.0])
+    earlier = {"auto seed 3": record, "fixed seed 3": record, "auto seed 4": record}
+    run = {"auto": record, "fixed": record, "auto seed 1": record, "fixed seed 1": record,
+           "auto seed 2": record, "fixed seed 2": record}
+    merged = {("gpt", "100mbit"): {**earlier, **run}}
+    assert bench.seeds_present(merged, ["auto", "fixed"]) == 4  # seed 4 lacks a fixed row
+    assert bench.seeds_present(merged, ["auto"]) == 5
+    assert bench.seeds_present({("gpt", "1gbit"): earlier}, ["auto"]) == 1  # none from 0: one

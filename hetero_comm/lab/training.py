@@ -10,6 +10,7 @@ with a cgroup CPU quota (:class:`~hetero_comm.lab.throttle.CpuQuota`, root only)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -288,6 +289,9 @@ class _Run:
                 self.state.prepare_optimizer(self.optimizer)
         if self.units is not None:
             self.units.attach(self.optimizer)
+        auto_density = getattr(self.state, "auto_density", None)
+        if auto_density is not None:  # the lab keeps every step's record, not only the last ones
+            auto_density.history = collections.deque(auto_density.history)
         self.total_steps = total_steps
         self.step = 0
         self.bytes_sent = {"bytes": 0}
