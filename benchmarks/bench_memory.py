@@ -22,7 +22,9 @@ pooled allocator in a process without the meter.
 
 Every configuration runs in this one process, in turn, on the same model and batch.
 
-Usage: python benchmarks/bench_memory.py [--workloads cnn,transformer] [--steps 8]
+``wide_transformer`` (0.4B parameters, for a GPU) is not in the default list.
+
+Usage: python benchmarks/bench_memory.py [--workloads cnn,transformer[,wide_transformer]] [--steps 8]
        [--budget-share 0.5,0.65] [--swap-directory /tmp] [--device cpu] [--json PATH]
        [--allocators-only]
 """
@@ -71,14 +73,22 @@ class Embedding(nn.Module):
         return self.tokens(tokens) + self.position[:tokens.shape[1]]
 
 
-def transformer_workload(device):
+def transformer_workload(device, width=256, heads=4, blocks=4, batch=16):
     torch.manual_seed(0)
-    vocab, width, context, batch = 256, 256, 256, 16
-    model = nn.Sequential(Embedding(vocab, width, context), *[CausalBlock(width, 4) for _ in range(4)],
+    vocab, context = 256, 256
+    model = nn.Sequential(Embedding(vocab, width, context),
+                          *[CausalBlock(width, heads) for _ in range(blocks)],
                           nn.Sequential(nn.LayerNorm(width), nn.Linear(width, vocab))).to(device)
     tokens = torch.randint(0, vocab, (batch, context), device=device)
     targets = torch.randint(0, vocab, (batch * context,), device=device)
     return model, tokens, targets
+
+
+def wide_transformer_workload(device):
+    """A GPU-sized transformer (0.4B parameters): the small one's step is a few milliseconds of
+    kernel launches on a GPU, too short to hide any copy; here a block's compute per byte it saves
+    is 8x the small one's (flops per token grow with width squared, saved bytes with width)."""
+    return transformer_workload(device, width=2048, heads=16, blocks=8, batch=8)
 
 
 def cnn_workload(device):
@@ -96,7 +106,8 @@ def cnn_workload(device):
     return model, images, targets
 
 
-WORKLOADS = {"cnn": cnn_workload, "transformer": transformer_workload}
+WORKLOADS = {"cnn": cnn_workload, "transformer": transformer_workload,
+             "wide_transformer": wide_transformer_workload}  # the last for CUDA only
 
 
 def run_steps(model, inputs, targets, forward, steps, warmup, meter, pooled=False):

@@ -86,6 +86,12 @@ for step in "$@"; do
       tests/test_build.py::test_an_error_message_with_a_number_raises_instead_of_crashing ${HOOK_TESTS:-} \
       2>&1 | tee "$OUT/hooks.log" | tail -40
     ;;
+  memory)  # issue 37: the planner on CUDA, the small workloads and the 0.4B-parameter transformer
+    PYTHONPATH=/tmp/site timeout 120 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_memory.py \
+      2>&1 | tee "$OUT/memory_tests.log" | tail -5
+    timeout 300 $PY benchmarks/bench_memory.py --device cuda --workloads transformer,wide_transformer \
+      --json "$OUT/bench_memory_cuda.json" 2>&1 | tee "$OUT/bench_memory_cuda.txt" | tail -24
+    ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac
 done
