@@ -47,3 +47,29 @@ def test_a_steady_state_step_never_waits_for_the_gpu(hook, settings):
 def test_a_recipe_step_never_waits_for_the_gpu(optimizer_name):
     """The hooks as ``hetero_comm.compress`` sets them up, the optimizer wrapper included."""
     assert run_ranks(1, recipe_step_host_syncs, optimizer_name)[0] == "ok"
+
+
+TWO_LEVEL_CASES = [
+    dict(machines=2, density=0.1, segment_size=64, basis="dct", output="sign", wire_dtype="int8",
+         warmup_steps=2),
+    dict(machines=2, density=0.05, segment_size=64, inside_dtype="bfloat16", warmup_steps=2),
+]
+
+
+@pytest.mark.parametrize("settings", TWO_LEVEL_CASES)
+def test_two_level_runs_end_bitwise_equal_on_every_rank(settings):
+    """Issue 36: the two-level hook's exchange thread issues its collectives and kernels on the
+    thread's own current stream; 2 machines x 2 ranks on one GPU, repeated."""
+    first = run_ranks(4, train_on_cuda, "two_level", settings, 12)
+    second = run_ranks(4, train_on_cuda, "two_level", settings, 12)
+    for result in first[1:]:
+        np.testing.assert_array_equal(result, first[0])
+    np.testing.assert_array_equal(first[0], second[0])
+
+
+def test_two_level_without_compression_matches_the_flat_allreduce():
+    flat = run_ranks(4, train_on_cuda, "dense", {}, 6)
+    two_level = run_ranks(4, train_on_cuda, "two_level",
+                          dict(machines=2, between_machines="dense", warmup_steps=1), 6)
+    np.testing.assert_allclose(two_level[0], flat[0], rtol=0, atol=1e-6)
+    assert not np.array_equal(flat[0], run_ranks(4, train_on_cuda, "dense", {}, 1)[0])  # it trained
