@@ -7,7 +7,8 @@
 Trains a small network on a synthetic task with the optimizer set up as for dense training;
 ``hetero_comm.compress`` picks the recipe for it (with ``--machines``, the two-level sync:
 dense inside each machine, the recipe between machines; ``--ratio auto`` sizes it to the
-link). Halfway, it saves a checkpoint (the hook
+link; on a single host ``--machines auto`` finds one machine and keeps the dense allreduce,
+``--machines 1`` treats each rank as a machine). Halfway, it saves a checkpoint (the hook
 state's dict, gathered on every rank and written by rank 0) and resumes from it in new objects.
 """
 

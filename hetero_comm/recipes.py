@@ -9,6 +9,7 @@ anyone who wants other settings.
 """
 
 import dataclasses
+import os
 import warnings
 from typing import Optional, Union
 
@@ -17,7 +18,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ._checks import check_float
-from .hooks import SegmentSparseState, TwoLevelState, segment_sparse_hook, two_level_hook
+from .hooks import (AllreduceState, MachineLayout, SegmentSparseState, TwoLevelState, allreduce_hook,
+                    segment_sparse_hook, two_level_hook)
 from .hooks._optimizer import unwrap_optimizer
 
 __all__ = ["Recipe", "recipe_for", "compress", "density_for_ratio", "MIN_RATIO", "MAX_RATIO",
@@ -129,7 +131,7 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
 
 def compress(ddp_model: DistributedDataParallel, optimizer, *,
              ratio: Union[None, float, str] = None, machines=None,
-             process_group: Optional[dist.ProcessGroup] = None) -> SegmentSparseState:
+             process_group: Optional[dist.ProcessGroup] = None) -> Union[SegmentSparseState, AllreduceState]:
     """Send a small fraction of the gradient bytes, with the recipe for ``optimizer``.
 
     Keep your dense optimizer, rate and schedule: the recipe sets what it needs and scales
@@ -149,12 +151,15 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *,
             backward pass within :data:`AUTO_RATIOS`, so the exchange hides behind compute.
         machines: ``"auto"``, ranks per machine, or one label per rank: the two-level sync
             (dense inside each machine, the recipe between; docs/machines.md). ``None``:
-            every rank alike (with ``ratio="auto"``: ``"auto"``).
+            every rank alike (with ``ratio="auto"``: ``"auto"``). Where that layout is one
+            machine, nothing crosses a link between machines: the call warns and sets up the
+            dense allreduce, leaving the optimizer as it is.
         process_group: the group to reduce in (``None``: the DDP model's).
 
     Returns:
         The hook's :class:`~hetero_comm.hooks.SegmentSparseState` (two-level: a
-        :class:`~hetero_comm.hooks.TwoLevelState`): ``stats()``, ``state_dict()`` and
+        :class:`~hetero_comm.hooks.TwoLevelState`; one machine: an
+        :class:`~hetero_comm.hooks.AllreduceState`): ``stats()``, ``state_dict()`` and
         ``load_state_dict()`` (call both on every rank; to resume, call ``compress`` on the
         new model and optimizer, then ``state.load_state_dict``).
 
@@ -174,9 +179,12 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *,
     recipe = recipe_for(inner, ratio)
     state, hook = _recipe_state(recipe, ratio, machines, process_group, ddp_model)
     state.handed_step().fit(inner)  # raises for a setting the recipe cannot take over, before any change
-    _warn_where_unmeasured(ddp_model, recipe, ratio)
+    compressing = not isinstance(state, AllreduceState)
+    if compressing:
+        _warn_where_unmeasured(ddp_model, recipe, ratio)
     ddp_model.register_comm_hook(state, hook)
-    _remember_user_momentum(inner, recipe)
+    if compressing:
+        _remember_user_momentum(inner, recipe)
     state.prepare_optimizer(inner)
     return state
 
@@ -188,13 +196,32 @@ def _recipe_state(recipe: Recipe, ratio, machines, process_group, ddp_model):
         process_group = ddp_model.process_group
     if machines is None and ratio != "auto":
         return SegmentSparseState(process_group=process_group, **recipe.settings), segment_sparse_hook
+    layout = MachineLayout.resolve(machines or "auto", process_group)  # raises for a bad layout
+    if layout.machines == 1:
+        warnings.warn(f"hetero_comm.compress(machines={machines!r}, ratio={ratio!r}): all "
+                      f"{layout.world_size} ranks are on one machine ({_layout_source(machines)}), so "
+                      f"no gradient crosses a link between machines and there is nothing to "
+                      f"compress: the dense allreduce is used and the optimizer is left as it is. "
+                      f"To compress among these ranks anyway, give ratio a number and no machines "
+                      f"(the flat recipe); to treat groups of them as machines, give machines the "
+                      f"ranks per machine", UserWarning, stacklevel=3)
+        return AllreduceState(process_group=process_group), allreduce_hook
     settings = dict(recipe.settings)
     if ratio == "auto":
         high, low = AUTO_RATIOS
         settings.update(density="auto", density_floor=density_for_ratio(low),
                         density_ceiling=density_for_ratio(high))
-    return (TwoLevelState(process_group=process_group, machines=machines or "auto", **settings),
-            two_level_hook)
+    return (TwoLevelState(process_group=process_group, machines=list(layout.machine_of_rank),
+                          **settings), two_level_hook)
+
+
+def _layout_source(machines) -> str:
+    if machines not in (None, "auto"):
+        return "as given"
+    if os.environ.get("LOCAL_WORLD_SIZE"):
+        return f"the launcher's LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']}"
+    return "their host names"
+
 
 
 def _remember_user_momentum(optimizer: torch.optim.Optimizer, recipe: Recipe) -> None:

@@ -154,3 +154,31 @@ def two_level_steps(rank, world_size, optimizer_kind, ratio):
     stats = state.stats()
     return (type(state).__name__, {k: stats[k] for k in ("steps", "density", "compression_ratio")},
             torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
+
+
+def one_machine_steps(rank, world_size, machines, ratio, local_world_size):
+    """compress on ranks that share one machine: the state's type, the warnings, whether the
+    optimizer's settings are as given, and the parameters after 4 steps against plain DDP's."""
+    import os
+    if local_world_size is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+    results = []
+    for use_compress in (True, False):
+        ddp = make_ddp()
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        groups_before = _groups(optimizer)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = (hetero_comm.compress(ddp, optimizer, machines=machines, ratio=ratio)
+                     if use_compress else None)
+        for step in range(4):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(ddp(torch.randn(8, 20, generator=g)),
+                                   torch.randn(8, 5, generator=g)).backward()
+            optimizer.step()
+        results.append(dict(kind=type(state).__name__, warnings=[str(w.message) for w in caught],
+                            optimizer_as_given=_groups(optimizer) == groups_before,
+                            stats=state.stats() if state else None,
+                            params=torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])))
+    return results

@@ -79,7 +79,8 @@ def test_hook_runs_and_resumes_exactly_through_the_frameworks_checkpoint(framewo
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 @pytest.mark.parametrize("example,launch,brief", [
     ("torchrun_example.py", "torchrun", ("--steps", "20")),
-    ("torchrun_example.py", "torchrun", ("--steps", "20", "--machines", "auto", "--ratio", "auto")),
+    # two machines of one rank each (on one host "auto" finds one machine: the dense allreduce)
+    ("torchrun_example.py", "torchrun", ("--steps", "20", "--machines", "1", "--ratio", "auto")),
     ("accelerate_example.py", "torchrun", ("--steps", "20")),
     ("lightning_example.py", "python", ("--epochs", "2")),  # Lightning starts its second process
 ])
@@ -96,7 +97,8 @@ def test_examples_run_as_written(example, launch, brief, optimizer):
     out = check_finished(result, "compression")
     assert re.search(rf"^{optimizer}: .*\d\.\d{{3}}$", out, re.MULTILINE), out
     ratio = float(re.search(r"steps \d+, compression (\d+\.\d)x", out).group(1))
-    assert ratio > 20, out  # the recipe compressed (about 37x for AdamW, 45x for SGD nominal)
+    # the recipe compressed (about 37x for AdamW, 45x for SGD nominal; "auto" 16x to 64x)
+    assert ratio > (12 if "auto" in brief else 20), out
 
 
 def test_integrations_import_without_the_frameworks():
