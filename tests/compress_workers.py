@@ -16,6 +16,16 @@ def make_ddp(seed: int = 0) -> DistributedDataParallel:
     return DistributedDataParallel(nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 5)))
 
 
+def regression_steps(ddp, optimizer, rank, first, count) -> None:
+    """Steps ``first .. first + count - 1`` of a regression on this rank's own batches."""
+    for step in range(first, first + count):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(torch.randn(8, 20, generator=g)),
+                               torch.randn(8, 5, generator=g)).backward()
+        optimizer.step()
+
+
 def _untouched(ddp, optimizer, groups_before) -> bool:
     """Nothing registered on ``ddp``, ``optimizer``'s step not wrapped, its groups as before."""
     return (not ddp._comm_hooks and "step" not in vars(optimizer)
@@ -108,12 +118,7 @@ def resume_either_order(rank, world_size, load_optimizer_first):
     loading the optimizer's dict before or after compress; then 2 more steps. Returns the
     resumed state's momentum and the parameters after each run's last step."""
     def steps(ddp, optimizer, first, count):
-        for step in range(first, first + count):
-            g = torch.Generator().manual_seed(100 * step + rank)
-            optimizer.zero_grad()
-            nn.functional.mse_loss(ddp(torch.randn(8, 20, generator=g)),
-                                   torch.randn(8, 5, generator=g)).backward()
-            optimizer.step()
+        regression_steps(ddp, optimizer, rank, first, count)
 
     ddp = make_ddp()
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
@@ -145,12 +150,7 @@ def two_level_steps(rank, world_size, optimizer_kind, ratio):
     optimizer = (torch.optim.AdamW(ddp.parameters(), lr=1e-3) if optimizer_kind == "adamw"
                  else torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
     state = hetero_comm.compress(ddp, optimizer, machines=2, ratio=ratio)
-    for step in range(6):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        optimizer.zero_grad()
-        nn.functional.mse_loss(ddp(torch.randn(8, 20, generator=g)),
-                               torch.randn(8, 5, generator=g)).backward()
-        optimizer.step()
+    regression_steps(ddp, optimizer, rank, 0, 6)
     stats = state.stats()
     return (type(state).__name__, {k: stats[k] for k in ("steps", "density", "compression_ratio")},
             torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
@@ -171,12 +171,7 @@ def one_machine_steps(rank, world_size, machines, ratio, local_world_size):
             warnings.simplefilter("always")
             state = (hetero_comm.compress(ddp, optimizer, machines=machines, ratio=ratio)
                      if use_compress else None)
-        for step in range(4):
-            g = torch.Generator().manual_seed(100 * step + rank)
-            optimizer.zero_grad()
-            nn.functional.mse_loss(ddp(torch.randn(8, 20, generator=g)),
-                                   torch.randn(8, 5, generator=g)).backward()
-            optimizer.step()
+        regression_steps(ddp, optimizer, rank, 0, 4)
         results.append(dict(kind=type(state).__name__, warnings=[str(w.message) for w in caught],
                             optimizer_as_given=_groups(optimizer) == groups_before,
                             stats=state.stats() if state else None,
