@@ -24,9 +24,6 @@ import argparse
 import json
 import sys
 
-GPT_ADAMW = dict(model="gpt", hidden=128, optimizer="adamw", lr=3e-3, weight_decay=0.01,
-                 lr_warmup_steps=30, lr_schedule="cosine", clip_norm=1.0, epochs=4,
-                 global_batch=32, evaluate_every=30, workers=4)
 DEFAULT_ROWS = "fixed15,fixed16,fixed17,pinned,dips0.9,dips0.25"
 # A dip: proposals 40-43 of every 100 (agreements are every 4 proposals: one agreement's worth).
 DIP_STEPS, DIP_PERIOD, DIP_BLOCK = 4, 100, 10
@@ -41,7 +38,7 @@ def scheduled_density(row: str, proposal_index: int, ceiling: float) -> float:
     return factor * ceiling if in_dip else ceiling
 
 
-def train_row(rank: int, world_size: int, row: str, seed: int, max_steps) -> dict:
+def train_row(rank: int, world_size: int, row: str, seed: int, max_steps, workload: dict) -> dict:
     from hetero_comm.hooks import _auto_density
     from hetero_comm.lab.training import TrainConfig, train_rank
 
@@ -55,7 +52,8 @@ def train_row(rank: int, world_size: int, row: str, seed: int, max_steps) -> dic
         _auto_density.AutoDensity.propose = propose  # this rank's process only
     ratio = float(row[len("fixed"):]) if row.startswith("fixed") else "auto"
     record = train_rank(rank, TrainConfig(hook="recipe", hook_settings=dict(machines=2, ratio=ratio),
-                                           seed=seed, max_steps=max_steps, **GPT_ADAMW))
+                                           seed=seed, max_steps=max_steps, workers=world_size,
+                                           **workload))
     return dict(final_loss=record["epochs"]["test_loss"][-1], bytes_sent=record["hook_stats"]["bytes_sent"],
                 losses=record["evaluations"]["test_loss"], ranks_identical=record["ranks_identical"])
 
@@ -71,6 +69,7 @@ def main(argv=None) -> int:
     for row in rows:
         if not (row == "pinned" or row.startswith("fixed") or row.startswith("dips")):
             parser.error(f"unknown row {row!r}: fixed<ratio>, pinned or dips<factor>")
+    from bench_two_level import WORKLOADS  # the same training as bench_two_level's rows
     from hetero_comm.lab.launch import run_ranks
 
     print("python " + " ".join(sys.argv))
@@ -79,7 +78,7 @@ def main(argv=None) -> int:
     print(f"{'row':<12}  {'final loss':>10}  {'bytes':>11}  {'identical':>9}")
     for row in rows:
         results[row] = run_ranks(4, train_row, row, args.seed, 20 if args.quick else None,
-                                 timeout=1800)[0]
+                                 WORKLOADS["gpt_adamw"], timeout=1800)[0]
         r = results[row]
         print(f"{row:<12}  {r['final_loss']:>10.4f}  {r['bytes_sent']:>11,}  {str(r['ranks_identical']):>9}",
               flush=True)

@@ -9,7 +9,6 @@ anyone who wants other settings.
 """
 
 import dataclasses
-import os
 import warnings
 from typing import Optional, Union
 
@@ -199,7 +198,8 @@ def _recipe_state(recipe: Recipe, ratio, machines, process_group, ddp_model):
     layout = MachineLayout.resolve(machines or "auto", process_group)  # raises for a bad layout
     if layout.machines == 1:
         warnings.warn(f"hetero_comm.compress(machines={machines!r}, ratio={ratio!r}): all "
-                      f"{layout.world_size} ranks are on one machine ({_layout_source(machines)}), so "
+                      f"{layout.world_size} ranks are on one machine (machines='auto' reads the "
+                      f"launcher's LOCAL_WORLD_SIZE, else the host names), so "
                       f"no gradient crosses a link between machines and there is nothing to "
                       f"compress: the dense allreduce is used and the optimizer is left as it is. "
                       f"To compress among these ranks anyway, give ratio a number and no machines "
@@ -213,14 +213,6 @@ def _recipe_state(recipe: Recipe, ratio, machines, process_group, ddp_model):
                         density_ceiling=density_for_ratio(high))
     return (TwoLevelState(process_group=process_group, machines=list(layout.machine_of_rank),
                           **settings), two_level_hook)
-
-
-def _layout_source(machines) -> str:
-    if machines not in (None, "auto"):
-        return "as given"
-    if os.environ.get("LOCAL_WORLD_SIZE"):
-        return f"the launcher's LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']}"
-    return "their host names"
 
 
 

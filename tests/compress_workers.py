@@ -156,7 +156,7 @@ def two_level_steps(rank, world_size, optimizer_kind, ratio):
             torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
 
 
-def one_machine_steps(rank, world_size, machines, ratio, local_world_size):
+def one_machine_steps(rank, world_size, machines, ratio, local_world_size, optimizer_kind):
     """compress on ranks that share one machine: the state's type, the warnings, whether the
     optimizer's settings are as given, and the parameters after 4 steps against plain DDP's."""
     import os
@@ -165,7 +165,8 @@ def one_machine_steps(rank, world_size, machines, ratio, local_world_size):
     results = []
     for use_compress in (True, False):
         ddp = make_ddp()
-        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        optimizer = (torch.optim.AdamW(ddp.parameters(), lr=1e-2) if optimizer_kind == "adamw"
+                     else torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
         groups_before = _groups(optimizer)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

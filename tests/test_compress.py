@@ -167,16 +167,16 @@ def test_resume_loads_the_optimizer_before_or_after_the_call(load_optimizer_firs
         assert identical
 
 
-@pytest.mark.parametrize("machines,ratio,local_world_size", [
-    ("auto", "auto", None),  # the host names: every rank on this one
-    (None, "auto", 2),  # a launcher's LOCAL_WORLD_SIZE covering the world
-    (2, None, None),  # given: 2 ranks per machine, 2 ranks
+@pytest.mark.parametrize("machines,ratio,local_world_size,optimizer", [
+    ("auto", "auto", None, "adamw"),  # the host names: every rank on this one
+    (None, "auto", 2, "sgd"),  # a launcher's LOCAL_WORLD_SIZE covering the world
+    (2, None, None, "adamw"),  # given: 2 ranks per machine, 2 ranks
 ])
-def test_one_machine_is_the_dense_allreduce_with_a_warning(machines, ratio, local_world_size):
+def test_one_machine_is_the_dense_allreduce_with_a_warning(machines, ratio, local_world_size, optimizer):
     """Nothing crosses a link between machines, so nothing is compressed: the dense allreduce,
     the optimizer as the user set it, and a warning that says why and what to pass instead."""
     for compressed, plain in run_ranks(2, compress_workers.one_machine_steps, machines, ratio,
-                                       local_world_size):
+                                       local_world_size, optimizer):
         assert compressed["kind"] == "AllreduceState"
         assert any("on one machine" in w and "nothing to compress" in w for w in compressed["warnings"])
         assert compressed["optimizer_as_given"] and compressed["stats"]["compression_ratio"] == 1.0
