@@ -18,7 +18,9 @@ rows x width per block forward, one backward). Hidden share = (compute + communi
 / communication, the communication timed with the link idle between the blocks' allreduces as
 the step's compute leaves it (a shaped link refills its burst in such gaps). Every
 configuration and both parts are measured in turns (``--rounds``, ``--steps`` each), and each
-figure is the median over the turns.
+figure is the median over the turns. Then each rank's CPU time (every thread, gloo's included)
+is measured with the wall time of the same steps: CPU over wall time and quota is how busy the
+rank was, and a rank busy all the step can only go faster with less work, not more overlap.
 
 With ``--link RATE`` (e.g. ``1gbit``; root, network namespaces) each rank runs in its own
 namespace and their traffic crosses a real rate-limited link (``RateLimitedNetwork``), as
@@ -32,6 +34,7 @@ Usage: python benchmarks/bench_tensor_parallel.py [--fast-cores 1.0] [--slow-cor
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -65,19 +68,26 @@ def make_model(width: int, blocks: int) -> nn.Sequential:
     return nn.Sequential(*[Residual(width, 4 * width) for _ in range(blocks)])
 
 
-def step_seconds(model, rows, steps: int, warmup: int = 1) -> float:
-    """Median seconds of a forward, backward and SGD step (ranks start each step together)."""
+def step_times(model, rows, steps: int, warmup: int = 1) -> tuple:
+    """Median seconds of a forward, backward and SGD step (ranks start each step together), and
+    the median CPU time of the same steps on this rank (every thread, gloo's included)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    seconds = []
+    wall, cpu = [], []
     for index in range(warmup + steps):
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         model(rows).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if index >= warmup:
-            seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+            wall.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def step_seconds(model, rows, steps: int, warmup: int = 1) -> float:
+    """Median seconds of a step (:func:`step_times`)."""
+    return step_times(model, rows, steps, warmup)[0]
 
 
 def torch_tensor_parallel(model):
@@ -132,6 +142,13 @@ def slowest_rank(seconds: float) -> float:
     return value.item()
 
 
+def every_rank(value: float) -> list:
+    """``value`` from every rank, in rank order."""
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def measure_in_turns(measures: dict, rounds: int) -> dict:
     """Each measure's median over ``rounds`` turns, every turn taking the measures one after
     another: a drift of the machine's speed during the run moves all of them alike (measured
@@ -147,37 +164,49 @@ def bench_rank(rank, world_size, args):
     torch.manual_seed(1)
     rows = torch.randn(args.rows, args.width)
     hidden = 4 * args.width
+    candidates = args.chunks or (1, 2, 4, 8)
     torch_tp = torch_tensor_parallel(make_model(args.width, args.blocks))
     even = make_model(args.width, args.blocks)
     parallelize_mlps(even)
-    speeds = measure_speeds(make_model(args.width, 1)[0].mlp, rows)
+    probe = make_model(args.width, 1)[0].mlp
+    speeds = measure_speeds(probe, rows)
     sizes = shard_sizes(hidden, speeds, multiple=16)
-    by_speed, overlapped = make_model(args.width, args.blocks), make_model(args.width, args.blocks)
-    parallelize_mlps(by_speed, speeds=speeds, multiple=16)
-    parallelize_mlps(overlapped, speeds=speeds, multiple=16)
-    chunks = tune_chunks(overlapped, rows, candidates=args.chunks or (1, 2, 4, 8))
+    split = {}  # name: (model, chunks)
+    for name, tuned in (("by speed", False), ("by speed + overlap", True)):
+        model = make_model(args.width, args.blocks)
+        parallelize_mlps(model, speeds=speeds, multiple=16)
+        split[name] = (model, tune_chunks(model, rows, candidates=candidates) if tuned else 1)
     compute = local_shards(make_model(args.width, args.blocks), sizes)
     steps = args.steps
     # the compute between two of the step's allreduce groups: the link idles that long
     gap = slowest_rank(step_seconds(compute, rows, 2)) / (2 * args.blocks)
-    measured = measure_in_turns({
+    measures = {
         "torch TP": lambda: step_seconds(torch_tp, rows, steps),
         "even": lambda: step_seconds(even, rows, steps),
-        "by speed": lambda: step_seconds(by_speed, rows, steps),
-        "by speed + overlap": lambda: step_seconds(overlapped, rows, steps),
         "compute": lambda: slowest_rank(step_seconds(compute, rows, steps)),
-        1: lambda: communication_seconds(rows.shape, args.blocks, steps, 1, gap_s=gap),
-        chunks: lambda: communication_seconds(rows.shape, args.blocks, steps, chunks, gap_s=gap),
         "back to back": lambda: communication_seconds(rows.shape, args.blocks, steps, 1),
         "communication CPU": lambda: slowest_rank(communication_seconds(
             rows.shape, args.blocks, steps, 1, clock=time.process_time, gap_s=gap)),
-    }, args.rounds)
-    return dict(steps={name: measured[name] for name in ("torch TP", "even", "by speed",
-                                                         "by speed + overlap")},
-                speeds=speeds, sizes=sizes, chunks=chunks, compute=measured["compute"],
-                communication={count: measured[count] for count in {1, chunks}},
+    }
+    for name, (model, chunks) in split.items():
+        measures[name] = functools.partial(step_seconds, model, rows, steps)
+        measures[chunks] = functools.partial(communication_seconds, rows.shape, args.blocks, steps,
+                                             chunks, gap_s=gap)
+    measured = measure_in_turns(measures, args.rounds)
+    # Wall and CPU time of the same steps, each rank's: no step can be shorter than a rank's
+    # CPU time over its quota.
+    cpu = {}
+    for name, model in (("compute", compute), *((name, model) for name, (model, _) in split.items())):
+        samples = [step_times(model, rows, steps) for _ in range(args.rounds)]
+        cpu[name] = dict(step=statistics.median(wall for wall, _ in samples),
+                         cpu=every_rank(statistics.median(used for _, used in samples)))
+    return dict(steps={name: measured[name] for name in ("torch TP", "even", *split)},
+                speeds=speeds, sizes=sizes, compute=measured["compute"],
+                split={name: dict(chunks=chunks, communication=measured[chunks])
+                       for name, (_, chunks) in split.items()},
                 communication_back_to_back=measured["back to back"], gap_s=gap,
-                communication_cpu=measured["communication CPU"], rounds=args.rounds)
+                communication_cpu=measured["communication CPU"], step_cpu=cpu,
+                rounds=args.rounds)
 
 
 @contextlib.contextmanager
@@ -234,9 +263,7 @@ def run_over_link(args, cores) -> dict:
                 raise RuntimeError(f"a rank exited with code {process.returncode}")
         output.seek(0)
         lines = [line for line in output.read().splitlines() if line.startswith("{")]
-    result = json.loads(lines[-1])
-    result["communication"] = {int(k): v for k, v in result["communication"].items()}
-    return result
+    return json.loads(lines[-1])
 
 
 def print_table(result, args) -> None:
@@ -245,17 +272,26 @@ def print_table(result, args) -> None:
     print(f"2 gloo ranks over {link}: rank 0 {args.fast_cores} core, rank 1 {args.slow_cores} core; "
           f"{args.blocks} MLP blocks {args.width} -> {4 * args.width} -> {args.width}, {args.rows} rows")
     print(f"measured speeds {[round(s, 2) for s in result['speeds']]} -> hidden shards "
-          f"{list(result['sizes'])}; tuned chunks {result['chunks']}")
-    print(f"{'configuration':<22}{'step ms':>9}{'vs torch TP':>13}")
+          f"{list(result['sizes'])}")
+    print(f"{'configuration':<22}{'chunks':>7}{'step ms':>9}{'vs torch TP':>13}")
     for name, seconds in steps.items():
-        print(f"{name:<22}{seconds * 1e3:>9.1f}{torch_tp / seconds:>12.2f}x")
-    for name, chunks in (("by speed", 1), ("by speed + overlap", result["chunks"])):
-        communication = result["communication"][chunks]
-        hidden = (result["compute"] + communication - steps[name]) / communication
-        print(f"{name}: compute alone {result['compute'] * 1e3:.1f} ms + communication alone "
-              f"{communication * 1e3:.1f} ms ({chunks} chunks) = "
-              f"{(result['compute'] + communication) * 1e3:.1f} ms; step {steps[name] * 1e3:.1f} ms: "
+        chunks = result["split"][name]["chunks"] if name in result["split"] else ""
+        print(f"{name:<22}{chunks:>7}{seconds * 1e3:>9.1f}{torch_tp / seconds:>12.2f}x")
+    compute = result["compute"]
+    for name, split in result["split"].items():
+        communication = split["communication"]
+        hidden = (compute + communication - steps[name]) / communication
+        print(f"{name}: compute alone {compute * 1e3:.1f} ms + communication alone "
+              f"{communication * 1e3:.1f} ms ({split['chunks']} chunks) = "
+              f"{(compute + communication) * 1e3:.1f} ms; step {steps[name] * 1e3:.1f} ms: "
               f"{hidden * 100:.0f}% of the communication hidden")
+    # A rank under a quota of q cores runs at most q seconds of CPU a second: its CPU time over
+    # the step's time and its quota is how busy it was.
+    print("CPU time of rank 0, 1 in the same steps (the share of its quota it used):")
+    for name, used in result["step_cpu"].items():
+        busy = ", ".join(f"{c * 1e3:.1f} ms ({c / q / used['step']:.0%})"
+                         for c, q in zip(used["cpu"], (args.fast_cores, args.slow_cores)))
+        print(f"  {name + ' alone' if name == 'compute' else name}, step {used['step'] * 1e3:.1f} ms: {busy}")
     print(f"communication alone with the link idle {result['gap_s'] * 1e3:.0f} ms before each "
           f"block's allreduces, as in the step; back to back it takes "
           f"{result['communication_back_to_back'] * 1e3:.1f} ms (1 chunk)")

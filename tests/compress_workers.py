@@ -178,3 +178,50 @@ def one_machine_steps(rank, world_size, machines, ratio, local_world_size, optim
                             stats=state.stats() if state else None,
                             params=torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])))
     return results
+
+
+class _WithUnused(nn.Module):
+    """A model whose ``unused`` layer never takes part in the forward (DDP needs
+    ``find_unused_parameters=True`` for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(20, 128), nn.Tanh(), nn.LayerNorm(128),
+                                  nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 5))
+        self.unused = nn.Linear(128, 128)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+DDP_CONFIGURATIONS = {
+    "default": {},
+    "gradient_as_bucket_view": dict(gradient_as_bucket_view=True),
+    "static_graph": dict(static_graph=True),
+    "find_unused_parameters": dict(find_unused_parameters=True),
+    "frozen first layer": {},
+}
+
+
+def ddp_configurations(rank, world_size, optimizer_kind):
+    """compress under DDP's settings users turn on: for each, 8 steps of a regression (the body
+    of a model with a layer the forward never uses); returns the body's parameters after the
+    steps and the compression ratio per setting."""
+    results = {}
+    for name, settings in DDP_CONFIGURATIONS.items():
+        torch.manual_seed(0)
+        model = _WithUnused()
+        if name == "frozen first layer":
+            model.body[0].requires_grad_(False)
+        ddp = DistributedDataParallel(model, **settings) if name == "find_unused_parameters" else \
+            DistributedDataParallel(model.body, **settings)
+        trained = [p for p in ddp.parameters() if p.requires_grad]
+        optimizer = (torch.optim.AdamW(trained, lr=3e-3) if optimizer_kind == "adamw"
+                     else torch.optim.SGD(trained, lr=0.05, momentum=0.9))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the recipe's coarse-segment notes on a small model
+            state = hetero_comm.compress(ddp, optimizer)
+        regression_steps(ddp, optimizer, rank, 0, 8)
+        results[name] = (torch.cat([p.detach().reshape(-1) for p in model.body.parameters()]),
+                         state.stats()["compression_ratio"])
+    return results

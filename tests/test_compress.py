@@ -195,3 +195,18 @@ def test_machines_set_up_the_two_level_sync_with_the_recipe(optimizer, ratio):
         assert low <= stats["density"] <= high
     ratios = [stats["compression_ratio"] for _, stats, _ in results]
     assert min(ratios) > 4  # each local rank carries its share of the 1,669-parameter bucket
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_compress_under_ddp_settings_users_turn_on(optimizer):
+    """gradient_as_bucket_view, static_graph, find_unused_parameters (with a layer the forward
+    never uses) and a frozen layer: the ranks end bitwise equal and the hook compressed. A view
+    of the bucket changes nothing (bitwise the default's); the other settings may lay out the
+    buckets otherwise, which changes what is sent, so they are only required to train alike."""
+    ranks = run_ranks(2, compress_workers.ddp_configurations, optimizer)
+    default = ranks[0]["default"][0]
+    for name in compress_workers.DDP_CONFIGURATIONS:
+        params, ratio = ranks[0][name]
+        assert torch.equal(params, ranks[1][name][0]), name
+        assert torch.isfinite(params).all() and ratio > 3, (name, ratio)  # dense: 1
+    assert torch.equal(ranks[0]["gradient_as_bucket_view"][0], default)
