@@ -16,6 +16,8 @@ same bytes. The table prints both and the ratio of a recipe's added time to the 
 
     python benchmarks/bench_hook_cost.py --device cuda [--json PATH]
     python benchmarks/bench_hook_cost.py --device cpu --width 512 --steps 5   # a quick check
+    python benchmarks/bench_hook_cost.py --device cpu --width 64 --layers 16 --batch 8 \
+        --bucket-mb 0.016 --steps 100    # buckets of ~4-8K values: the host's time per bucket
     python benchmarks/bench_hook_cost.py --device cuda --profile hook_profile.txt
 
 ``--profile PATH`` also profiles one steady step of each recipe at world size 1
@@ -43,7 +45,8 @@ from hetero_comm.lab.launch import run_ranks
 CONFIGS = ("allreduce", "no communication", "AdamW recipe", "SGD recipe")
 
 
-def _return_bucket(state, bucket):
+def _return_bucket(calls, bucket):
+    calls.append(bucket.index())
     future = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
@@ -54,16 +57,17 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _build(config: str, device: torch.device, width: int, layers: int, group):
+def _build(config: str, device: torch.device, width: int, layers: int, group, bucket_mb: float,
+           calls: list):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)])
-    ddp = DistributedDataParallel(model.to(device), process_group=group)
+    ddp = DistributedDataParallel(model.to(device), process_group=group, bucket_cap_mb=bucket_mb)
     if config == "AdamW recipe":
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
     else:
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
     if config == "no communication":
-        ddp.register_comm_hook(None, _return_bucket)
+        ddp.register_comm_hook(calls, _return_bucket)
     elif config.endswith("recipe"):
         hetero_comm.compress(ddp, optimizer, process_group=group)
     return ddp, optimizer
@@ -111,7 +115,7 @@ def _profile_table(ddp, optimizer, batch, device, trace_path=None, rows: int = 4
 
 
 def measure_rank(rank, world_size, device_name, width, layers, batch_size, warmup, steps, nccl,
-                 profile=False, trace_path=None):
+                 bucket_mb=25.0, profile=False, trace_path=None):
     """One rank's median step time per configuration and of a bare allreduce (ms)."""
     device = torch.device(device_name)
     if device.type == "cuda":
@@ -119,9 +123,9 @@ def measure_rank(rank, world_size, device_name, width, layers, batch_size, warmu
         torch.cuda.set_device(device)
     group = dist.new_group(list(range(world_size)), backend="nccl") if nccl else None
     batch = torch.randn(batch_size, width, generator=torch.Generator().manual_seed(rank)).to(device)
-    times, profiles = {}, {}
+    times, profiles, calls = {}, {}, []
     for config in CONFIGS:
-        ddp, optimizer = _build(config, device, width, layers, group)
+        ddp, optimizer = _build(config, device, width, layers, group, bucket_mb, calls)
         times[config] = _median_step_ms(ddp, optimizer, batch, device, warmup, steps)
         if profile and config.endswith("recipe"):
             trace = trace_path if config == "AdamW recipe" else None
@@ -129,7 +133,9 @@ def measure_rank(rank, world_size, device_name, width, layers, batch_size, warmu
         del ddp, optimizer
     numel = layers * (width * width + width)
     times["bare allreduce"] = _median_allreduce_ms(numel, device, group, steps)
-    return {"parameters": numel, "times_ms": times, "profiles": profiles}
+    # DDP's buckets in a steady step (the "no communication" hook saw every step's)
+    return {"parameters": numel, "times_ms": times, "profiles": profiles,
+            "buckets": len(calls) // (warmup + steps)}
 
 
 def print_run(title: str, result: dict) -> dict:
@@ -140,14 +146,16 @@ def print_run(title: str, result: dict) -> dict:
     print(f"\n{title}: {result['parameters'] / 1e6:.1f}M parameters, "
           f"{4 * result['parameters'] / 1e6:.0f} MB of float32 gradient a step")
     print(f"  bare dist.all_reduce of those bytes: {bare:.3f} ms; DDP's allreduce adds "
-          f"{allreduce_in_step:.3f} ms to the step")
-    print(f"  {'configuration':<18} {'step ms':>9} {'added ms':>9} {'added / bare allreduce':>23}")
+          f"{allreduce_in_step:.3f} ms to the step; {result['buckets']} DDP bucket(s) a step")
+    print(f"  {'configuration':<18} {'step ms':>9} {'added ms':>9} {'added / bare allreduce':>23}"
+          f" {'added ms a bucket':>18}")
     summary = {}
     for config in CONFIGS:
         added = times[config] - compute
         ratio = added / bare if bare > 0 else float("nan")
         shown = "-" if config == "no communication" else f"{ratio:.0%}"
-        print(f"  {config:<18} {times[config]:>9.3f} {added:>9.3f} {shown:>23}")
+        print(f"  {config:<18} {times[config]:>9.3f} {added:>9.3f} {shown:>23}"
+              f" {added / result['buckets']:>18.3f}")
         summary[config] = {"step_ms": times[config], "added_ms": added, "added_over_allreduce": ratio}
     return summary
 
@@ -161,6 +169,8 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=8, help="untimed steps first (the recipes "
                                                               "send the first step dense)")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--bucket-mb", type=float, default=25.0,
+                        help="DDP's bucket_cap_mb (small buckets: the hooks' host time per bucket)")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--profile", metavar="PATH", help="write a profile of one step of each "
                                                           "recipe at world size 1 to PATH")
@@ -180,9 +190,9 @@ def main(argv=None) -> int:
           f"{args.steps} steps after {args.warmup}; batch {args.batch}")
     shape = (args.device, args.width, args.layers, args.batch, args.warmup, args.steps)
     alone = "world size 1, NCCL" if args.device == "cuda" else "world size 1, gloo"
-    runs = {alone: run_ranks(1, measure_rank, *shape, args.device == "cuda", bool(args.profile),
-                             args.trace)[0],
-            "2 gloo ranks on one device": run_ranks(2, measure_rank, *shape, False)[0]}
+    runs = {alone: run_ranks(1, measure_rank, *shape, args.device == "cuda", args.bucket_mb,
+                             bool(args.profile), args.trace)[0],
+            "2 gloo ranks on one device": run_ranks(2, measure_rank, *shape, False, args.bucket_mb)[0]}
     profiles = {title: run.pop("profiles") for title, run in runs.items()}
     if args.profile:
         with open(args.profile, "w") as f:
