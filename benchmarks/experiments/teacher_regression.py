@@ -1,0 +1,83 @@
+"""The one call on a short regression it was not tuned on: an MLP (32 -> 256 -> 256 -> 8, GELU;
+75K parameters, one DDP bucket) fits a random linear teacher (targets of variance about 32) in
+80 steps of 32 rows per rank, 2 gloo ranks. Dense against ``hetero_comm.compress``, with AdamW and
+with SGD (momentum 0.9), at several learning rates, at a constant rate and under a cosine decay
+to 0 over the 80 steps. Prints the training loss every 10 steps and at the end; a run whose loss
+becomes NaN or infinite (the hook then raises ``FloatingPointError``) is reported as diverged.
+Results: ``benchmarks/results/teacher_regression.txt``.
+
+Usage: python benchmarks/experiments/teacher_regression.py [--optimizers adamw,sgd]
+       [--schedules constant,cosine]
+"""
+
+import argparse
+import warnings
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+import hetero_comm
+from hetero_comm.lab.launch import run_ranks
+
+STEPS = 80
+RATES = {"adamw": (1e-3, 3e-3, 1e-2), "sgd": (0.02, 0.05)}
+
+
+def train(rank, world_size, optimizer_kind, lr, compressed, schedule):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                          nn.Linear(256, 8))
+    ddp = DistributedDataParallel(model)
+    optimizer = (torch.optim.AdamW(ddp.parameters(), lr=lr) if optimizer_kind == "adamw"
+                 else torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9))
+    if compressed:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hetero_comm.compress(ddp, optimizer)
+    decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, STEPS) if schedule == "cosine" else None
+    torch.manual_seed(1)
+    teacher = nn.Linear(32, 8)
+    teacher.weight.data.normal_()
+    losses = []
+    for step in range(STEPS):
+        rows = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(32, 32, generator=rows)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x), teacher(x).detach())
+        losses.append(loss.item())
+        try:
+            loss.backward()
+        except FloatingPointError:
+            return losses + [float("nan")]
+        optimizer.step()
+        if decay is not None:
+            decay.step()
+    return losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--optimizers", default="adamw,sgd")
+    parser.add_argument("--schedules", default="constant,cosine")
+    args = parser.parse_args()
+    print(f"{'optimizer':<7} {'lr':>6} {'schedule':<9} {'run':<7} "
+          + " ".join(f"{f'step {s}':>8}" for s in range(0, STEPS, 10)) + f" {'last':>8}")
+    for optimizer_kind in args.optimizers.split(","):
+        for schedule in args.schedules.split(","):
+            for lr in RATES[optimizer_kind]:
+                for compressed in (False, True):
+                    losses = run_ranks(2, train, optimizer_kind, lr, compressed, schedule,
+                                       timeout=600)[0]
+                    shown = [losses[s] if s < len(losses) else float("nan")
+                             for s in range(0, STEPS, 10)]
+                    last = losses[-1]
+                    ending = "diverged" if last != last or abs(last) == float("inf") else f"{last:.2f}"
+                    print(f"{optimizer_kind:<7} {lr:>6g} {schedule:<9} "
+                          f"{'recipe' if compressed else 'dense':<7} "
+                          + " ".join(f"{value:>8.2f}" for value in shown) + f" {ending:>8}",
+                          flush=True)
+
+
+if __name__ == "__main__":
+    main()
