@@ -63,6 +63,9 @@ for step in "$@"; do
     timeout 100 $PY benchmarks/bench_hook_cost.py --device cuda --steps 20 --warmup 5 --json "$OUT/bench_hook_cost_cuda.json" \
       --profile "$OUT/hook_profile_cuda.txt" --trace "$OUT/hook_trace_adamw_cuda.json" 2>&1 \
       | tee "$OUT/bench_hook_cost_cuda.txt" | tail -22
+    # buckets of 4-8K values: the recipes' host time per bucket (on the CPU: 1.0-1.1 ms)
+    timeout 60 $PY benchmarks/bench_hook_cost.py --device cuda --width 64 --layers 16 --batch 8 \
+      --bucket-mb 0.016 --steps 50 --warmup 5 2>&1 | tee "$OUT/bench_hook_cost_cuda_small_buckets.txt" | tail -16
     ;;
   bisect)  # issue 35 bug 1: which build step puts a private libstdc++ in an extension
     $PY benchmarks/gpu_bisect_numeric_error.py --out /tmp/bisect 2>&1 | tee "$OUT/bisect.txt" | tail -30
