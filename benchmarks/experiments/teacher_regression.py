@@ -2,12 +2,12 @@
 75K parameters, one DDP bucket) fits a random linear teacher (targets of variance about 32) in
 80 steps of 32 rows per rank, 2 gloo ranks. Dense against ``hetero_comm.compress``, with AdamW and
 with SGD (momentum 0.9), at several learning rates, at a constant rate and under a cosine decay
-to 0 over the 80 steps. Prints the training loss every 10 steps and at the end; a run whose loss
+to 0 over the 80 steps, at the recipe's own compression or at the ratios asked for. Prints the training loss every 10 steps and at the end; a run whose loss
 becomes NaN or infinite (the hook then raises ``FloatingPointError``) is reported as diverged.
 Results: ``benchmarks/results/teacher_regression.txt``.
 
 Usage: python benchmarks/experiments/teacher_regression.py [--optimizers adamw,sgd]
-       [--schedules constant,cosine]
+       [--schedules constant,cosine] [--ratios 8,16] [--no-dense]
 """
 
 import argparse
@@ -24,7 +24,7 @@ STEPS = 80
 RATES = {"adamw": (1e-3, 3e-3, 1e-2), "sgd": (0.02, 0.05)}
 
 
-def train(rank, world_size, optimizer_kind, lr, compressed, schedule):
+def train(rank, world_size, optimizer_kind, lr, compressed, schedule, ratio=None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
                           nn.Linear(256, 8))
@@ -34,7 +34,7 @@ def train(rank, world_size, optimizer_kind, lr, compressed, schedule):
     if compressed:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            hetero_comm.compress(ddp, optimizer)
+            hetero_comm.compress(ddp, optimizer, ratio=ratio)
     decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, STEPS) if schedule == "cosine" else None
     torch.manual_seed(1)
     teacher = nn.Linear(32, 8)
@@ -60,21 +60,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--optimizers", default="adamw,sgd")
     parser.add_argument("--schedules", default="constant,cosine")
+    parser.add_argument("--ratios", default="", help="compress(ratio=...) for each, instead of "
+                                                     "the recipe's own (e.g. 8,16)")
+    parser.add_argument("--no-dense", action="store_true", help="only the compressed runs")
     args = parser.parse_args()
-    print(f"{'optimizer':<7} {'lr':>6} {'schedule':<9} {'run':<7} "
+    runs = ([] if args.no_dense else [(False, None)]) + (
+        [(True, float(r)) for r in args.ratios.split(",")] if args.ratios else [(True, None)])
+    print(f"{'optimizer':<7} {'lr':>6} {'schedule':<9} {'run':<11} "
           + " ".join(f"{f'step {s}':>8}" for s in range(0, STEPS, 10)) + f" {'last':>8}")
     for optimizer_kind in args.optimizers.split(","):
         for schedule in args.schedules.split(","):
             for lr in RATES[optimizer_kind]:
-                for compressed in (False, True):
-                    losses = run_ranks(2, train, optimizer_kind, lr, compressed, schedule,
+                for compressed, ratio in runs:
+                    losses = run_ranks(2, train, optimizer_kind, lr, compressed, schedule, ratio,
                                        timeout=600)[0]
                     shown = [losses[s] if s < len(losses) else float("nan")
                              for s in range(0, STEPS, 10)]
                     last = losses[-1]
                     ending = "diverged" if last != last or abs(last) == float("inf") else f"{last:.2f}"
-                    print(f"{optimizer_kind:<7} {lr:>6g} {schedule:<9} "
-                          f"{'recipe' if compressed else 'dense':<7} "
+                    name = ("dense" if not compressed else "recipe" if ratio is None
+                            else f"ratio {ratio:g}")
+                    print(f"{optimizer_kind:<7} {lr:>6g} {schedule:<9} {name:<11} "
                           + " ".join(f"{value:>8.2f}" for value in shown) + f" {ending:>8}",
                           flush=True)
 
