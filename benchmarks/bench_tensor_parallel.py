@@ -193,8 +193,8 @@ def bench_rank(rank, world_size, args):
         measures[chunks] = functools.partial(communication_seconds, rows.shape, args.blocks, steps,
                                              chunks, gap_s=gap)
     measured = measure_in_turns(measures, args.rounds)
-    # Wall and CPU time of the same steps, each rank's: no step can be shorter than a rank's
-    # CPU time over its quota.
+    # Wall and CPU time of the same steps, each rank's: CPU over wall time and quota is how
+    # busy the rank was (the quota lets a few percent more through).
     cpu = {}
     for name, model in (("compute", compute), *((name, model) for name, (model, _) in split.items())):
         samples = [step_times(model, rows, steps) for _ in range(args.rounds)]

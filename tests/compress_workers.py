@@ -213,8 +213,9 @@ def ddp_configurations(rank, world_size, optimizer_kind):
         model = _WithUnused()
         if name == "frozen first layer":
             model.body[0].requires_grad_(False)
-        ddp = DistributedDataParallel(model, **settings) if name == "find_unused_parameters" else \
-            DistributedDataParallel(model.body, **settings)
+        # only find_unused_parameters lets DDP wrap a model with a layer the forward skips
+        ddp = DistributedDataParallel(model if name == "find_unused_parameters" else model.body,
+                                      **settings)
         trained = [p for p in ddp.parameters() if p.requires_grad]
         optimizer = (torch.optim.AdamW(trained, lr=3e-3) if optimizer_kind == "adamw"
                      else torch.optim.SGD(trained, lr=0.05, momentum=0.9))

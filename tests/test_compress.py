@@ -200,9 +200,10 @@ def test_machines_set_up_the_two_level_sync_with_the_recipe(optimizer, ratio):
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_compress_under_ddp_settings_users_turn_on(optimizer):
     """gradient_as_bucket_view, static_graph, find_unused_parameters (with a layer the forward
-    never uses) and a frozen layer: the ranks end bitwise equal and the hook compressed. A view
-    of the bucket changes nothing (bitwise the default's); the other settings may lay out the
-    buckets otherwise, which changes what is sent, so they are only required to train alike."""
+    never uses) and a frozen layer: the ranks end bitwise equal, finite, and the hook compressed.
+    A view of the bucket changes nothing (bitwise the default's); the other settings may lay out
+    the buckets otherwise, which changes what is sent, so their parameters are not compared with
+    the default's."""
     ranks = run_ranks(2, compress_workers.ddp_configurations, optimizer)
     default = ranks[0]["default"][0]
     for name in compress_workers.DDP_CONFIGURATIONS:
