@@ -226,3 +226,35 @@ def ddp_configurations(rank, world_size, optimizer_kind):
         results[name] = (torch.cat([p.detach().reshape(-1) for p in model.body.parameters()]),
                          state.stats()["compression_ratio"])
     return results
+
+
+def grad_scaler_steps(rank, world_size, optimizer_kind, compressed, device="cpu", steps=60):
+    """float16 autocast on ``device`` (gloo ranks; on CUDA sharing one GPU) with
+    ``torch.amp.GradScaler`` starting at a scale that overflows float16 (2**24), so that its
+    first steps overflow: the loss of
+    every step, the scale after it, the parameters and (compressed) the hook's count of buckets
+    handed on as NaN. A regression to a linear teacher, dense or through ``compress``."""
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 5)).to(device))
+    optimizer = (torch.optim.AdamW(ddp.parameters(), lr=1e-2) if optimizer_kind == "adamw"
+                 else torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9))
+    state = None
+    if compressed:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the small model's own warnings
+            state = hetero_comm.compress(ddp, optimizer)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 24)
+    teacher = torch.randn(20, 5, generator=torch.Generator().manual_seed(7)).to(device)
+    losses, scales = [], []
+    for step in range(steps):
+        x = torch.randn(16, 20, generator=torch.Generator().manual_seed(100 * step + rank)).to(device)
+        optimizer.zero_grad()
+        with torch.autocast(device, dtype=torch.float16):
+            loss = nn.functional.mse_loss(ddp(x).float(), x @ teacher)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        losses.append(loss.item())
+        scales.append(scaler.get_scale())
+    params = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]).cpu()
+    return losses, scales, params, None if state is None else state.stats()["non_finite_buckets"]

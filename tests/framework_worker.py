@@ -50,7 +50,7 @@ def make_optimizer(parameters, case, by_hand=False):
     out: what ``prepare_optimizer`` must turn the dense one into."""
     if case.startswith("dct_sign") or case == "compress_adamw":
         if by_hand:
-            return torch.optim.AdamW(parameters, lr=1.5e-3, betas=(0.0, 0.0), weight_decay=0.01)
+            return torch.optim.AdamW(parameters, lr=1.5e-3, betas=(0.0, 0.0), weight_decay=0.01 / 1.5)
         return torch.optim.AdamW(parameters, lr=1e-3, weight_decay=0.01)
     if by_hand and case in ("sparse_mc", "compress_sgd"):
         density = 0.08 if case == "compress_sgd" else 0.05

@@ -42,9 +42,10 @@ def train(rank, world_size, hook, settings, steps, options=None):
 
     ``options``: ``dtype`` (parameters and gradients), ``bucket_cap_mb``, ``weights`` (one
     rank_weight per rank), ``no_sync_every`` (accumulate locally on every n-th step),
-    ``nan_at`` ((rank, step): that rank's gradient becomes NaN; the run then ends with the
-    exception ``backward()`` raised, as ``{"error": (type name, message), "applied": ...,
-    "params_finite": ...}``), ``device_side_checks`` (the hooks' CUDA way of finding non-finite
+    ``nan_at`` ((rank, step): that rank's gradient becomes NaN; a step whose applied
+    gradient is not finite is skipped, as a ``GradScaler`` skips it; an exception from
+    ``backward()`` ends the run as ``{"error": (type name, message), "applied": ...}``),
+    ``device_side_checks`` (the hooks' CUDA way of finding non-finite
     gradients, without a host read, forced on the CPU), ``resume_at`` (save all
     state there, rebuild model, DDP and hook state from the checkpoint and continue; every
     rank loads rank 0's ``state_dict()``, as frameworks do, or with ``checkpoint_from="own"``
@@ -97,13 +98,14 @@ def train(rank, world_size, hook, settings, steps, options=None):
         except Exception as error:
             if options.get("nan_at") is None:
                 raise
-            return {"error": (type(error).__name__, str(error)), "applied": np.stack(applied),
-                    "params_finite": bool(np.isfinite(flat(model.parameters())).all())}
+            return {"error": (type(error).__name__, str(error)), "applied": np.stack(applied)}
         produced.append(flat(pending))
         applied.append(flat(p.grad for p in model.parameters()))
+        finite = bool(np.isfinite(applied[-1]).all())
         with torch.no_grad():
             for p in model.parameters():
-                p.sub_(0.05 * p.grad)
+                if finite:  # else skipped, as a GradScaler skips a step with NaN or infinity
+                    p.sub_(0.05 * p.grad)
                 p.grad = None
         pending = [torch.zeros_like(p, dtype=torch.float32) for p in model.parameters()]
         if hasattr(state, "pool"):
@@ -119,6 +121,16 @@ def train(rank, world_size, hook, settings, steps, options=None):
         # that goes away with this process.
         "state_dict": _saved(state.state_dict()) if options.get("return_state_dict") else None,
     }
+
+
+def train_recording_warnings(rank, world_size, hook, settings, steps, options=None):
+    """:func:`train`'s result, with the messages of the ``RuntimeWarning``s given during it
+    under ``"warnings"``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = train(rank, world_size, hook, settings, steps, options)
+    result["warnings"] = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    return result
 
 
 def hook_warnings(rank, world_size, hook, settings, steps):

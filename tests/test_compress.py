@@ -211,3 +211,20 @@ def test_compress_under_ddp_settings_users_turn_on(optimizer):
         assert torch.equal(params, ranks[1][name][0]), name
         assert torch.isfinite(params).all() and ratio > 3, (name, ratio)  # dense: 1
     assert torch.equal(ranks[0]["gradient_as_bucket_view"][0], default)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_compress_trains_under_a_grad_scaler(optimizer):
+    """float16 autocast with torch.amp.GradScaler, whose first steps overflow: each
+    overflowing bucket reaches the scaler as NaN, so it skips those steps and backs off exactly
+    as it does with DDP's own allreduce; training then goes on, the ranks bitwise equal."""
+    dense = run_ranks(2, compress_workers.grad_scaler_steps, optimizer, False)[0]
+    ranks = run_ranks(2, compress_workers.grad_scaler_steps, optimizer, True)
+    losses, scales, params, non_finite = ranks[0]
+    assert torch.equal(params, ranks[1][2]) and torch.isfinite(params).all()
+    assert non_finite == ranks[1][3] >= 1
+    dense_scales = dense[1]
+    first_applied = next(i for i in range(1, len(dense_scales)) if dense_scales[i] == dense_scales[i - 1])
+    assert first_applied > 2  # the scaler skipped steps after the first (dense warm-up) one
+    assert scales[:first_applied + 1] == dense_scales[:first_applied + 1]
+    assert sum(losses[-5:]) < 0.25 * sum(losses[:5])

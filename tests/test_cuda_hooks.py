@@ -10,7 +10,9 @@ an extension built with CUDA.
 
 import numpy as np
 import pytest
+import torch
 
+import compress_workers
 from hetero_comm.lab.launch import run_ranks
 from hook_workers import recipe_step_host_syncs, steady_step_host_syncs, train_on_cuda
 from kernel_cases import cuda_skip_reason
@@ -73,3 +75,18 @@ def test_two_level_without_compression_matches_the_flat_allreduce():
                           dict(machines=2, between_machines="dense", warmup_steps=1), 6)
     np.testing.assert_allclose(two_level[0], flat[0], rtol=0, atol=1e-6)
     assert not np.array_equal(flat[0], run_ranks(4, train_on_cuda, "dense", {}, 1)[0])  # it trained
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_compress_under_a_grad_scaler_on_cuda(optimizer):
+    """torch.amp's float16 recipe on the GPU: the overflowing buckets are found on the device
+    (no host read) and handed on as NaN, so the scaler backs off as with DDP's own allreduce;
+    the ranks end bitwise equal and the loss falls."""
+    dense = run_ranks(2, compress_workers.grad_scaler_steps, optimizer, False, "cuda")[0]
+    ranks = run_ranks(2, compress_workers.grad_scaler_steps, optimizer, True, "cuda")
+    losses, scales, params, non_finite = ranks[0]
+    assert torch.equal(params, ranks[1][2]) and torch.isfinite(params).all()
+    assert non_finite == ranks[1][3] >= 1
+    first_applied = next(i for i in range(1, len(dense[1])) if dense[1][i] == dense[1][i - 1])
+    assert scales[:first_applied + 1] == dense[1][:first_applied + 1]
+    assert sum(losses[-5:]) < 0.25 * sum(losses[:5])

@@ -18,7 +18,7 @@ from hetero_comm.hooks.segment_sparse import int8_levels
 from hetero_comm.hooks.dct_quant import pack_int16_pairs, quantization_levels, unpack_int16_pair_sums
 from hetero_comm.lab.launch import run_ranks
 from hook_workers import (hook_warnings, load_into_another_model, loaded, loaded_residual_total,
-                          share_one_state, train)
+                          share_one_state, train, train_recording_warnings)
 
 SPARSE = dict(segment_size=16, density=0.05, warmup_steps=2)
 DCT = dict(block_size=16, keep_ratio=0.25, bits=8, warmup_steps=2)
@@ -319,30 +319,35 @@ NON_FINITE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("device_side_checks", [False, True])
 @pytest.mark.parametrize("hook,settings_", NON_FINITE_CASES)
-def test_non_finite_gradient_raises_a_clear_error_on_every_rank(hook, settings_):
-    """Every mode raises FloatingPointError from backward() on every rank, naming the step."""
-    for result in run_ranks(2, train, hook, settings_, 6, dict(nan_at=(1, 4))):
-        kind, message = result["error"]
-        assert kind == "FloatingPointError", message
+def test_non_finite_gradient_is_handed_on_as_nan_and_the_bucket_restarts(hook, settings_,
+                                                                        device_side_checks):
+    """A NaN in rank 1's gradient at step 4 (as a GradScaler's overflow makes): every rank gets
+    the bucket as NaN, as DDP's allreduce would hand it on, and the worker skips that step as a
+    GradScaler does. The bucket's error feedback restarts from zero, so from step 5 on what
+    was applied plus what is held back is again what was produced. One warning names the
+    step; ``stats()`` counts one bucket. ``device_side_checks``: CUDA's way (forced here), the
+    flag read without a host sync, the count and the restart at the next step's first bucket."""
+    options = dict(nan_at=(1, 4), device_side_checks=device_side_checks)
+    results = run_ranks(2, train_recording_warnings, hook, settings_, 8, options)
+    for result in results:
+        assert "error" not in result, result.get("error")
+        assert np.isnan(result["applied"][4]).all()  # the whole (single) bucket
+        assert np.isfinite(np.delete(result["applied"], 4, axis=0)).all()
+        assert np.isfinite(result["params"]).all()
+        assert result["stats"]["non_finite_buckets"] == 1
+        assert len(result["warnings"]) == 1, result["warnings"]
         assert ("non-finite gradient (NaN or infinity) in DDP bucket 0 on at least one rank at "
-                "step 4") in message
-
-
-@pytest.mark.parametrize("hook,settings_", NON_FINITE_CASES)
-def test_non_finite_gradient_found_on_the_device_drops_the_step_and_raises_later(hook, settings_):
-    """CUDA's way (forced here): no host read of the flag. The NaN step's bucket is dropped on
-    the device (zero gradient applied, parameters stay finite) and the error, naming that
-    step, comes from the next step's backward on every rank."""
-    for result in run_ranks(2, train, hook, settings_, 7, dict(nan_at=(1, 4), device_side_checks=True)):
-        kind, message = result["error"]
-        assert kind == "FloatingPointError", message
-        assert ("non-finite gradient (NaN or infinity) in DDP bucket 0 on at least one rank at "
-                "step 4") in message and "reported at step 5" in message
-        assert len(result["applied"]) == 5  # steps 0-4 applied, step 5 raised
-        assert not result["applied"][4].any()  # the whole (single) bucket dropped
-        assert result["applied"][3].any()
-        assert result["params_finite"]
+                "step 4") in result["warnings"][0]
+        assert "handed on as NaN" in result["warnings"][0]
+    assert_ranks_identical(results)  # NaN where the other rank has NaN
+    produced = weighted_sum(results)[5:].sum(axis=0)
+    held = sum(r["held_back"] for r in results)
+    applied = results[0]["applied"][5:].sum(axis=0)
+    # float16 wire: the allreduce's float16 sum rounds what no rank holds back
+    atol = 2e-3 if settings_.get("wire_dtype") == "float16" else 1e-5
+    np.testing.assert_allclose(applied + held, produced, rtol=1e-4, atol=atol)
 
 
 def test_stats_count_bytes_on_the_wire():

@@ -58,15 +58,17 @@ def parameters(optimizer):
     return [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
 
 
-# (state settings, dense optimizer, the recipe written by hand as docs/recipes.md gives it)
+# (state settings, dense optimizer, the recipe written by hand as docs/recipes.md gives it:
+# the rate scaled, the weight decay scaled back to dense's)
 RECIPES = {
     "adamw sign": (SIGN, ("AdamW", 2e-3, dict(weight_decay=0.01)),
-                   ("AdamW", 3e-3, dict(weight_decay=0.01, betas=(0.0, 0.0)))),
+                   ("AdamW", 3e-3, dict(weight_decay=0.01 / 1.5, betas=(0.0, 0.0)))),
     "adam sign": (SIGN, ("Adam", 1e-3, {}), ("Adam", 1.5e-3, dict(betas=(0.0, 0.0)))),
     "adam sign, decoupled decay": (SIGN, ("Adam", 1e-3, dict(weight_decay=0.01, decoupled_weight_decay=True)),
-                                   ("AdamW", 1.5e-3, dict(weight_decay=0.01, betas=(0.0, 0.0)))),
+                                   ("AdamW", 1.5e-3, dict(weight_decay=0.01 / 1.5, betas=(0.0, 0.0)))),
     "sgd momentum correction": (MOMENTUM_CORRECTION, ("SGD", 0.05, dict(momentum=0.9, weight_decay=1e-4)),
-                                ("SGD", 0.05 * MC_SCALE, dict(momentum=0.0, weight_decay=1e-4))),
+                                ("SGD", 0.05 * MC_SCALE,
+                                 dict(momentum=0.0, weight_decay=1e-4 / (0.1 * MC_SCALE)))),
     "sgd, its momentum already 0": (MOMENTUM_CORRECTION, ("SGD", 0.05, {}), ("SGD", 0.05 * MC_SCALE, {})),
 }
 
@@ -233,7 +235,7 @@ def test_copies_lose_the_fit_and_preparing_them_again_restores_it():
     copied = copy.deepcopy(optimizer)
     assert "step" not in vars(copied) and not hasattr(copied, "_hetero_comm_fit")
     state.prepare_optimizer(copied)
-    by_hand = make("AdamW", 1.5e-3, betas=(0.0, 0.0))
+    by_hand = make("AdamW", 1.5e-3, betas=(0.0, 0.0), weight_decay=0.01 / 1.5)  # AdamW's default 0.01
     train(copied, sign=True), train(by_hand, sign=True)
     for a, b in zip(parameters(copied), parameters(by_hand)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
@@ -289,3 +291,28 @@ def test_a_bad_lr_scale_is_refused(lr_scale):
     with pytest.raises((ValueError, TypeError), match="lr_scale"):
         SegmentSparseState(**SIGN).prepare_optimizer(optimizer, lr_scale=lr_scale)
     assert all(group["betas"] == (0.9, 0.999) for group in optimizer.param_groups)
+
+
+@pytest.mark.parametrize("recipe", ["adamw sign", "sgd momentum correction"])
+def test_weight_decay_keeps_dense_trainings_rate(recipe):
+    """Where the hook sends nothing (a zero gradient) only the decay moves a parameter: the
+    prepared optimizer shrinks it by dense's steady factor every step (AdamW: ``1 - lr * wd``;
+    momentum SGD: ``1 - lr * wd / (1 - momentum)``, which dense reaches once its momentum has
+    built up), not by the recipe's scaled rate; between steps the group holds the user's
+    decay."""
+    settings, (kind, lr, options), _ = RECIPES[recipe]
+    prepared, dense = make(kind, lr, **options), make(kind, lr, **options)
+    SegmentSparseState(**settings).prepare_optimizer(prepared)
+    decay = options["weight_decay"] / (1 - options.get("momentum", 0.0))
+    for optimizer in (prepared, dense):
+        for _ in range(300):
+            before = parameters(optimizer)
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+            optimizer.step()
+        for group, old, new in zip(optimizer.param_groups, before, parameters(optimizer)):
+            steady = 1 - group["lr"] * decay
+            tolerance = 1e-6 if optimizer is prepared else 1e-5  # dense: its momentum's tail
+            torch.testing.assert_close(new / old, torch.full_like(old, steady), rtol=tolerance, atol=0)
+            assert group["weight_decay"] == options["weight_decay"]

@@ -17,7 +17,7 @@ from hetero_comm.lab.baselines import dequantize_int4, quantize_int4
 from hetero_comm.lab.launch import run_ranks
 from hetero_comm.lab.training import TrainConfig, run_training
 from hook_workers import (auto_density_agreement, integer_gradient_steps, train,
-                          two_level_construction_error)
+                          train_recording_warnings, two_level_construction_error)
 
 SPARSE = dict(segment_size=16, density=0.05, warmup_steps=2)
 
@@ -111,11 +111,24 @@ def test_resume_continues_exactly(settings_, checkpoint_from):
         np.testing.assert_array_equal(a["held_back"], b["held_back"])
 
 
-def test_non_finite_gradient_raises_on_every_rank():
-    for result in run_ranks(4, train, "two_level", dict(SPARSE, machines=2), 6, dict(nan_at=(1, 4))):
-        assert "non-finite gradient" in result["error"][1]
-        assert result["params_finite"]
-        assert len(result["applied"]) == 4
+def test_non_finite_gradient_is_handed_on_as_nan_on_every_rank():
+    """A NaN in rank 1's gradient at step 4: every rank of both machines gets the bucket as
+    NaN (the worker skips that step, as a GradScaler would), one warning and one count each;
+    the error feedback restarts, so from step 5 on applied plus held back is what was
+    produced."""
+    results = run_ranks(4, train_recording_warnings, "two_level", dict(SPARSE, machines=2), 8,
+                        dict(nan_at=(1, 4)))
+    for result in results:
+        assert "error" not in result, result.get("error")
+        assert np.isnan(result["applied"][4]).all()
+        assert np.isfinite(np.delete(result["applied"], 4, axis=0)).all()
+        assert result["stats"]["non_finite_buckets"] == 1
+        assert len(result["warnings"]) == 1 and "at step 4" in result["warnings"][0]
+    assert_ranks_identical(results)
+    produced = sum(r["produced"] for r in results)[5:].sum(axis=0)
+    held = sum(r["held_back"] for r in results)
+    np.testing.assert_allclose(results[0]["applied"][5:].sum(axis=0) + held, produced,
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_automatic_density_stays_in_its_bounds_and_ranks_agree():

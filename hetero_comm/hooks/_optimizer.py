@@ -8,9 +8,10 @@ the bucket (:meth:`HandedSum.finish`). :func:`fit_optimizer` applies a fit;
 :func:`check_optimizer` only warns where an optimizer does not match it.
 
 :meth:`HookState.prepare_optimizer` sets the optimizer's hyperparameters the hook needs
-(AdamW's betas, SGD's momentum) and runs each step at a multiple of the learning rate. The
-multiple is applied inside ``optimizer.step()`` only: the optimizer's ``step`` is wrapped, and
-the user's rate is put back when the step returns or raises. Between steps every parameter
+(AdamW's betas, SGD's momentum) and runs each step at a multiple of the learning rate, with
+the weight decay scaled so that it decays as dense training does. Both are applied inside
+``optimizer.step()`` only: the optimizer's ``step`` is wrapped, and the user's rate and decay
+are put back when the step returns or raises. Between steps every parameter
 group holds the user's own rate, so learning-rate schedulers (created before or after), logs
 and checkpoints see the rate the user set.
 """
@@ -46,6 +47,11 @@ class HandedSum:
     def finish(self, grad: torch.Tensor) -> None:
         """The last change to the delivered bucket: none for a sum."""
 
+    def weight_decay_scale(self, lr_scale: float) -> float:
+        """The factor on each group's ``weight_decay`` inside a step taken at ``lr_scale`` times
+        the rate: 1 for a sum (the optimizer steps as the user's own would at that rate)."""
+        return 1.0
+
 
 class HandedSign(HandedSum):
     """The elementwise sign of the agreed sum: AdamW's (or Adam's) step with ``betas=(0, 0)``
@@ -72,6 +78,11 @@ class HandedSign(HandedSum):
 
     def finish(self, grad: torch.Tensor) -> None:
         grad.sign_()
+
+    def weight_decay_scale(self, lr_scale: float) -> float:
+        """``1 / lr_scale``: the factor makes up for what the sign step loses, not the decay,
+        which AdamW (decoupled) applies at ``lr * weight_decay``: dense's."""
+        return 1.0 / lr_scale
 
 
 def momentum_correction_lr_scale(density: float, momentum: float) -> float:
@@ -123,6 +134,14 @@ class HandedMomentumCorrectedSum(HandedSum):
             return {"momentum": 0.0}, lambda: momentum_correction_lr_scale(self.density(), self.momentum)
         return {"momentum": 0.0}, momentum_correction_lr_scale(self.density, self.momentum)
 
+    def weight_decay_scale(self, lr_scale: float) -> float:
+        """``1 / ((1 - momentum) * lr_scale)``: SGD adds ``weight_decay * p`` to the gradient,
+        and under dense momentum SGD that term passes through the momentum, which sums it to
+        ``1 / (1 - momentum)`` times itself; with the momentum in the hook (and the optimizer's
+        at 0) the decay would be that many times weaker, and ``lr_scale`` is for the sum, not
+        the decay."""
+        return 1.0 / ((1.0 - self.momentum) * lr_scale)
+
 
 def fit_optimizer(optimizer, handed: HandedSum, lr_scale: Optional[float]) -> None:
     """Fit ``optimizer`` (or the torch optimizer inside a framework's wrapper) to ``handed``
@@ -133,7 +152,7 @@ def fit_optimizer(optimizer, handed: HandedSum, lr_scale: Optional[float]) -> No
     inner = unwrap_optimizer(optimizer)
     settings, default_scale = handed.fit(inner)
     OptimizerFit(inner, settings, default_scale if lr_scale is None else float(lr_scale),
-                 check=handed.fit)
+                 check=handed.fit, weight_decay_scale=handed.weight_decay_scale)
 
 
 def check_optimizer(optimizer, handed: HandedSum, owner: str) -> None:
@@ -181,7 +200,8 @@ class OptimizerFit:
     parameter group no longer suits the hook, e.g. one added since, or a momentum a scheduler
     set) and puts ``settings`` (hyperparameter name -> value) into every parameter group; then
     steps at ``lr_scale`` (a number, or a function called at every step) times each group's
-    learning rate and puts the rates back. The
+    learning rate, with ``weight_decay_scale(lr_scale)`` times its weight decay, and puts the
+    rates and decays back. The
     settings are also put back after ``optimizer.load_state_dict``. Fitting the same optimizer
     again replaces the previous fit. Copies and unpickled optimizers lose the fit (torch keeps
     only the state and the parameter groups): prepare them again."""
@@ -189,13 +209,15 @@ class OptimizerFit:
     _ATTRIBUTE = "_hetero_comm_fit"
 
     def __init__(self, optimizer: torch.optim.Optimizer, settings: Dict[str, object],
-                 lr_scale: float, check: Callable[[torch.optim.Optimizer], None]) -> None:
+                 lr_scale: Union[float, Callable[[], float]],
+                 check: Callable[[torch.optim.Optimizer], None],
+                 weight_decay_scale: Callable[[float], float] = lambda lr_scale: 1.0) -> None:
         previous: Optional[OptimizerFit] = getattr(optimizer, self._ATTRIBUTE, None)
         if previous is not None:
             previous.remove()
         self.optimizer, self.settings, self.lr_scale = optimizer, dict(settings), lr_scale
-        self._check = check
-        self._user_rates: List[tuple] = []  # (group, the user's rate) while a step runs
+        self._check, self._weight_decay_scale = check, weight_decay_scale
+        self._user_values: List[tuple] = []  # (group, the user's rate and decay) while a step runs
         self._active = True
         self._load_hook = optimizer.register_load_state_dict_post_hook(self._apply_settings)
         self._original_step = optimizer.step
@@ -234,12 +256,17 @@ class OptimizerFit:
         self._check(self.optimizer)
         self._apply_settings(self.optimizer)
         lr_scale = self.lr_scale() if callable(self.lr_scale) else self.lr_scale
-        if lr_scale != 1.0:
+        decay_scale = self._weight_decay_scale(lr_scale)
+        if lr_scale != 1.0 or decay_scale != 1.0:
             for group in self.optimizer.param_groups:
-                self._user_rates.append((group, group["lr"]))
+                self._user_values.append((group, group["lr"], group.get("weight_decay")))
                 group["lr"] = group["lr"] * lr_scale
+                if group.get("weight_decay"):
+                    group["weight_decay"] = group["weight_decay"] * decay_scale
 
     def _restore_rates(self) -> None:
-        for group, user_lr in self._user_rates:
+        for group, user_lr, user_decay in self._user_values:
             group["lr"] = user_lr
-        self._user_rates = []
+            if user_decay is not None:
+                group["weight_decay"] = user_decay
+        self._user_values = []

@@ -298,17 +298,20 @@ class AgreedLastStep:
 
     def after_sum(self, state, importance: torch.Tensor, riding: torch.Tensor, wire: torch.Tensor,
                   index: int, step: int, plan_bucket: PlanBucket, release) -> None:
-        """The summed importance back; a non-finite one drops the bucket (raises on the CPU)."""
+        """The summed importance back; a non-finite one drops the bucket (on the CPU:
+        :class:`~._state.NonFiniteGradient`)."""
         if self.importance_work is not None:
             self.importance_work.wait()
         else:
             importance.copy_(riding)
-        state.drop_unless(state.check_finite(importance, index, step, plan_bucket, release), wire)
+        self.finite = state.check_finite(importance, index, step, plan_bucket, release)
+        state.drop_unless(self.finite, wire)
 
     @staticmethod
     def finish(work, unpack) -> torch.futures.Future:
-        """Wait for the sum in the hook, so that a NaN raises ``FloatingPointError`` from it
-        (not wrapped by DDP's wait), at the price of no overlap with the backward pass."""
+        """Wait for the sum in the hook, so that a NaN found after it is handled on the hook's
+        thread (:meth:`~._state.ErrorFeedbackState.run`), at the price of no overlap with the
+        backward pass."""
         work.wait()
         done = torch.futures.Future()
         done.set_result(unpack())

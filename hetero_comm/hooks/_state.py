@@ -9,7 +9,9 @@
 """
 
 import logging
+import math
 import time
+import warnings
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -76,7 +78,7 @@ class HookState:
         # Statistics.
         self._stats = dict(bytes_sent=0, bytes_dense=0, compressed_bytes_sent=0,
                            compressed_bytes_dense=0, encode_seconds=0.0, decode_seconds=0.0,
-                           dense_fallbacks=0)
+                           dense_fallbacks=0, non_finite_buckets=0)
 
     # ---------------------------------------------------------------- settings and logging
     @property
@@ -178,7 +180,10 @@ class HookState:
         as here). A copy or an unpickled optimizer loses this: prepare it again.
 
         What is set, and the default ``lr_scale``, follow from :meth:`handed_step` (a sum:
-        nothing, and 1).
+        nothing, and 1). So does each group's ``weight_decay`` inside the step: the recipes'
+        factor makes up for what their hooks lose of the gradient, so their steps scale the
+        decay back to dense's (:meth:`~._optimizer.HandedSum.weight_decay_scale`); a sum's
+        leaves it as it is.
 
         Call it on every rank, after creating the optimizer, and again on the new optimizer
         of a resumed run; preparing the same optimizer again replaces the earlier call.
@@ -218,7 +223,9 @@ class HookState:
             importance, scales; 1.0 for a dense hook; ``nan`` before the first such step);
             ``encode_seconds`` and ``decode_seconds`` (time in the hook around the
             collectives); ``dense_fallbacks`` (buckets sent dense because their layout did
-            not match the plan, see :mod:`hetero_comm.hooks._plan`).
+            not match the plan, see :mod:`hetero_comm.hooks._plan`); ``non_finite_buckets``
+            (compressed buckets handed on as NaN because a rank's gradient held a NaN or an
+            infinity, see :meth:`ErrorFeedbackState.hand_on_non_finite`).
         """
         s = dict(self._stats)
         sent, dense = s.pop("compressed_bytes_sent"), s.pop("compressed_bytes_dense")
@@ -296,12 +303,23 @@ class HookState:
         self._masks_step = units.step
 
 
+class NonFiniteGradient(FloatingPointError):
+    """A NaN or infinity reached a compressed bucket on some rank (all ranks agree on it):
+    raised inside a hook's send on the CPU and caught by :meth:`ErrorFeedbackState.run`,
+    which hands the bucket on as NaN."""
+
+    def __init__(self, owner: str, index: int, step: int) -> None:
+        super().__init__(f"{owner}: non-finite gradient (NaN or infinity) in DDP bucket {index} "
+                         f"on at least one rank at step {step}")
+        self.index, self.step = index, step
+
+
 class DeviceFiniteChecks:
     """Non-finite gradients found on a GPU without a host sync (on the CPU the hooks check at
     once). Each flag is copied to pinned host memory behind an event; :meth:`report`, at the
     next hook call, resets the error feedback of every bucket whose flag arrived false (until
-    then the hook sends zeros for it: see :meth:`ErrorFeedbackState.check_finite`), raises for
-    the first and keeps the flags still in flight."""
+    then the hook sends zeros for it and hands the bucket on as NaN: see
+    :meth:`ErrorFeedbackState.check_finite`), and keeps the flags still in flight."""
 
     # True: take the device path on every device (the CPU tests of the CUDA path).
     on_every_device = False
@@ -323,23 +341,18 @@ class DeviceFiniteChecks:
             host, event = finite.clone(), None
         self._pending.append((host, event, plan_bucket, index, step))
 
-    def report(self, now: int) -> None:
+    def report(self) -> List[NonFiniteGradient]:
+        """Reset the error feedback of every bucket whose flag arrived false; returns what
+        was found, for the state to count."""
         failed, still_in_flight = [], []
         for host, event, plan_bucket, index, step in self._pending:
             if event is not None and not event.query():  # one query per flag
                 still_in_flight.append((host, event, plan_bucket, index, step))
             elif not bool(host):
-                failed.append((plan_bucket, index, step))
+                plan_bucket.reset()
+                failed.append(NonFiniteGradient(self.owner, index, step))
         self._pending = still_in_flight
-        for plan_bucket, _, _ in failed:
-            plan_bucket.reset()
-        if failed:
-            _, index, step = failed[0]
-            raise FloatingPointError(
-                f"{self.owner}: non-finite gradient (NaN or infinity) in DDP bucket {index} on "
-                f"at least one rank at step {step}; that step's gradient for the bucket was "
-                f"dropped and its error-feedback state reset (reported at step {now}: the flag "
-                f"is read without a host sync)")
+        return failed
 
 
 class ErrorFeedbackState(HookState):
@@ -364,6 +377,7 @@ class ErrorFeedbackState(HookState):
         self.callbacks = CallbackOrder(self.pool)
         self.plan = Plan(plan_tensors, type(self).__name__)
         self.finite_checks = DeviceFiniteChecks(type(self).__name__)
+        self._warned_non_finite = False
 
     def settings(self) -> dict:
         return dict(super().settings(), warmup_steps=self.warmup_steps,
@@ -380,6 +394,7 @@ class ErrorFeedbackState(HookState):
         self.pool = BufferPool()
         self.callbacks = CallbackOrder(self.pool)
         self.finite_checks = DeviceFiniteChecks(type(self).__name__)
+        self._warned_non_finite = False  # warned once per process
 
     def accepts(self, dtype: torch.dtype) -> bool:
         """Whether this hook can compress gradients of ``dtype``."""
@@ -389,18 +404,22 @@ class ErrorFeedbackState(HookState):
                      release: Tuple[torch.Tensor, ...] = ()) -> Optional[torch.Tensor]:
         """Whether ``values`` (the same on every rank: agreed by a collective) are all finite.
 
-        CPU: checked now; if not, ``release`` goes back to the pool and the bucket's
-        :meth:`non_finite` error is raised; returns ``None``. CUDA: no host sync. Returns the
-        flag as a device tensor; the caller sends on (non-finite values replaced by zeros) and
-        zeroes what it puts on the wire with :meth:`drop_unless` (compressed-sized, so the
-        delivered gradient is zero); :meth:`run` resets the bucket's error feedback and raises
-        the error at a later step, once the flag has reached the host.
+        CPU: checked now; if not, ``release`` goes back to the pool, the bucket's error
+        feedback is reset and :class:`NonFiniteGradient` is raised (:meth:`run` hands the
+        bucket on as NaN); returns ``None``. CUDA: no host sync. Returns the flag as a device
+        tensor; the caller sends on (non-finite values replaced by zeros), zeroes what it puts
+        on the wire with :meth:`drop_unless` and fills the delivered bucket with NaN with
+        :meth:`nan_unless`; :meth:`run` resets the bucket's error feedback at a later step,
+        once the flag has reached the host.
         """
         if not self.finite_checks.on_device(values.device):
-            if not bool(torch.isfinite(values).all()):
+            # float64: a sum of float32 values cannot overflow it, so only a NaN or an
+            # infinity makes it non-finite (one reduction instead of isfinite's five ops)
+            if not math.isfinite(values.sum(dtype=torch.float64).item()):
                 for buffer in release:
                     self.pool.release(buffer)
-                raise self.non_finite(index, step, plan_bucket)
+                plan_bucket.reset()
+                raise NonFiniteGradient(type(self).__name__, index, step)
             return None
         finite = torch.isfinite(values).all()
         self.finite_checks.watch(finite, plan_bucket, index, step)
@@ -409,12 +428,41 @@ class ErrorFeedbackState(HookState):
 
     @staticmethod
     def drop_unless(finite: Optional[torch.Tensor], *tensors: torch.Tensor) -> None:
-        """Zero ``tensors`` (what goes on the wire) on the device where ``finite`` is false:
-        the non-finite step's bucket is dropped, as the CPU path does, without reading the
-        flag."""
+        """Zero ``tensors`` (what goes on the wire) on the device where ``finite`` is false,
+        without reading the flag: the sum stays finite (int8: within range)."""
         if finite is not None:
             for tensor in tensors:
                 tensor.masked_fill_(~finite, 0.0)
+
+    @staticmethod
+    def nan_unless(finite: Optional[torch.Tensor], grad: torch.Tensor) -> None:
+        """Fill the delivered bucket with NaN on the device where ``finite`` is false (the
+        CPU path's :meth:`hand_on_non_finite`, without reading the flag)."""
+        if finite is not None:
+            grad.masked_fill_(~finite, math.nan)
+
+    def hand_on_non_finite(self, grad: torch.Tensor, found: NonFiniteGradient) -> torch.futures.Future:
+        """A bucket in which some rank's gradient held a NaN or an infinity: handed on as NaN,
+        as DDP's allreduce would hand on the sum, so that a ``GradScaler`` skips the step (and
+        without one the parameters go NaN, as with DDP's own hook); the bucket's error
+        feedback was reset. Returns the completed future."""
+        grad.fill_(math.nan)
+        self.count_non_finite(found)
+        done = torch.futures.Future()
+        done.set_result(grad)
+        return done
+
+    def count_non_finite(self, found: NonFiniteGradient) -> None:
+        """Count a bucket handed on as NaN (``stats()["non_finite_buckets"]``); warn the
+        first time."""
+        self._stats["non_finite_buckets"] += 1
+        if not self._warned_non_finite:
+            self._warned_non_finite = True
+            warnings.warn(f"{found}: the bucket is handed on as NaN, as DDP's allreduce would "
+                          f"hand on the sum (a torch.amp.GradScaler then skips the step), and "
+                          f"its error feedback restarts from zero. stats()['non_finite_buckets'] "
+                          f"counts such buckets; this warning is given once", RuntimeWarning,
+                          stacklevel=2)
 
     def stats(self) -> dict:
         """:meth:`HookState.stats` plus ``pool`` (the buffer pool's counters)."""
@@ -485,7 +533,8 @@ class ErrorFeedbackState(HookState):
         does not hold yet; else ``send`` each plan bucket's worth of it. Advances
         :attr:`step` after the last bucket."""
         self.claim(bucket)
-        self.finite_checks.report(self.step)  # CUDA: a bucket dropped at an earlier step
+        for found in self.finite_checks.report():  # CUDA: a bucket handed on as NaN earlier
+            self.count_non_finite(found)
         self.callbacks.settle()
         grad = bucket.buffer()
         if not self.accepts(grad.dtype):
@@ -501,12 +550,15 @@ class ErrorFeedbackState(HookState):
             self.plan.keys_of(bucket)  # learn the provisional layout's keys
         if self._dropped_units is not None:
             send = send_kept_part(send, self._dropped_units)
-        if route is None:
-            future = self.send_dense(grad, compressing, bucket.parameters())
-        elif route.in_place:
-            future = send(self, route.parts[0], grad, bucket.index())
-        else:
-            future = self._send_parts(route, grad, bucket.index(), send)
+        try:
+            if route is None:
+                future = self.send_dense(grad, compressing, bucket.parameters())
+            elif route.in_place:
+                future = send(self, route.parts[0], grad, bucket.index())
+            else:
+                future = self._send_parts(route, grad, bucket.index(), send)
+        except NonFiniteGradient as found:  # every rank found it (an agreed value)
+            future = self.hand_on_non_finite(grad, found)
         self.end_bucket(bucket)
         return future
 
@@ -519,8 +571,10 @@ class ErrorFeedbackState(HookState):
             try:
                 sent.append((part, buffer, send(self, part, buffer, index)))
             except BaseException:  # e.g. a non-finite gradient: give every gather buffer back
-                for held in [buffer] + [b for _, b, _ in sent]:
-                    self.pool.release(held)
+                self.pool.release(buffer)
+                if sent:  # the parts already sent write into theirs when their sums arrive
+                    torch.futures.collect_all([future for _, _, future in sent]).then(
+                        lambda _: self.callbacks.release([b for _, b, _ in sent], grad.device))
                 raise
 
         def scatter(_):
@@ -530,15 +584,6 @@ class ErrorFeedbackState(HookState):
             return grad
 
         return torch.futures.collect_all([future for _, _, future in sent]).then(scatter)
-
-    def non_finite(self, index: int, step: int, plan_bucket: PlanBucket) -> FloatingPointError:
-        """Reset the bucket's error-feedback state and return the error to raise: a NaN or
-        infinity reached it on some rank at ``step``."""
-        plan_bucket.reset()
-        return FloatingPointError(
-            f"{type(self).__name__}: non-finite gradient (NaN or infinity) in DDP bucket "
-            f"{index} on at least one rank at step {step}; this step's gradient for the "
-            f"bucket is dropped and its error-feedback state reset")
 
 
 def check_state(state, state_class: type, hook_name: str) -> None:

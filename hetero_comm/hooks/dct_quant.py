@@ -194,8 +194,10 @@ def dct_quant_hook(state: DCTQuantState, bucket: dist.GradBucket) -> torch.futur
     Returns:
         A future of the bucket's buffer, overwritten with the decoded weighted sum.
 
-    Raises:
-        FloatingPointError: (from the hook) a NaN or infinity reached the bucket on any rank.
+    A NaN or infinity in the bucket on any rank: the bucket is handed on as NaN on every
+    rank (as DDP's allreduce would; a ``torch.amp.GradScaler`` then skips the step), its
+    error feedback restarts from zero, ``stats()["non_finite_buckets"]`` counts it and the
+    first one warns (``RuntimeWarning``).
 
     Example::
 
@@ -228,9 +230,9 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
     # Waited for here: all ranks issue every collective from this thread, in the same order.
     dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=state.process_group)
     with state.timer("encode_seconds"):
-        # CUDA: a device flag (no host sync); a non-finite scale is zeroed and the step dropped.
+        # CUDA: a device flag (no host sync); a non-finite step sends zeros, hands on NaN.
         finite = state.check_finite(scale, index, step, plan_bucket, tuple(buffers.all))
-        state.drop_unless(finite, coeffs)  # CUDA, non-finite: zeros on the wire, a zero gradient
+        state.drop_unless(finite, coeffs)
         # 4. Quantize.
         _quantize_onto_wire(state, buffers, levels)
     # 5. Allreduce the integers; meanwhile error feedback keeps what this rank's own
@@ -252,6 +254,7 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
             ops.dequantize(buffers.summed, scale, levels, out=coeffs)
             _decode(state, coeffs, band, buffers.decoded, buffers.full)
             grad.copy_(buffers.decoded)
+            state.nan_unless(finite, grad)  # CUDA: a non-finite bucket handed on as NaN
             state.callbacks.release(buffers.all, device)
         return grad
 

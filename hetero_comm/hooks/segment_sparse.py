@@ -173,12 +173,15 @@ class SegmentSparseState(ErrorFeedbackState):
         * ``output="sign"``: AdamW, or Adam without weight decay or with
           ``decoupled_weight_decay=True``. Sets ``betas=(0.0, 0.0)`` (the step becomes
           ``lr`` times the agreed sign, with AdamW's decoupled weight decay) and steps at
-          ``lr_scale`` times the rate, default :data:`SIGN_LR_SCALE` (1.5).
+          ``lr_scale`` times the rate, default :data:`SIGN_LR_SCALE` (1.5), and the weight
+          decay divided by ``lr_scale`` (dense's decay, ``lr * weight_decay``).
         * ``momentum`` > 0 (momentum correction): SGD whose momentum is 0 or this state's,
           without Nesterov or dampening. Sets its momentum to 0 (the hook applies it) and
           steps at ``lr_scale`` times the rate, default :func:`momentum_correction_lr_scale`
           of the density and momentum (2.1 at 8% and 0.9: clearing the velocity of sent
-          segments loses about half of each step).
+          segments loses about half of each step), and the weight decay times
+          ``1 / ((1 - momentum) * lr_scale)`` (dense momentum SGD's decay, which its momentum
+          sums to ``1 / (1 - momentum)`` times itself).
         * otherwise (``output="sum"``): any optimizer, unchanged (``lr_scale`` default 1).
         """
         return super().prepare_optimizer(optimizer, lr_scale)
@@ -278,9 +281,10 @@ def segment_sparse_hook(state: SegmentSparseState, bucket: dist.GradBucket) -> t
     Returns:
         A future of the bucket's buffer, overwritten with the sparse weighted sum.
 
-    Raises:
-        FloatingPointError: a NaN or infinity reached the bucket on any rank (from the hook,
-            in either mode, on every rank).
+    A NaN or infinity in the bucket on any rank: the bucket is handed on as NaN on every
+    rank (as DDP's allreduce would; a ``torch.amp.GradScaler`` then skips the step), its
+    error feedback restarts from zero, ``stats()["non_finite_buckets"]`` counts it and the
+    first one warns (``RuntimeWarning``).
 
     Example::
 
@@ -320,7 +324,7 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
         restart_sent_velocity(state, plan_bucket, selected.indices, segments)
         selection.forget_sent(importance, selected.indices)
         selected.carry_importance(importance, riding, state.exchange_size())
-        state.drop_unless(selected.finite, wire)  # CUDA, non-finite: the sum, and the gradient, are zero
+        state.drop_unless(selected.finite, wire)  # CUDA, non-finite: zeros on the wire
     state.count_bytes(grad.numel() * grad.element_size(), wire.numel() * wire.element_size()
                       + selected.importance_bytes_per_segment * segments.count, True)
     # 4. Allreduce.
@@ -335,6 +339,7 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
             selected.after_sum(state, importance, riding, wire, index, step, plan_bucket, to_release)
             segments.deliver(wire_format.decode(values), selected.indices, grad)
             handed.finish(grad)
+            state.nan_unless(selected.finite, grad)  # CUDA: a non-finite bucket handed on as NaN
             selection.choose_next(state, plan_bucket, importance, step, wire_format_class)
             state.callbacks.release(to_release, device)  # CUDA: after this stream's work
         return grad

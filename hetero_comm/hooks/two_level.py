@@ -25,7 +25,7 @@ from ._machines import MachineLayout, MachinesArgument
 from ._optimizer import HandedMomentumCorrectedSum, HandedSum
 from ._plan import PlanBucket
 from ._sparse_parts import WIRE_DTYPES
-from ._state import DeviceFiniteChecks, check_state
+from ._state import DeviceFiniteChecks, NonFiniteGradient, check_state
 from .segment_sparse import SegmentSparseState, _sparse_allreduce
 
 __all__ = ["TwoLevelState", "two_level_hook", "BETWEEN_MACHINES", "INSIDE_DTYPES"]
@@ -347,7 +347,8 @@ def two_level_hook(state: TwoLevelState, bucket: dist.GradBucket) -> torch.futur
        feedback, importance, the agreed selection, the wire, the handed step) with one
        contribution per machine; or, with ``between_machines="dense"``, a plain allreduce.
     3. All-gather the shares inside the machine, with one flag per share: a non-finite
-       gradient on any rank is raised on every rank (``FloatingPointError``, wrapped by DDP).
+       gradient on any rank hands the bucket on as NaN on every rank (as
+       :func:`~.segment_sparse.segment_sparse_hook` does).
 
     Args:
         state: a :class:`TwoLevelState`.
@@ -451,11 +452,9 @@ def _two_level_exchange(state: TwoLevelState, plan_bucket: PlanBucket, grad: tor
     state._stats["bytes_inside_machines"] += (staged.numel() + mine.numel()) * staged.element_size()
     try:
         if bool(shares.flags(staged).any()):
-            plan_bucket.reset()
-            raise FloatingPointError(
-                f"{type(state).__name__}: non-finite gradient (NaN or infinity) in DDP bucket "
-                f"{index} on at least one rank at step {state.step}; this step's gradient for "
-                f"the bucket is dropped and its error-feedback state reset")
+            plan_bucket.reset()  # the whole bucket's, on every rank of the machine
+            return state.hand_on_non_finite(grad, NonFiniteGradient(type(state).__name__, index,
+                                                                    state.step))
         with state.timer("decode_seconds"):
             shares.unstage(staged, grad)
     finally:
