@@ -24,15 +24,13 @@ from torch.nn.parallel import DistributedDataParallel
 import hetero_comm
 from hetero_comm.lab.launch import run_ranks
 from hetero_comm.lab.training import TrainConfig, run_training
+from teacher_regression import STEPS, model_and_teacher, step_loss
 
-STEPS = 80
 RATES = {"adamw": (3e-3, 1e-2), "sgd": (0.02, 0.05)}
 
 
 def train(rank, world_size, optimizer_kind, lr, compressed, threshold):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
-                          nn.Linear(256, 8))
+    model, teacher = model_and_teacher()
     ddp = DistributedDataParallel(model)
     optimizer = (torch.optim.AdamW(ddp.parameters(), lr=lr) if optimizer_kind == "adamw"
                  else torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9))
@@ -41,14 +39,10 @@ def train(rank, world_size, optimizer_kind, lr, compressed, threshold):
             warnings.simplefilter("ignore")
             hetero_comm.compress(ddp, optimizer)
     decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, STEPS)
-    torch.manual_seed(1)
-    teacher = nn.Linear(32, 8)
-    teacher.weight.data.normal_()
     losses, norms = [], []
     for step in range(STEPS):
-        x = torch.randn(32, 32, generator=torch.Generator().manual_seed(1000 * step + rank))
         optimizer.zero_grad()
-        loss = nn.functional.mse_loss(ddp(x), teacher(x).detach())
+        loss = step_loss(ddp, teacher, step, rank)
         losses.append(loss.item())
         if not math.isfinite(losses[-1]):
             break

@@ -27,14 +27,13 @@ import math
 import warnings
 
 import torch
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hetero_comm.hooks import SegmentSparseState, segment_sparse
 from hetero_comm.lab.launch import run_ranks
 from hetero_comm.recipes import recipe_for
+from teacher_regression import STEPS, model_and_teacher, step_loss
 
-STEPS = 80
 VARIANTS = {  # name: (changes to the recipe's settings, lr scale or None, velocity clearing)
     "dense": None,
     "recipe": ({}, None, "clear"),
@@ -68,9 +67,7 @@ def _patch_clearing(mode: str) -> None:
 
 
 def train(rank, world_size, lr, variant):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
-                          nn.Linear(256, 8))
+    model, teacher = model_and_teacher()
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
     if VARIANTS[variant] is not None:
@@ -84,16 +81,12 @@ def train(rank, world_size, lr, variant):
             state = SegmentSparseState(**settings)
         ddp.register_comm_hook(state, segment_sparse.segment_sparse_hook)
         state.prepare_optimizer(optimizer, lr_scale=lr_scale)
-    torch.manual_seed(1)
-    teacher = nn.Linear(32, 8)
-    teacher.weight.data.normal_()
     losses = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a diverging run's NaN bucket warns
         for step in range(STEPS):
-            x = torch.randn(32, 32, generator=torch.Generator().manual_seed(1000 * step + rank))
             optimizer.zero_grad()
-            loss = nn.functional.mse_loss(ddp(x), teacher(x).detach())
+            loss = step_loss(ddp, teacher, step, rank)
             losses.append(loss.item())
             if not math.isfinite(losses[-1]):
                 break

@@ -26,10 +26,26 @@ STEPS = 80
 RATES = {"adamw": (1e-3, 3e-3, 1e-2), "sgd": (0.02, 0.05)}
 
 
-def train(rank, world_size, optimizer_kind, lr, compressed, schedule, ratio=None):
+def model_and_teacher():
+    """The MLP to train (drawn from seed 0) and the linear teacher (seed 1); the experiments
+    on this regression share them."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
                           nn.Linear(256, 8))
+    torch.manual_seed(1)
+    teacher = nn.Linear(32, 8)
+    teacher.weight.data.normal_()
+    return model, teacher
+
+
+def step_loss(ddp, teacher, step: int, rank: int) -> torch.Tensor:
+    """The loss of this rank's 32 rows of ``step``."""
+    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(1000 * step + rank))
+    return nn.functional.mse_loss(ddp(x), teacher(x).detach())
+
+
+def train(rank, world_size, optimizer_kind, lr, compressed, schedule, ratio=None):
+    model, teacher = model_and_teacher()
     ddp = DistributedDataParallel(model)
     optimizer = (torch.optim.AdamW(ddp.parameters(), lr=lr) if optimizer_kind == "adamw"
                  else torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9))
@@ -38,15 +54,10 @@ def train(rank, world_size, optimizer_kind, lr, compressed, schedule, ratio=None
             warnings.simplefilter("ignore")
             hetero_comm.compress(ddp, optimizer, ratio=ratio)
     decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, STEPS) if schedule == "cosine" else None
-    torch.manual_seed(1)
-    teacher = nn.Linear(32, 8)
-    teacher.weight.data.normal_()
     losses = []
     for step in range(STEPS):
-        rows = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(32, 32, generator=rows)
         optimizer.zero_grad()
-        loss = nn.functional.mse_loss(ddp(x), teacher(x).detach())
+        loss = step_loss(ddp, teacher, step, rank)
         losses.append(loss.item())
         if not math.isfinite(losses[-1]):
             return losses
