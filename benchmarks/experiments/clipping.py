@@ -17,40 +17,16 @@ import statistics
 import sys
 import warnings
 
-import torch
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
-
-import hetero_comm
 from hetero_comm.lab.launch import run_ranks
 from hetero_comm.lab.training import TrainConfig, run_training
-from teacher_regression import STEPS, model_and_teacher, step_loss
+from teacher_regression import run_steps, set_up
 
 RATES = {"adamw": (3e-3, 1e-2), "sgd": (0.02, 0.05)}
 
 
 def train(rank, world_size, optimizer_kind, lr, compressed, threshold):
-    model, teacher = model_and_teacher()
-    ddp = DistributedDataParallel(model)
-    optimizer = (torch.optim.AdamW(ddp.parameters(), lr=lr) if optimizer_kind == "adamw"
-                 else torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9))
-    if compressed:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            hetero_comm.compress(ddp, optimizer)
-    decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, STEPS)
-    losses, norms = [], []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        loss = step_loss(ddp, teacher, step, rank)
-        losses.append(loss.item())
-        if not math.isfinite(losses[-1]):
-            break
-        loss.backward()
-        if threshold is not None:
-            norms.append(float(nn.utils.clip_grad_norm_(ddp.parameters(), threshold)))
-        optimizer.step()
-        decay.step()
+    ddp, optimizer, teacher = set_up(optimizer_kind, lr, compressed)
+    losses, norms = run_steps(ddp, optimizer, teacher, rank, cosine=True, clip=threshold)
     return losses[-1], statistics.median(norms) if norms else math.nan
 
 

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hetero_comm.hooks import SegmentSparseState, segment_sparse
 from hetero_comm.lab.launch import run_ranks
 from hetero_comm.recipes import recipe_for
-from teacher_regression import STEPS, model_and_teacher, step_loss
+from teacher_regression import STEPS, model_and_teacher, run_steps
 
 VARIANTS = {  # name: (changes to the recipe's settings, lr scale or None, velocity clearing)
     "dense": None,
@@ -81,18 +81,7 @@ def train(rank, world_size, lr, variant):
             state = SegmentSparseState(**settings)
         ddp.register_comm_hook(state, segment_sparse.segment_sparse_hook)
         state.prepare_optimizer(optimizer, lr_scale=lr_scale)
-    losses = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a diverging run's NaN bucket warns
-        for step in range(STEPS):
-            optimizer.zero_grad()
-            loss = step_loss(ddp, teacher, step, rank)
-            losses.append(loss.item())
-            if not math.isfinite(losses[-1]):
-                break
-            loss.backward()
-            optimizer.step()
-    return losses
+    return run_steps(ddp, optimizer, teacher, rank)[0]
 
 
 def main() -> None:

@@ -44,28 +44,46 @@ def step_loss(ddp, teacher, step: int, rank: int) -> torch.Tensor:
     return nn.functional.mse_loss(ddp(x), teacher(x).detach())
 
 
-def train(rank, world_size, optimizer_kind, lr, compressed, schedule, ratio=None):
+def set_up(optimizer_kind: str, lr: float, compressed: bool, ratio=None):
+    """The DDP model, its dense optimizer (AdamW, or SGD with momentum 0.9), through
+    ``hetero_comm.compress`` (at ``ratio``) or not, and the teacher."""
     model, teacher = model_and_teacher()
     ddp = DistributedDataParallel(model)
     optimizer = (torch.optim.AdamW(ddp.parameters(), lr=lr) if optimizer_kind == "adamw"
                  else torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9))
     if compressed:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+            warnings.simplefilter("ignore")  # the small model's own warnings
             hetero_comm.compress(ddp, optimizer, ratio=ratio)
-    decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, STEPS) if schedule == "cosine" else None
-    losses = []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        loss = step_loss(ddp, teacher, step, rank)
-        losses.append(loss.item())
-        if not math.isfinite(losses[-1]):
-            return losses
-        loss.backward()
-        optimizer.step()
-        if decay is not None:
-            decay.step()
-    return losses
+    return ddp, optimizer, teacher
+
+
+def run_steps(ddp, optimizer, teacher, rank: int, cosine: bool = False, clip=None):
+    """``STEPS`` steps, stopping at a non-finite loss; ``cosine``: the rate decays to 0 over
+    them; ``clip``: ``clip_grad_norm_`` at that threshold before each step. Returns the
+    losses and the norms the clip saw."""
+    decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, STEPS) if cosine else None
+    losses, norms = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a diverging run's NaN bucket warns
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            loss = step_loss(ddp, teacher, step, rank)
+            losses.append(loss.item())
+            if not math.isfinite(losses[-1]):
+                break
+            loss.backward()
+            if clip is not None:
+                norms.append(float(nn.utils.clip_grad_norm_(ddp.parameters(), clip)))
+            optimizer.step()
+            if decay is not None:
+                decay.step()
+    return losses, norms
+
+
+def train(rank, world_size, optimizer_kind, lr, compressed, schedule, ratio=None):
+    ddp, optimizer, teacher = set_up(optimizer_kind, lr, compressed, ratio)
+    return run_steps(ddp, optimizer, teacher, rank, cosine=schedule == "cosine")[0]
 
 
 def main() -> None:
