@@ -189,10 +189,10 @@ def test_a_scheduler_cycling_momentum_cannot_give_the_optimizer_its_momentum_bac
 def test_a_step_that_raises_does_not_leave_the_rate_scaled(scheduler):
     make_scheduler = {None: lambda o: None,
                       "exponential": lambda o: torch.optim.lr_scheduler.ExponentialLR(o, 0.9)}[scheduler]
-    optimizer = make("SGD", 0.05, momentum=0.9)
+    optimizer = make("SGD", 0.05, momentum=0.9, weight_decay=1e-4)
     schedule = make_scheduler(optimizer)
     SegmentSparseState(**MOMENTUM_CORRECTION).prepare_optimizer(optimizer)
-    by_hand = make("SGD", 0.05 * MC_SCALE)
+    by_hand = make("SGD", 0.05 * MC_SCALE, weight_decay=1e-4 / (0.1 * MC_SCALE))
     hand_schedule = make_scheduler(by_hand)
     train(optimizer, schedule, steps=1), train(by_hand, hand_schedule, steps=1)
 
@@ -202,6 +202,7 @@ def test_a_step_that_raises_does_not_leave_the_rate_scaled(scheduler):
     with pytest.raises(RuntimeError, match="loss could not"):
         optimizer.step(failing_closure)
     assert [g["lr"] for g in optimizer.param_groups] == user_rates_after_one_step(schedule)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [1e-4, 1e-4]
     if schedule is not None:  # a chainable scheduler reads the rate the failed step left
         schedule.step(), hand_schedule.step()
     train(optimizer, schedule, steps=2, first=1), train(by_hand, hand_schedule, steps=2, first=1)

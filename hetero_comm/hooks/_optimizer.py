@@ -227,10 +227,10 @@ class OptimizerFit:
         def step(_optimizer, *args, **kwargs):
             if not fit._active:
                 return fit._original_step(*args, **kwargs)
-            fit._before_step()
             try:
+                fit._before_step()
                 return fit._original_step(*args, **kwargs)
-            finally:  # also when the step raised
+            finally:  # also when the step (or the check before it) raised
                 fit._restore_rates()
 
         # A bound method, as LR schedulers (which wrap ``step`` again) expect.

@@ -298,8 +298,8 @@ class AgreedLastStep:
 
     def after_sum(self, state, importance: torch.Tensor, riding: torch.Tensor, wire: torch.Tensor,
                   index: int, step: int, plan_bucket: PlanBucket, release) -> None:
-        """The summed importance back; a non-finite one drops the bucket (on the CPU:
-        :class:`~._state.NonFiniteGradient`)."""
+        """The summed importance back; a non-finite one zeroes the wire (CUDA; the bucket is
+        then handed on holding NaN) or raises :class:`~._state.NonFiniteGradient` (CPU)."""
         if self.importance_work is not None:
             self.importance_work.wait()
         else:

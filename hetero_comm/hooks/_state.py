@@ -224,7 +224,7 @@ class HookState:
             ``encode_seconds`` and ``decode_seconds`` (time in the hook around the
             collectives); ``dense_fallbacks`` (buckets sent dense because their layout did
             not match the plan, see :mod:`hetero_comm.hooks._plan`); ``non_finite_buckets``
-            (compressed buckets handed on as NaN because a rank's gradient held a NaN or an
+            (compressed buckets handed on holding NaN because a rank's gradient held a NaN or an
             infinity, see :meth:`ErrorFeedbackState.hand_on_non_finite`).
         """
         s = dict(self._stats)
@@ -377,7 +377,7 @@ class ErrorFeedbackState(HookState):
         self.callbacks = CallbackOrder(self.pool)
         self.plan = Plan(plan_tensors, type(self).__name__)
         self.finite_checks = DeviceFiniteChecks(type(self).__name__)
-        self._warned_non_finite = False
+        self._warned_non_finite, self._non_finite_warning = False, None
 
     def settings(self) -> dict:
         return dict(super().settings(), warmup_steps=self.warmup_steps,
@@ -394,7 +394,7 @@ class ErrorFeedbackState(HookState):
         self.pool = BufferPool()
         self.callbacks = CallbackOrder(self.pool)
         self.finite_checks = DeviceFiniteChecks(type(self).__name__)
-        self._warned_non_finite = False  # warned once per process
+        self._warned_non_finite, self._non_finite_warning = False, None  # once per process
 
     def accepts(self, dtype: torch.dtype) -> bool:
         """Whether this hook can compress gradients of ``dtype``."""
@@ -436,16 +436,20 @@ class ErrorFeedbackState(HookState):
 
     @staticmethod
     def nan_unless(finite: Optional[torch.Tensor], grad: torch.Tensor) -> None:
-        """Fill the delivered bucket with NaN on the device where ``finite`` is false (the
-        CPU path's :meth:`hand_on_non_finite`, without reading the flag)."""
+        """Put a NaN into the delivered bucket on the device where ``finite`` is false (the
+        CPU path's :meth:`hand_on_non_finite`, without reading the flag). One element is
+        enough for a ``GradScaler`` (and, without one, for the parameters to go NaN), and
+        spares a pass over the bucket at every step."""
         if finite is not None:
-            grad.masked_fill_(~finite, math.nan)
+            if finite.is_cuda:  # read on this callback's stream: keep its memory until then
+                finite.record_stream(torch.cuda.current_stream(finite.device))
+            grad[:1].masked_fill_(~finite, math.nan)
 
     def hand_on_non_finite(self, grad: torch.Tensor, found: NonFiniteGradient) -> torch.futures.Future:
         """A bucket in which some rank's gradient held a NaN or an infinity: handed on as NaN,
         as DDP's allreduce would hand on the sum, so that a ``GradScaler`` skips the step (and
-        without one the parameters go NaN, as with DDP's own hook); the bucket's error
-        feedback was reset. Returns the completed future."""
+        without one the parameters go NaN, as with DDP's own hook); the error feedback of
+        the part that held it was reset. Returns the completed future."""
         grad.fill_(math.nan)
         self.count_non_finite(found)
         done = torch.futures.Future()
@@ -453,16 +457,23 @@ class ErrorFeedbackState(HookState):
         return done
 
     def count_non_finite(self, found: NonFiniteGradient) -> None:
-        """Count a bucket handed on as NaN (``stats()["non_finite_buckets"]``); warn the
-        first time."""
+        """Count a bucket handed on holding NaN (``stats()["non_finite_buckets"]``); the first
+        one's warning is given by :meth:`warn_non_finite`."""
         self._stats["non_finite_buckets"] += 1
-        if not self._warned_non_finite:
+        if not self._warned_non_finite and self._non_finite_warning is None:
+            self._non_finite_warning = (
+                f"{found}: the bucket is handed on holding NaN, as DDP's allreduce would hand on "
+                f"the sum (a torch.amp.GradScaler then skips the step), and the error feedback "
+                f"of the part of it that held the value restarts from zero. "
+                f"stats()['non_finite_buckets'] counts such buckets; this warning is given once")
+
+    def warn_non_finite(self) -> None:
+        """Give the warning :meth:`count_non_finite` kept, once per process (last in
+        :meth:`run`, so that an error raised for it leaves the state consistent)."""
+        if self._non_finite_warning is not None:
+            message, self._non_finite_warning = self._non_finite_warning, None
             self._warned_non_finite = True
-            warnings.warn(f"{found}: the bucket is handed on as NaN, as DDP's allreduce would "
-                          f"hand on the sum (a torch.amp.GradScaler then skips the step), and "
-                          f"its error feedback restarts from zero. stats()['non_finite_buckets'] "
-                          f"counts such buckets; this warning is given once", RuntimeWarning,
-                          stacklevel=2)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     def stats(self) -> dict:
         """:meth:`HookState.stats` plus ``pool`` (the buffer pool's counters)."""
@@ -482,6 +493,8 @@ class ErrorFeedbackState(HookState):
         process group (frameworks do). It gathers each rank's part (on the CPU) to rank 0,
         whose dict then holds ``world_size`` parts; any other rank's holds its own.
         """
+        for found in self.finite_checks.report():  # CUDA: no NaN residual into the checkpoint
+            self.count_non_finite(found)
         world_size, rank = self._group_shape()
         local = {"stats": dict(self._stats), "plan": self.plan.state_dict()}
         parts = {rank: local}
@@ -533,7 +546,7 @@ class ErrorFeedbackState(HookState):
         does not hold yet; else ``send`` each plan bucket's worth of it. Advances
         :attr:`step` after the last bucket."""
         self.claim(bucket)
-        for found in self.finite_checks.report():  # CUDA: a bucket handed on as NaN earlier
+        for found in self.finite_checks.report():  # CUDA: a bucket handed on holding NaN earlier
             self.count_non_finite(found)
         self.callbacks.settle()
         grad = bucket.buffer()
@@ -560,6 +573,7 @@ class ErrorFeedbackState(HookState):
         except NonFiniteGradient as found:  # every rank found it (an agreed value)
             future = self.hand_on_non_finite(grad, found)
         self.end_bucket(bucket)
+        self.warn_non_finite()
         return future
 
     def _send_parts(self, route: Route, grad: torch.Tensor, index: int,

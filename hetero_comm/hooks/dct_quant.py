@@ -194,10 +194,11 @@ def dct_quant_hook(state: DCTQuantState, bucket: dist.GradBucket) -> torch.futur
     Returns:
         A future of the bucket's buffer, overwritten with the decoded weighted sum.
 
-    A NaN or infinity in the bucket on any rank: the bucket is handed on as NaN on every
-    rank (as DDP's allreduce would; a ``torch.amp.GradScaler`` then skips the step), its
-    error feedback restarts from zero, ``stats()["non_finite_buckets"]`` counts it and the
-    first one warns (``RuntimeWarning``).
+    A NaN or infinity in the bucket on any rank: the bucket is handed on holding NaN on
+    every rank (CPU: all of it; CUDA: its first element, set on the device), as DDP's
+    allreduce would hand on the sum, so a ``torch.amp.GradScaler`` skips the step; its error
+    feedback restarts from zero, ``stats()["non_finite_buckets"]`` counts it and the first
+    one warns (``RuntimeWarning``).
 
     Example::
 

@@ -252,7 +252,8 @@ def train_rank(rank: int, config: TrainConfig) -> dict:
     flat = torch.cat([p.detach().reshape(-1) for p in record.pop("model").parameters()])
     reference = flat.clone()
     dist.broadcast(reference, 0)
-    same = torch.tensor([int(torch.equal(flat, reference))])
+    # NaN where the other rank has NaN counts as the same (a run that diverged alike)
+    same = torch.tensor([int(bool(((flat == reference) | (flat.isnan() & reference.isnan())).all()))])
     dist.all_reduce(same)
     record["ranks_identical"] = int(same) == config.workers
     record["final_parameters"] = flat.numpy()  # numpy: pickled by value, not shared memory
