@@ -46,7 +46,8 @@ def train(rank, world_size, hook, settings, steps, options=None):
     gradient is not finite is skipped, as a ``GradScaler`` skips it; an exception from
     ``backward()`` ends the run as ``{"error": (type name, message), "applied": ...}``),
     ``device_side_checks`` (the hooks' CUDA way of finding non-finite
-    gradients, without a host read, forced on the CPU), ``resume_at`` (save all
+    gradients, without a host read, forced on the CPU), ``count_part_routes`` (record under
+    ``"part_routes"`` the step of each bucket sent as several plan buckets), ``resume_at`` (save all
     state there, rebuild model, DDP and hook state from the checkpoint and continue; every
     rank loads rank 0's ``state_dict()``, as frameworks do, or with ``checkpoint_from="own"``
     its own).
@@ -61,6 +62,8 @@ def train(rank, world_size, hook, settings, steps, options=None):
         kwargs["rank_weight"] = weights[rank]
     weight = weights[rank] if weights is not None else 1.0 / world_size
 
+    part_routes = []  # buckets sent as several plan buckets (count_part_routes)
+
     def build(module, checkpoint=None):
         ddp = DistributedDataParallel(module, bucket_cap_mb=options.get("bucket_cap_mb", 25))
         state = spec.make_state(kwargs)
@@ -69,6 +72,13 @@ def train(rank, world_size, hook, settings, steps, options=None):
         ddp.register_comm_hook(state, spec.hook)
         if options.get("device_side_checks"):
             state.finite_checks.on_every_device = True
+        if options.get("count_part_routes"):
+            send_parts = state._send_parts
+
+            def counted(*args):
+                part_routes.append(state.step)
+                return send_parts(*args)
+            state._send_parts = counted
         return ddp, state
 
     ddp, state = build(model)
@@ -116,7 +126,7 @@ def train(rank, world_size, hook, settings, steps, options=None):
                           else [torch.zeros_like(p, dtype=torch.float32) for p in model.parameters()]),
         "params": flat(model.parameters()),
         "stats": {k: v for k, v in state.stats().items() if k != "pool"},
-        "pool_allocations": pool_allocations,
+        "pool_allocations": pool_allocations, "part_routes": part_routes,
         # Saved to bytes: tensors sent through the result queue would live in shared memory
         # that goes away with this process.
         "state_dict": _saved(state.state_dict()) if options.get("return_state_dict") else None,

@@ -229,6 +229,25 @@ def test_resume_from_state_dict_continues_exactly(hook, settings_, bucket_cap_mb
         np.testing.assert_array_equal(a["held_back"], b["held_back"])
 
 
+@pytest.mark.parametrize("device_side_checks", [False, True])
+def test_non_finite_gradient_in_a_bucket_of_several_plan_buckets(device_side_checks):
+    """A resumed run's first step sees DDP's provisional buckets, each sent as several plan
+    buckets; a NaN in rank 1's gradient there: every rank gets NaN in what it applies at that
+    step and nothing fails, the parts sent before the non-finite one give their buffers back
+    once their sums arrive, and the run goes on finite and alike on both ranks."""
+    options = dict(bucket_cap_mb=0.002, resume_at=6, nan_at=(1, 6), count_part_routes=True,
+                   device_side_checks=device_side_checks)
+    results = run_ranks(2, train_recording_warnings, "sparse", SPARSE, 9, options)
+    for result in results:
+        assert "error" not in result, result.get("error")
+        assert 6 in result["part_routes"]  # the path under test was taken
+        assert np.isnan(result["applied"][6]).any()
+        assert np.isfinite(np.delete(result["applied"], 6, axis=0)).all()
+        assert np.isfinite(result["params"]).all()
+        assert result["stats"]["non_finite_buckets"] >= 1
+    assert_ranks_identical(results)
+
+
 @pytest.mark.parametrize("basis", [dict(basis="elements"), dict(basis="dct", dct_block_size=4)])
 def test_momentum_correction_at_full_density_clears_the_whole_velocity(basis):
     """Every segment sent: momentum correction clears the whole velocity each step (in the
