@@ -11,9 +11,9 @@ from torch.nn.parallel import DistributedDataParallel
 import hetero_comm
 
 
-def make_ddp(seed: int = 0) -> DistributedDataParallel:
+def make_ddp(seed: int = 0, device: str = "cpu") -> DistributedDataParallel:
     torch.manual_seed(seed)
-    return DistributedDataParallel(nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 5)))
+    return DistributedDataParallel(nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 5)).to(device))
 
 
 def regression_steps(ddp, optimizer, rank, first, count) -> None:
@@ -234,8 +234,7 @@ def grad_scaler_steps(rank, world_size, optimizer_kind, compressed, device="cpu"
     first steps overflow: the loss of
     every step, the scale after it, the parameters and (compressed) the hook's count of buckets
     handed on as NaN. A regression to a linear teacher, dense or through ``compress``."""
-    torch.manual_seed(0)
-    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 5)).to(device))
+    ddp = make_ddp(device=device)
     optimizer = (torch.optim.AdamW(ddp.parameters(), lr=1e-2) if optimizer_kind == "adamw"
                  else torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9))
     state = None

@@ -4,7 +4,7 @@ bench_generality's ResNet (38K parameters, GroupNorm, 20 epochs, 2 gloo ranks) w
 (momentum 0.9, lr 0.05) and weight decay: dense, the recipe (``hetero_comm.compress``, which
 now decays parameters at dense momentum SGD's ``lr * wd / (1 - m)``), and the recipe at
 ``0.21 * wd``, which under the new scaling is the decay the recipe applied before the change
-(the step's 2.1x factor with the momentum in the hook: ``2.1 * (1 - m) = 0.21`` of dense's).
+(the step's 2.1x factor with the momentum in the hook: ``2.11 * (1 - m) = 0.21`` of dense's).
 Prints each seed's test loss and accuracy and their means. Results:
 ``benchmarks/results/sgd_weight_decay.txt``.
 
@@ -19,13 +19,17 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import bench_generality  # noqa: E402  (the workload's settings)
+from hetero_comm.hooks.segment_sparse import momentum_correction_lr_scale  # noqa: E402
 from hetero_comm.lab.training import TrainConfig, run_training  # noqa: E402
+from hetero_comm.recipes import SGD_DENSITY  # noqa: E402
 
-OLD_DECAY_FACTOR = 2.1 * (1 - 0.9)
+MOMENTUM = 0.9
+# the recipe's rate factor times (1 - momentum): its decay before, as a share of dense's
+OLD_DECAY_FACTOR = momentum_correction_lr_scale(SGD_DENSITY, MOMENTUM) * (1 - MOMENTUM)
 
 
 def run(hook: str, weight_decay: float, seed: int, lr: float):
-    options = dict(bench_generality.MODELS["resnet"], optimizer="sgd", momentum=0.9, lr=lr,
+    options = dict(bench_generality.MODELS["resnet"], optimizer="sgd", momentum=MOMENTUM, lr=lr,
                    weight_decay=weight_decay, workers=2, seed=seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the call's warning for SGD on normalised models
