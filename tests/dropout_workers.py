@@ -27,7 +27,10 @@ def train_unit_dropout(rank, world_size, hook, settings, steps, options=None):
     set attached (``options["weights"]``: a rank_weight per rank). Records per step each rank's masked local gradient (weighted), the applied
     gradient and the kept units of every layer; at the end what is held back, the
     parameters and the stats. ``options["resume_at"]``: rebuild everything there from
-    rank 0's checkpoints (hook state and unit set) and continue."""
+    rank 0's checkpoints (hook state and unit set) and continue. ``options["nan_at"]``
+    ``(rank, step)``: that rank's gradient is NaN there, and a step whose applied gradient is
+    not finite is skipped (as a ``GradScaler`` skips it); ``options["device_side_checks"]``:
+    the hooks' CUDA way of finding it, forced on the CPU."""
     options = options or {}
     weights = options.get("weights")  # rank_weight per rank, as DynamicBatchController sets
     weight = 1.0 / world_size if weights is None else weights[rank]
@@ -45,6 +48,8 @@ def train_unit_dropout(rank, world_size, hook, settings, steps, options=None):
         if options.get("skip", True):
             state.skip_dropped_units(unit_set)
         ddp.register_comm_hook(state, spec.hook)
+        if options.get("device_side_checks"):
+            state.finite_checks.on_every_device = True
         optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
         if options.get("attach", True):
             unit_set.attach(optimizer)
@@ -64,15 +69,19 @@ def train_unit_dropout(rank, world_size, hook, settings, steps, options=None):
         produced.append(flat(g * weight for g in local))
         kept.append([units.kept_units(layer, "cpu").numpy() for layer in units.layers])
         optimizer.zero_grad()
+        if options.get("nan_at") == (rank, step):
+            x = x * float("nan")
         nn.functional.mse_loss(ddp(x), y).backward()
         applied.append(flat(p.grad for p in model.parameters()))
-        optimizer.step()
+        if np.isfinite(applied[-1]).all():
+            optimizer.step()
     held = state.held_back(list(model.parameters())) if hasattr(state, "held_back") else \
         [torch.zeros_like(p) for p in model.parameters()]
     return {"produced": np.stack(produced), "applied": np.stack(applied), "kept": kept,
             "held_back": flat(held), "params": flat(model.parameters()),
             "stats": {k: v for k, v in state.stats().items() if k != "pool"},
-            "units_step": units.step, "warned_masks": getattr(state, "_warned_masks", None)}
+            "units_step": units.step, "warned_masks": getattr(state, "_warned_masks", None),
+            "buffers_in_use": state.pool.stats()["buffers_in_use"] if hasattr(state, "pool") else 0}
 
 
 def agree_on_seed(rank, world_size, seeds):

@@ -35,6 +35,19 @@ def flat(tensors) -> np.ndarray:
     return torch.cat([t.detach().reshape(-1).double() for t in tensors]).numpy()
 
 
+def as_saved_before_gradient_units(checkpoint, momentum):
+    """``checkpoint`` as an older hetero_comm saved it: without the ``velocity_units`` mark,
+    everything held back (and the importance kept for the next selection) ``1 / (1 -
+    momentum)`` times larger."""
+    older = {k: v for k, v in checkpoint.items() if k != "velocity_units"}
+    for part in older["ranks"].values():
+        for saved in part["plan"]:
+            saved["tensors"] = {name: t / (1 - momentum) for name, t in saved["tensors"].items()}
+            if saved["extra"].get("indicator_importance") is not None:
+                saved["extra"]["indicator_importance"] = saved["extra"]["indicator_importance"] / (1 - momentum)
+    return older
+
+
 def train(rank, world_size, hook, settings, steps, options=None):
     """Train with ``hook`` for ``steps`` steps (plain SGD, lr 0.05) and record per step the
     gradient this rank produced, the weighted result the hook applied, and at the end what
@@ -50,7 +63,8 @@ def train(rank, world_size, hook, settings, steps, options=None):
     ``"part_routes"`` the step of each bucket sent as several plan buckets), ``resume_at`` (save all
     state there, rebuild model, DDP and hook state from the checkpoint and continue; every
     rank loads rank 0's ``state_dict()``, as frameworks do, or with ``checkpoint_from="own"``
-    its own).
+    its own), ``checkpoint_of_older_version`` (that checkpoint as hetero_comm saved it
+    before its momentum correction kept the velocity in the units of a gradient).
     """
     options = options or {}
     dtype = options.get("dtype", torch.float32)
@@ -90,6 +104,8 @@ def train(rank, world_size, hook, settings, steps, options=None):
             if options.get("checkpoint_from", "rank0") == "rank0":
                 dist.broadcast_object_list(checkpoint, src=0)
             checkpoint = copy.deepcopy(checkpoint[0])
+            if options.get("checkpoint_of_older_version"):
+                checkpoint = as_saved_before_gradient_units(checkpoint, settings["momentum"])
             model = copy.deepcopy(model)  # new parameter objects, as in a new process
             ddp, state = build(model, checkpoint)
         x, y = batch(rank, step, dtype)

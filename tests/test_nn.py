@@ -214,6 +214,24 @@ def test_unequal_rank_weights(hook, settings_):
         np.testing.assert_allclose(results[0]["applied"], produced, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("device_side_checks", [False, True])
+@pytest.mark.parametrize("settings_", [SPARSE, dict(SPARSE, momentum=0.9)])
+def test_non_finite_gradient_in_the_kept_part(settings_, device_side_checks):
+    """Rank 1's gradient NaN at step 4 while units are dropped (the kept part sent compact):
+    every rank gets NaN in what it applies at that step and nothing fails; the run goes on
+    finite and alike on both ranks, and every pooled buffer is given back."""
+    options = dict(nan_at=(1, 4), device_side_checks=device_side_checks)
+    results = run_ranks(2, train_unit_dropout, "sparse", settings_, 8, options)
+    assert_same_masks_and_parameters(results)
+    for result in results:
+        assert dropped_mask(result["kept"][4]).any()  # the bucket was sent compact
+        assert np.isnan(result["applied"][4]).any()
+        assert np.isfinite(np.delete(result["applied"], 4, axis=0)).all()
+        assert np.isfinite(result["params"]).all() and np.isfinite(result["held_back"]).all()
+        assert result["stats"]["non_finite_buckets"] >= 1
+        assert result["buffers_in_use"] == 0
+
+
 def test_resume_continues_the_masks_and_error_feedback_exactly():
     straight = run_ranks(2, train_unit_dropout, "sparse", SPARSE, 8)
     resumed = run_ranks(2, train_unit_dropout, "sparse", SPARSE, 8, dict(resume_at=5))

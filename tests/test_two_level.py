@@ -40,12 +40,15 @@ def test_without_compression_equals_flat_dense_allreduce_bitwise(world_size, mac
     assert np.abs(flat[0]).max() > 1  # the gradients are not trivial
 
 
+@pytest.mark.parametrize("sparse_settings", [{}, dict(momentum=0.9)])
 @pytest.mark.parametrize("world_size,machines", [(4, 2), (6, 3), (6, 2)])
-def test_without_compression_matches_flat_dense_on_a_real_model(world_size, machines):
+def test_without_compression_matches_flat_dense_on_a_real_model(world_size, machines, sparse_settings):
+    """Also with settings only the sparse exchange uses: momentum correction's units do not
+    reach the plain sum (nor its dense warm-up step)."""
     options = dict(dtype=torch.float64)
     flat = run_ranks(world_size, train, "dense", {}, 5, options)
     two_level = run_ranks(world_size, train, "two_level",
-                          dict(machines=machines, between_machines="dense"), 5, options)
+                          dict(machines=machines, between_machines="dense", **sparse_settings), 5, options)
     assert_ranks_identical(two_level)
     np.testing.assert_allclose(two_level[0]["applied"], flat[0]["applied"], rtol=0, atol=1e-15)
 

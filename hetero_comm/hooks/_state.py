@@ -271,10 +271,11 @@ class HookState:
                    parameters=()) -> torch.futures.Future:
         """Weighted dense allreduce of ``grad`` in place (``after_warmup``: its bytes count
         in the compression ratio); ``parameters``, laid out in ``grad``, tell the rows of
-        dropped units, which are not sent (see :meth:`skip_dropped_units`)."""
+        dropped units, which are not sent (see :meth:`skip_dropped_units`); in the units of
+        what :meth:`handed_step` hands (``HandedSum.dense_scale``)."""
         layout = self.kept_layout(parameters)
         with self.timer("encode_seconds"):
-            grad.mul_(self.weight())
+            grad.mul_(self.weight() * self.handed_step().dense_scale)
             sent = grad if layout is None else layout.gather(grad, grad.new_empty(layout.numel))
         self.count_bytes(grad.numel() * grad.element_size(), sent.numel() * sent.element_size(),
                          after_warmup)

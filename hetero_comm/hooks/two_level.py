@@ -214,7 +214,10 @@ class TwoLevelState(SegmentSparseState):
 
     def handed_step(self) -> HandedSum:
         """As :meth:`SegmentSparseState.handed_step`; with ``density="auto"`` and momentum
-        correction, the learning-rate factor follows the density each step ran at."""
+        correction, the learning-rate factor follows the density each step ran at; with
+        ``between_machines="dense"``, the plain sum."""
+        if self.between_machines == "dense":
+            return HandedSum()  # the exchange hands the plain sum, whatever the sparse settings
         handed = super().handed_step()
         if self.auto_density is not None and isinstance(handed, HandedMomentumCorrectedSum):
             return HandedMomentumCorrectedSum(self.momentum, lambda: self.last_step_density)
