@@ -165,8 +165,8 @@ class HandedMomentumCorrectedSum(HandedSum):
 
 def fit_optimizer(optimizer, handed: HandedSum, lr_scale: Optional[float]) -> None:
     """Fit ``optimizer`` (or the torch optimizer inside a framework's wrapper) to ``handed``
-    at ``lr_scale`` times its rate (``None``: ``handed``'s default); nothing is changed when
-    it raises."""
+    at ``handed.rate_scale(lr_scale)`` times its rate (``lr_scale`` ``None``: ``handed``'s
+    default); nothing is changed when it raises."""
     if lr_scale is not None:
         check_float("lr_scale", lr_scale, 0.0, float("inf"), low_open=True)
     inner = unwrap_optimizer(optimizer)

@@ -405,9 +405,9 @@ def add_contribution(state, plan_bucket: PlanBucket, grad: torch.Tensor) -> torc
     """What goes into the residual this step: the weighted gradient, or with momentum
     correction the velocity ``u = momentum * u + (1 - momentum) * w * g``, in the units of
     a gradient (:class:`~._optimizer.HandedMomentumCorrectedSum`)."""
-    weight = state.contribution_weight() * (1.0 - state.momentum)
-    if weight != 1.0:
-        grad.mul_(weight)
+    scale = state.contribution_scale()
+    if scale != 1.0:
+        grad.mul_(scale)
     if not state.momentum:
         return grad
     return plan_bucket.tensors["momentum"].mul_(state.momentum).add_(grad)

@@ -173,7 +173,8 @@ class HookState:
         """Fit ``optimizer``, set up as for dense training, to what this hook hands DDP, and
         keep the user's learning rate and schedule: the hyperparameters the hook needs are set
         in every parameter group (and set again after ``optimizer.load_state_dict``), and each
-        ``optimizer.step()`` runs at ``lr_scale`` times every group's learning rate, which
+        ``optimizer.step()`` runs at a multiple of every group's learning rate (``lr_scale``;
+        with momentum correction ``lr_scale / (1 - momentum)``), which
         holds the user's rate again when the step returns or raises (so schedulers, created
         before or after, logs and checkpoints see the user's rate). Before each step the
         groups are checked again (a group added since, or a momentum a scheduler set, raises
@@ -192,8 +193,9 @@ class HookState:
 
         Args:
             optimizer: a ``torch.optim.Optimizer`` (or a wrapper as above).
-            lr_scale: the factor on the learning rate inside each step, > 0 (``None``: the
-                hook's default).
+            lr_scale: the factor on the step, > 0 (``None``: the hook's default); on the
+                learning rate inside each step, except with momentum correction (see
+                :meth:`~.segment_sparse.SegmentSparseState.prepare_optimizer`).
 
         Returns:
             ``optimizer``, as given.

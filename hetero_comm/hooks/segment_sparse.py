@@ -155,10 +155,11 @@ class SegmentSparseState(ErrorFeedbackState):
         """How many contributions that sum adds up (the int8 wire's levels follow from it)."""
         return self.world_size()
 
-    def contribution_weight(self) -> float:
-        """The factor on the gradient this rank adds to its residual (the two-level sync
-        weights before summing inside the machine, so 1 there)."""
-        return self.weight()
+    def contribution_scale(self) -> float:
+        """The factor on the gradient this rank adds to its residual: its weight, times
+        ``1 - momentum`` with momentum correction (the velocity in the units of a gradient);
+        the two-level sync applies it before summing inside the machine, so 1 there."""
+        return self.weight() * (1.0 - self.momentum)
 
     def handed_step(self) -> HandedSum:
         """What the hook hands the optimizer (see :meth:`prepare_optimizer`)."""
@@ -183,11 +184,11 @@ class SegmentSparseState(ErrorFeedbackState):
           without Nesterov or dampening. Sets its momentum to 0 (the hook applies it, and
           hands the sent velocity in the units of a gradient: ``1 - momentum`` times dense
           momentum SGD's, so clipping thresholds and logged norms mean what they do under
-          dense training) and steps at ``lr_scale / (1 - momentum)`` times the rate:
-          ``lr_scale`` times dense momentum SGD's step, default
-          :func:`momentum_correction_lr_scale` of the density and momentum (2.1 at 8% and
-          0.9: clearing the velocity of sent segments loses about half of each step), with
-          the weight decay divided by ``lr_scale`` (dense momentum SGD's decay).
+          dense training) and steps at ``lr_scale / (1 - momentum)`` times the rate,
+          ``lr_scale`` default :func:`momentum_correction_lr_scale` of the density and
+          momentum (2.1 at 8% and 0.9: it gives back what clearing the velocity of sent
+          segments loses), with the weight decay divided by ``lr_scale`` (dense momentum
+          SGD's decay).
         * otherwise (``output="sum"``): any optimizer, unchanged (``lr_scale`` default 1).
         """
         return super().prepare_optimizer(optimizer, lr_scale)

@@ -168,9 +168,11 @@ class TrainConfig:
     def velocity_rate_scale(self) -> float:
         """The factor on SGD's ``lr`` built for the hook directly: ``1 / (1 - momentum)``
         where the hook's momentum correction hands ``1 - momentum`` times the velocity (so
-        ``lr`` stays momentum SGD's rate on it); else 1."""
+        ``lr`` stays momentum SGD's rate on it, and the weight decay, divided by it, decays
+        at ``lr * weight_decay`` as before); else 1."""
         momentum = self.hook_settings.get("momentum")
-        if self.prepare_optimizer or not momentum:
+        if (self.prepare_optimizer or not momentum
+                or self.hook_settings.get("between_machines") == "dense"):  # a plain sum
             return 1.0
         return 1.0 / (1.0 - momentum)
 
@@ -189,9 +191,10 @@ class TrainConfig:
             optimizer = torch.optim.AdamW(parameters, lr=self.lr, betas=self.adam_betas(),
                                           weight_decay=self.weight_decay)
         else:
-            optimizer = torch.optim.SGD(parameters, lr=self.lr * self.velocity_rate_scale(),
+            scale = self.velocity_rate_scale()
+            optimizer = torch.optim.SGD(parameters, lr=self.lr * scale,
                                         momentum=self.optimizer_momentum(),
-                                        weight_decay=self.weight_decay)
+                                        weight_decay=self.weight_decay / scale)
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor(total_steps))
 
     def lr_factor(self, total_steps: int) -> Callable[[int], float]:
