@@ -135,9 +135,8 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *,
 
     Keep your dense optimizer, rate and schedule: the recipe sets what it needs and scales
     the rate inside each step only (AdamW: ``betas=(0, 0)``, 1.5x; SGD: momentum moved into
-    the hook, which hands gradient-sized sums, ``2.1 / (1 - momentum)``x;
-    :func:`recipe_for`), with the weight decay scaled so that parameters decay as under
-    dense training. With AdamW, let the rate decay towards the end:
+    the hook, about 2.1x; :func:`recipe_for`), with the weight decay scaled so that parameters
+    decay as under dense training. With AdamW, let the rate decay towards the end:
     the recipe's sign step moves every coordinate by the full rate, and at a constant rate it
     ended up to 2 points under dense on a small ResNet (docs/recipes.md, "Not yet"). Call it on
     every rank before the first step. Nothing is registered or changed when it raises.

@@ -54,8 +54,7 @@ def make_optimizer(parameters, case, by_hand=False):
         return torch.optim.AdamW(parameters, lr=1e-3, weight_decay=0.01)
     if by_hand and case in ("sparse_mc", "compress_sgd"):
         density = 0.08 if case == "compress_sgd" else 0.05
-        # the hook hands 1 - 0.9 times the velocity
-        return torch.optim.SGD(parameters, lr=0.05 * momentum_correction_lr_scale(density, 0.9) / (1 - 0.9),
+        return torch.optim.SGD(parameters, lr=0.05 * momentum_correction_lr_scale(density, 0.9),
                                momentum=0.0)
     return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
 SAMPLES, BATCH = 256, 8  # per rank: 16 steps an epoch

@@ -35,19 +35,6 @@ def flat(tensors) -> np.ndarray:
     return torch.cat([t.detach().reshape(-1).double() for t in tensors]).numpy()
 
 
-def as_saved_before_gradient_units(checkpoint, momentum):
-    """``checkpoint`` as an older hetero_comm saved it: without the ``velocity_units`` mark,
-    everything held back (and the importance kept for the next selection) ``1 / (1 -
-    momentum)`` times larger."""
-    older = {k: v for k, v in checkpoint.items() if k != "velocity_units"}
-    for part in older["ranks"].values():
-        for saved in part["plan"]:
-            saved["tensors"] = {name: t / (1 - momentum) for name, t in saved["tensors"].items()}
-            if saved["extra"].get("indicator_importance") is not None:
-                saved["extra"]["indicator_importance"] = saved["extra"]["indicator_importance"] / (1 - momentum)
-    return older
-
-
 def train(rank, world_size, hook, settings, steps, options=None):
     """Train with ``hook`` for ``steps`` steps (plain SGD, lr 0.05) and record per step the
     gradient this rank produced, the weighted result the hook applied, and at the end what
@@ -63,8 +50,7 @@ def train(rank, world_size, hook, settings, steps, options=None):
     ``"part_routes"`` the step of each bucket sent as several plan buckets), ``resume_at`` (save all
     state there, rebuild model, DDP and hook state from the checkpoint and continue; every
     rank loads rank 0's ``state_dict()``, as frameworks do, or with ``checkpoint_from="own"``
-    its own), ``checkpoint_of_older_version`` (that checkpoint as hetero_comm saved it
-    before its momentum correction kept the velocity in the units of a gradient).
+    its own).
     """
     options = options or {}
     dtype = options.get("dtype", torch.float32)
@@ -104,8 +90,6 @@ def train(rank, world_size, hook, settings, steps, options=None):
             if options.get("checkpoint_from", "rank0") == "rank0":
                 dist.broadcast_object_list(checkpoint, src=0)
             checkpoint = copy.deepcopy(checkpoint[0])
-            if options.get("checkpoint_of_older_version"):
-                checkpoint = as_saved_before_gradient_units(checkpoint, settings["momentum"])
             model = copy.deepcopy(model)  # new parameter objects, as in a new process
             ddp, state = build(model, checkpoint)
         x, y = batch(rank, step, dtype)
@@ -373,6 +357,19 @@ def two_level_construction_error(rank, world_size, settings):
     except (TypeError, ValueError) as error:
         return type(error).__name__, str(error)
     return "no error", ""
+
+
+def prepared_by_two_level(rank, world_size, settings, optimizer_name):
+    """A TwoLevelState with ``settings`` prepares a fresh ``optimizer_name`` ("adamw" or
+    "sgd_momentum"); its first group's hyperparameters, as lists."""
+    from hetero_comm.hooks import TwoLevelState
+    parameters = [nn.Parameter(torch.ones(3))]
+    optimizer = (torch.optim.AdamW(parameters, lr=1e-3) if optimizer_name == "adamw"
+                 else torch.optim.SGD(parameters, lr=0.05, momentum=0.9))
+    TwoLevelState(**settings).prepare_optimizer(optimizer)
+    group = optimizer.param_groups[0]
+    return {name: list(group[name]) if isinstance(group[name], tuple) else group[name]
+            for name in ("betas", "momentum") if name in group}
 
 
 def integer_gradient_steps(rank, world_size, hook, settings, steps):

@@ -7,7 +7,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 from hetero_comm.cli import main
 from hetero_comm.lab.throttle import cpu_quota_unavailable
@@ -139,22 +138,6 @@ def test_dct_sign_recipe_keeps_a_transformer_with_adamw_near_dense():
 def test_train_config_rejects_bad_settings(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         TrainConfig(**overrides).validate()
-
-
-@pytest.mark.parametrize("overrides, rate, decay", [
-    (dict(hook="sparse", hook_settings=dict(momentum=0.9)), 0.5, 1e-3),  # the velocity's units
-    (dict(hook="sparse", hook_settings=dict(momentum=0.9), prepare_optimizer=True), 0.05, 1e-2),
-    (dict(hook="two_level", hook_settings=dict(machines=1, between_machines="dense", momentum=0.9)), 0.05, 1e-2),
-    (dict(hook="sparse"), 0.05, 1e-2),
-])
-def test_sgd_built_for_a_hook_with_momentum_correction_steps_at_momentum_sgds_rate(overrides, rate, decay):
-    """The hook hands ``1 - momentum`` times the velocity: SGD built for it directly runs at
-    ``lr / (1 - momentum)``, its decay divided alike (``prepare_optimizer`` does it inside the
-    step instead; a plain sum needs nothing)."""
-    config = TrainConfig(optimizer="sgd", lr=0.05, weight_decay=1e-2, **overrides)
-    optimizer, _ = config.make_optimizer([torch.nn.Parameter(torch.ones(2))], total_steps=10)
-    assert optimizer.defaults["lr"] == pytest.approx(rate)  # before the schedule's factor
-    assert optimizer.defaults["weight_decay"] == pytest.approx(decay)
 
 
 def test_evaluations_every_few_steps_and_progress(tmp_path):

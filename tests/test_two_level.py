@@ -16,7 +16,7 @@ from hetero_comm.hooks.two_level import Shares
 from hetero_comm.lab.baselines import dequantize_int4, quantize_int4
 from hetero_comm.lab.launch import run_ranks
 from hetero_comm.lab.training import TrainConfig, run_training
-from hook_workers import (auto_density_agreement, integer_gradient_steps, train,
+from hook_workers import (auto_density_agreement, integer_gradient_steps, prepared_by_two_level, train,
                           train_recording_warnings, two_level_construction_error)
 
 SPARSE = dict(segment_size=16, density=0.05, warmup_steps=2)
@@ -40,11 +40,25 @@ def test_without_compression_equals_flat_dense_allreduce_bitwise(world_size, mac
     assert np.abs(flat[0]).max() > 1  # the gradients are not trivial
 
 
+@pytest.mark.parametrize("optimizer_name, sparse_settings, kept", [
+    ("adamw", dict(output="sign"), dict(betas=[0.9, 0.999])),
+    ("sgd_momentum", dict(momentum=0.9), dict(momentum=0.9)),
+])
+def test_dense_between_machines_leaves_the_optimizer_as_dense_training_has_it(optimizer_name, sparse_settings, kept):
+    """The exchange hands the plain sum, so preparing an optimizer changes nothing, whatever
+    the settings only the sparse exchange would use (sign steps need betas (0, 0), momentum
+    correction SGD's momentum at 0)."""
+    settings_ = dict(machines=2, between_machines="dense", **sparse_settings)
+    assert run_ranks(4, prepared_by_two_level, settings_, optimizer_name) == [kept] * 4
+    sparse = run_ranks(4, prepared_by_two_level, dict(settings_, between_machines="sparse"), optimizer_name)
+    assert sparse[0] != kept  # the same settings between machines sparse do change it
+
+
 @pytest.mark.parametrize("sparse_settings", [{}, dict(momentum=0.9)])
 @pytest.mark.parametrize("world_size,machines", [(4, 2), (6, 3), (6, 2)])
 def test_without_compression_matches_flat_dense_on_a_real_model(world_size, machines, sparse_settings):
-    """Also with settings only the sparse exchange uses: momentum correction's units do not
-    reach the plain sum (nor its dense warm-up step)."""
+    """Also with a setting only the sparse exchange uses (momentum correction): the plain sum
+    is handed on, its dense warm-up step's too."""
     options = dict(dtype=torch.float64)
     flat = run_ranks(world_size, train, "dense", {}, 5, options)
     two_level = run_ranks(world_size, train, "two_level",

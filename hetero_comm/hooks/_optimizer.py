@@ -37,9 +37,6 @@ class HandedSum:
     """The hook hands DDP the (weighted) sum of the gradients: any optimizer suits it."""
 
     setting = ""  # the hook's setting that hands this, as messages name it
-    # The factor on a bucket's weighted sum when it is sent dense (the warm-up, small buckets),
-    # so that it reaches the optimizer in the units of a compressed step.
-    dense_scale = 1.0
 
     def fit(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, object], float]:
         """The hyperparameters to set in every parameter group and the default factor on the
@@ -50,15 +47,9 @@ class HandedSum:
     def finish(self, grad: torch.Tensor) -> None:
         """The last change to the delivered bucket: none for a sum."""
 
-    def rate_scale(self, lr_scale: Union[float, Callable[[], float]]) -> Union[float, Callable[[], float]]:
-        """The factor on each group's learning rate inside a step, for a step ``lr_scale``
-        times dense training's (a number, or a function read at every step): the same for a
-        sum."""
-        return lr_scale
-
-    def weight_decay_scale(self, rate_scale: float) -> float:
-        """The factor on each group's ``weight_decay`` inside a step taken at ``rate_scale``
-        times the rate: 1 for a sum (the optimizer steps as the user's own would at that rate)."""
+    def weight_decay_scale(self, lr_scale: float) -> float:
+        """The factor on each group's ``weight_decay`` inside a step taken at ``lr_scale`` times
+        the rate: 1 for a sum (the optimizer steps as the user's own would at that rate)."""
         return 1.0
 
 
@@ -88,10 +79,10 @@ class HandedSign(HandedSum):
     def finish(self, grad: torch.Tensor) -> None:
         grad.sign_()
 
-    def weight_decay_scale(self, rate_scale: float) -> float:
-        """``1 / rate_scale``: the factor makes up for what the sign step loses, not the decay,
+    def weight_decay_scale(self, lr_scale: float) -> float:
+        """``1 / lr_scale``: the factor makes up for what the sign step loses, not the decay,
         which AdamW (decoupled) applies at ``lr * weight_decay``: dense's."""
-        return 1.0 / rate_scale
+        return 1.0 / lr_scale
 
 
 def momentum_correction_lr_scale(density: float, momentum: float) -> float:
@@ -114,17 +105,13 @@ def momentum_correction_lr_scale(density: float, momentum: float) -> float:
 
 class HandedMomentumCorrectedSum(HandedSum):
     """A sum into which the hook has already folded SGD's momentum ``momentum`` (momentum
-    correction), in the units of a gradient: the sent velocity times ``1 - momentum`` (as if
-    the optimizer's momentum had dampening ``momentum``), so that its size is a gradient's
-    and a clipping threshold or logged norm means what it means under dense training. SGD
-    steps on it with its own momentum at 0, at ``lr_scale / (1 - momentum)`` times the
-    user's rate, ``lr_scale`` :func:`momentum_correction_lr_scale` by default."""
+    correction): SGD with its own momentum at 0, at
+    :func:`momentum_correction_lr_scale` times the user's rate."""
 
     def __init__(self, momentum: float, density: Union[float, Callable[[], float]]) -> None:
         # density: fixed, or read at every step (a density chosen as training runs)
         self.momentum, self.density = momentum, density
         self.setting = f"momentum={momentum}"
-        self.dense_scale = 1.0 - momentum
 
     def fit(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, object], float]:
         if not isinstance(optimizer, torch.optim.SGD):
@@ -147,33 +134,25 @@ class HandedMomentumCorrectedSum(HandedSum):
             return {"momentum": 0.0}, lambda: momentum_correction_lr_scale(self.density(), self.momentum)
         return {"momentum": 0.0}, momentum_correction_lr_scale(self.density, self.momentum)
 
-    def rate_scale(self, lr_scale: Union[float, Callable[[], float]]) -> Union[float, Callable[[], float]]:
-        """``lr_scale / (1 - momentum)``: the handed velocity is ``1 - momentum`` times the
-        one dense momentum SGD would step on."""
-        if callable(lr_scale):
-            return lambda: lr_scale() / (1.0 - self.momentum)
-        return lr_scale / (1.0 - self.momentum)
-
-    def weight_decay_scale(self, rate_scale: float) -> float:
-        """``1 / ((1 - momentum) * rate_scale)``, i.e. ``1 / lr_scale``: SGD adds
-        ``weight_decay * p`` to the gradient, and under dense momentum SGD that term passes
-        through the momentum, which sums it to ``1 / (1 - momentum)`` times itself; the step's
-        ``rate_scale`` gives exactly that, and ``lr_scale`` is for what momentum correction's
-        clearing loses of the gradient, not the decay."""
-        return 1.0 / ((1.0 - self.momentum) * rate_scale)
+    def weight_decay_scale(self, lr_scale: float) -> float:
+        """``1 / ((1 - momentum) * lr_scale)``: SGD adds ``weight_decay * p`` to the gradient,
+        and under dense momentum SGD that term passes through the momentum, which sums it to
+        ``1 / (1 - momentum)`` times itself; with the momentum in the hook (and the optimizer's
+        at 0) the decay would be that many times weaker, and ``lr_scale`` is for the sum, not
+        the decay."""
+        return 1.0 / ((1.0 - self.momentum) * lr_scale)
 
 
 def fit_optimizer(optimizer, handed: HandedSum, lr_scale: Optional[float]) -> None:
     """Fit ``optimizer`` (or the torch optimizer inside a framework's wrapper) to ``handed``
-    at ``handed.rate_scale(lr_scale)`` times its rate (``lr_scale`` ``None``: ``handed``'s
-    default); nothing is changed when it raises."""
+    at ``lr_scale`` times its rate (``None``: ``handed``'s default); nothing is changed when
+    it raises."""
     if lr_scale is not None:
         check_float("lr_scale", lr_scale, 0.0, float("inf"), low_open=True)
     inner = unwrap_optimizer(optimizer)
     settings, default_scale = handed.fit(inner)
-    rate_scale = handed.rate_scale(default_scale if lr_scale is None else float(lr_scale))
-    OptimizerFit(inner, settings, rate_scale, check=handed.fit,
-                 weight_decay_scale=handed.weight_decay_scale)
+    OptimizerFit(inner, settings, default_scale if lr_scale is None else float(lr_scale),
+                 check=handed.fit, weight_decay_scale=handed.weight_decay_scale)
 
 
 def check_optimizer(optimizer, handed: HandedSum, owner: str) -> None:
@@ -220,8 +199,8 @@ class OptimizerFit:
     """Before every step of ``optimizer``: runs ``check(optimizer)`` (which raises if a
     parameter group no longer suits the hook, e.g. one added since, or a momentum a scheduler
     set) and puts ``settings`` (hyperparameter name -> value) into every parameter group; then
-    steps at ``rate_scale`` (a number, or a function called at every step) times each group's
-    learning rate, with ``weight_decay_scale(rate_scale)`` times its weight decay, and puts the
+    steps at ``lr_scale`` (a number, or a function called at every step) times each group's
+    learning rate, with ``weight_decay_scale(lr_scale)`` times its weight decay, and puts the
     rates and decays back. The
     settings are also put back after ``optimizer.load_state_dict``. Fitting the same optimizer
     again replaces the previous fit. Copies and unpickled optimizers lose the fit (torch keeps
@@ -230,13 +209,13 @@ class OptimizerFit:
     _ATTRIBUTE = "_hetero_comm_fit"
 
     def __init__(self, optimizer: torch.optim.Optimizer, settings: Dict[str, object],
-                 rate_scale: Union[float, Callable[[], float]],
+                 lr_scale: Union[float, Callable[[], float]],
                  check: Callable[[torch.optim.Optimizer], None],
-                 weight_decay_scale: Callable[[float], float] = lambda rate_scale: 1.0) -> None:
+                 weight_decay_scale: Callable[[float], float] = lambda lr_scale: 1.0) -> None:
         previous: Optional[OptimizerFit] = getattr(optimizer, self._ATTRIBUTE, None)
         if previous is not None:
             previous.remove()
-        self.optimizer, self.settings, self.rate_scale = optimizer, dict(settings), rate_scale
+        self.optimizer, self.settings, self.lr_scale = optimizer, dict(settings), lr_scale
         self._check, self._weight_decay_scale = check, weight_decay_scale
         self._user_values: List[tuple] = []  # (group, the user's rate and decay) while a step runs
         self._active = True
@@ -276,12 +255,12 @@ class OptimizerFit:
     def _before_step(self) -> None:
         self._check(self.optimizer)
         self._apply_settings(self.optimizer)
-        rate_scale = self.rate_scale() if callable(self.rate_scale) else self.rate_scale
-        decay_scale = self._weight_decay_scale(rate_scale)
-        if rate_scale != 1.0 or decay_scale != 1.0:
+        lr_scale = self.lr_scale() if callable(self.lr_scale) else self.lr_scale
+        decay_scale = self._weight_decay_scale(lr_scale)
+        if lr_scale != 1.0 or decay_scale != 1.0:
             for group in self.optimizer.param_groups:
                 self._user_values.append((group, group["lr"], group.get("weight_decay")))
-                group["lr"] = group["lr"] * rate_scale
+                group["lr"] = group["lr"] * lr_scale
                 if group.get("weight_decay"):
                     group["weight_decay"] = group["weight_decay"] * decay_scale
 

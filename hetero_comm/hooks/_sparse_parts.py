@@ -403,11 +403,10 @@ class IntegerWire:
 # ------------------------------------------------------------ what goes into the residual
 def add_contribution(state, plan_bucket: PlanBucket, grad: torch.Tensor) -> torch.Tensor:
     """What goes into the residual this step: the weighted gradient, or with momentum
-    correction the velocity ``u = momentum * u + (1 - momentum) * w * g``, in the units of
-    a gradient (:class:`~._optimizer.HandedMomentumCorrectedSum`)."""
-    scale = state.contribution_scale()
-    if scale != 1.0:
-        grad.mul_(scale)
+    correction the velocity ``u = momentum * u + w * g``."""
+    weight = state.contribution_weight()
+    if weight != 1.0:
+        grad.mul_(weight)
     if not state.momentum:
         return grad
     return plan_bucket.tensors["momentum"].mul_(state.momentum).add_(grad)

@@ -173,8 +173,7 @@ class HookState:
         """Fit ``optimizer``, set up as for dense training, to what this hook hands DDP, and
         keep the user's learning rate and schedule: the hyperparameters the hook needs are set
         in every parameter group (and set again after ``optimizer.load_state_dict``), and each
-        ``optimizer.step()`` runs at a multiple of every group's learning rate (``lr_scale``;
-        with momentum correction ``lr_scale / (1 - momentum)``), which
+        ``optimizer.step()`` runs at ``lr_scale`` times every group's learning rate, which
         holds the user's rate again when the step returns or raises (so schedulers, created
         before or after, logs and checkpoints see the user's rate). Before each step the
         groups are checked again (a group added since, or a momentum a scheduler set, raises
@@ -193,9 +192,8 @@ class HookState:
 
         Args:
             optimizer: a ``torch.optim.Optimizer`` (or a wrapper as above).
-            lr_scale: the factor on the step, > 0 (``None``: the hook's default); on the
-                learning rate inside each step, except with momentum correction (see
-                :meth:`~.segment_sparse.SegmentSparseState.prepare_optimizer`).
+            lr_scale: the factor on the learning rate inside each step, > 0 (``None``: the
+                hook's default).
 
         Returns:
             ``optimizer``, as given.
@@ -273,11 +271,10 @@ class HookState:
                    parameters=()) -> torch.futures.Future:
         """Weighted dense allreduce of ``grad`` in place (``after_warmup``: its bytes count
         in the compression ratio); ``parameters``, laid out in ``grad``, tell the rows of
-        dropped units, which are not sent (see :meth:`skip_dropped_units`); in the units of
-        what :meth:`handed_step` hands (``HandedSum.dense_scale``)."""
+        dropped units, which are not sent (see :meth:`skip_dropped_units`)."""
         layout = self.kept_layout(parameters)
         with self.timer("encode_seconds"):
-            grad.mul_(self.weight() * self.handed_step().dense_scale)
+            grad.mul_(self.weight())
             sent = grad if layout is None else layout.gather(grad, grad.new_empty(layout.numel))
         self.count_bytes(grad.numel() * grad.element_size(), sent.numel() * sent.element_size(),
                          after_warmup)

@@ -26,9 +26,6 @@ from ._sparse_parts import (INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, SEGMENTS, SE
                             restart_sent_velocity)
 from ._state import ErrorFeedbackState, check_state
 
-# What a checkpoint's velocity and residual are measured in (with momentum correction).
-VELOCITY_UNITS = "gradient"
-
 __all__ = ["SegmentSparseState", "segment_sparse_hook", "momentum_correction_lr_scale",
            "int8_levels", "fitting_segment_size", "MIN_SEGMENTS_PER_BUCKET", "SIGN_LR_SCALE",
            "INT8_CLIP_RMS", "WIRE_DTYPES"]
@@ -66,10 +63,9 @@ class SegmentSparseState(ErrorFeedbackState):
             carry this step's importance in the same single allreduce (one collective per
             bucket, a selection one step old).
         momentum: momentum correction in [0, 1) (Deep Gradient Compression): the hook keeps a
-            velocity ``u = momentum * u + (1 - momentum) * g`` (in the units of a gradient)
-            and accumulates ``u``, clearing both for the segments it sends. Use it INSTEAD
-            of the optimizer's momentum (:meth:`prepare_optimizer` sets that to 0 and the
-            rate). 0 (default) accumulates the gradient itself.
+            velocity ``u = momentum * u + g`` and accumulates ``u``, clearing both for the
+            segments it sends. Use it INSTEAD of the optimizer's momentum (set that to 0).
+            0 (default) accumulates the gradient itself.
         density_warmup_steps: after the dense warm-up, the density falls geometrically from 1
             to ``density`` over this many steps (0: start at ``density``), >= 0.
         wire_dtype: dtype of the packed values on the wire: ``"float32"`` (default),
@@ -155,11 +151,10 @@ class SegmentSparseState(ErrorFeedbackState):
         """How many contributions that sum adds up (the int8 wire's levels follow from it)."""
         return self.world_size()
 
-    def contribution_scale(self) -> float:
-        """The factor on the gradient this rank adds to its residual: its weight, times
-        ``1 - momentum`` with momentum correction (the velocity in the units of a gradient);
-        the two-level sync applies it before summing inside the machine, so 1 there."""
-        return self.weight() * (1.0 - self.momentum)
+    def contribution_weight(self) -> float:
+        """The factor on the gradient this rank adds to its residual (the two-level sync
+        weights before summing inside the machine, so 1 there)."""
+        return self.weight()
 
     def handed_step(self) -> HandedSum:
         """What the hook hands the optimizer (see :meth:`prepare_optimizer`)."""
@@ -181,31 +176,15 @@ class SegmentSparseState(ErrorFeedbackState):
           ``lr_scale`` times the rate, default :data:`SIGN_LR_SCALE` (1.5), and the weight
           decay divided by ``lr_scale`` (dense's decay, ``lr * weight_decay``).
         * ``momentum`` > 0 (momentum correction): SGD whose momentum is 0 or this state's,
-          without Nesterov or dampening. Sets its momentum to 0 (the hook applies it, and
-          hands the sent velocity in the units of a gradient: ``1 - momentum`` times dense
-          momentum SGD's, so clipping thresholds and logged norms mean what they do under
-          dense training) and steps at ``lr_scale / (1 - momentum)`` times the rate,
-          ``lr_scale`` default :func:`momentum_correction_lr_scale` of the density and
-          momentum (2.1 at 8% and 0.9: it gives back what clearing the velocity of sent
-          segments loses), with the weight decay divided by ``lr_scale`` (dense momentum
-          SGD's decay).
+          without Nesterov or dampening. Sets its momentum to 0 (the hook applies it) and
+          steps at ``lr_scale`` times the rate, default :func:`momentum_correction_lr_scale`
+          of the density and momentum (2.1 at 8% and 0.9: clearing the velocity of sent
+          segments loses about half of each step), and the weight decay times
+          ``1 / ((1 - momentum) * lr_scale)`` (dense momentum SGD's decay, which its momentum
+          sums to ``1 / (1 - momentum)`` times itself).
         * otherwise (``output="sum"``): any optimizer, unchanged (``lr_scale`` default 1).
         """
         return super().prepare_optimizer(optimizer, lr_scale)
-
-    def state_dict(self) -> dict:
-        """:meth:`ErrorFeedbackState.state_dict`, marked as keeping the velocity in the
-        units of a gradient (older checkpoints kept ``1 / (1 - momentum)`` times it)."""
-        return dict(super().state_dict(), velocity_units=VELOCITY_UNITS)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """:meth:`ErrorFeedbackState.load_state_dict`; with momentum correction, a
-        checkpoint of an older hetero_comm (velocity and residual ``1 / (1 - momentum)``
-        times a gradient's units) is converted."""
-        if self.momentum and state_dict.get("velocity_units") != VELOCITY_UNITS and "ranks" in state_dict:
-            state_dict = dict(state_dict, ranks={rank: _velocity_in_gradient_units(part, self.momentum)
-                                                 for rank, part in state_dict["ranks"].items()})
-        super().load_state_dict(state_dict)
 
     def segment_size_for(self, numel: int) -> int:
         """Elements per segment (``basis="dct"``: blocks per segment) in a bucket, or the part
@@ -263,20 +242,6 @@ class SegmentSparseState(ErrorFeedbackState):
     def segments_to_send(self, segments: int, step: int) -> int:
         """``k = ceil(density * S)`` at ``step`` (at least 1 for a non-empty bucket)."""
         return min(segments, max(1, math.ceil(self.density_at(step) * segments - 1e-9)))
-
-
-def _velocity_in_gradient_units(part: dict, momentum: float) -> dict:
-    """One rank's saved error feedback with everything held back, and the importance it
-    ranks by, times ``1 - momentum``."""
-    factor = 1.0 - momentum
-    buckets = []
-    for saved in part["plan"]:
-        extra = dict(saved["extra"])
-        if isinstance(extra.get("indicator_importance"), torch.Tensor):
-            extra["indicator_importance"] = extra["indicator_importance"] * factor
-        buckets.append(dict(saved, tensors={name: tensor * factor for name, tensor in saved["tensors"].items()},
-                            extra=extra))
-    return dict(part, plan=buckets)
 
 
 def segment_sparse_hook(state: SegmentSparseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -209,21 +209,13 @@ class TwoLevelState(SegmentSparseState):
     def exchange_size(self) -> int:
         return self.groups.machines
 
-    def contribution_scale(self) -> float:
-        return 1.0  # applied before the sum inside the machine (:meth:`staging_scale`)
-
-    def staging_scale(self) -> float:
-        """The factor on this rank's gradient before the sum inside the machine: its weight,
-        times ``1 - momentum`` where the sparse exchange's momentum correction keeps the
-        velocity in the units of a gradient."""
-        if self.between_machines == "dense":
-            return self.weight()
-        return SegmentSparseState.contribution_scale(self)
+    def contribution_weight(self) -> float:
+        return 1.0  # the rank weight is applied before the sum inside the machine
 
     def handed_step(self) -> HandedSum:
         """As :meth:`SegmentSparseState.handed_step`; with ``density="auto"`` and momentum
         correction, the learning-rate factor follows the density each step ran at; with
-        ``between_machines="dense"``, the plain sum."""
+        ``between_machines="dense"``, the plain sum (which any optimizer takes as it is)."""
         if self.between_machines == "dense":
             return HandedSum()  # the exchange hands the plain sum, whatever the sparse settings
         handed = super().handed_step()
@@ -451,7 +443,7 @@ def _two_level_exchange(state: TwoLevelState, plan_bucket: PlanBucket, grad: tor
     mine = pool.acquire(shares.slot, dtype, device)
     # 1. Sum inside the machine: this rank's share.
     with state.timer("encode_seconds"):
-        shares.stage(grad, staged, state.staging_scale())
+        shares.stage(grad, staged, state.weight())
     _sum_inside_machine(state, staged, mine)
     # 2. Exchange the share between machines (the sparse steps count its bytes).
     own = shares.stop - shares.start

@@ -56,8 +56,7 @@ class TrainConfig:
     ``prepare_optimizer`` builds the optimizer as for dense training (AdamW's default betas,
     SGD with ``momentum``, at ``lr``) and hands it to the hook state's ``prepare_optimizer``,
     as a user keeping their dense settings would; without it the optimizer is built for the
-    hook directly (:meth:`adam_betas`, :meth:`optimizer_momentum`,
-    :meth:`velocity_rate_scale`), ``lr`` its rate.
+    hook directly (:meth:`adam_betas`, :meth:`optimizer_momentum`) and takes ``lr`` as is.
 
     ``dropout`` > 0 puts dropout after each hidden layer of the MLP: ``dropout_kind``
     ``"standard"`` (``nn.Dropout``, a mask per sample), ``"unit"`` (whole units, the same on
@@ -165,17 +164,6 @@ class TrainConfig:
             return self.momentum
         return 0.0 if self.hook_settings.get("momentum") else self.momentum
 
-    def velocity_rate_scale(self) -> float:
-        """The factor on SGD's ``lr`` built for the hook directly: ``1 / (1 - momentum)``
-        where the hook's momentum correction hands ``1 - momentum`` times the velocity (so
-        ``lr`` stays momentum SGD's rate on it, and the weight decay, divided by it, decays
-        at ``lr * weight_decay`` as before); else 1."""
-        momentum = self.hook_settings.get("momentum")
-        if (self.prepare_optimizer or not momentum
-                or self.hook_settings.get("between_machines") == "dense"):  # a plain sum
-            return 1.0
-        return 1.0 / (1.0 - momentum)
-
     def adam_betas(self) -> Tuple[float, float]:
         """AdamW's betas: ``(0.0, 0.0)`` with the sparse hook's ``output="sign"`` (AdamW then
         steps by ``lr`` times the sign it is given, with its decoupled weight decay: error
@@ -191,10 +179,8 @@ class TrainConfig:
             optimizer = torch.optim.AdamW(parameters, lr=self.lr, betas=self.adam_betas(),
                                           weight_decay=self.weight_decay)
         else:
-            scale = self.velocity_rate_scale()
-            optimizer = torch.optim.SGD(parameters, lr=self.lr * scale,
-                                        momentum=self.optimizer_momentum(),
-                                        weight_decay=self.weight_decay / scale)
+            optimizer = torch.optim.SGD(parameters, lr=self.lr, momentum=self.optimizer_momentum(),
+                                        weight_decay=self.weight_decay)
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor(total_steps))
 
     def lr_factor(self, total_steps: int) -> Callable[[int], float]:
