@@ -230,6 +230,7 @@ def test_non_finite_gradient_in_the_kept_part(settings_, device_side_checks):
         assert np.isfinite(result["params"]).all() and np.isfinite(result["held_back"]).all()
         assert result["stats"]["non_finite_buckets"] >= 1
         assert result["buffers_in_use"] == 0
+        assert not result["warned_masks"]  # the skipped step kept the masks: no false alarm
 
 
 def test_resume_continues_the_masks_and_error_feedback_exactly():

@@ -149,6 +149,7 @@ class HookState:
                             f"got {type(units).__name__}")
         self._dropped_units = units
         self._masks_step, self._warned_masks = None, False
+        self._non_finite_at_checks = (0, 0)  # the count at the last two mask checks
 
     def kept_layout(self, parameters) -> Optional[KeptLayout]:
         """What units kept at this step touch of ``parameters`` (a flat layout); ``None``:
@@ -291,11 +292,17 @@ class HookState:
 
     def _check_masks_advance(self) -> None:
         """Warn (once) when the unit-dropout masks did not change between two synchronised
-        steps: the set was not attached to the optimizer, so the same units stay dropped."""
+        steps: the set was not attached to the optimizer, so the same units stay dropped.
+        Not after a bucket was handed on holding NaN in the last two steps (a ``GradScaler``
+        then skips ``optimizer.step()``, and the attached set with it; on CUDA that bucket is
+        counted a step late)."""
         units = self._dropped_units
         if units is None:
             return
-        if units.step == self._masks_step and not self._warned_masks:
+        non_finite = self._stats.get("non_finite_buckets", 0)
+        skipped = non_finite > self._non_finite_at_checks[0]
+        self._non_finite_at_checks = (self._non_finite_at_checks[1], non_finite)
+        if units.step == self._masks_step and not self._warned_masks and not skipped:
             logger.warning("%s: the unit-dropout masks did not change since the last step; call "
                            "units.attach(optimizer) (or units.next_step() after each step)",
                            type(self).__name__)
