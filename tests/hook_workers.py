@@ -18,6 +18,12 @@ from hetero_comm.hetero import DynamicBatchController, HeteroSampler
 from hetero_comm.lab.registry import HOOKS, make_hook
 
 
+# The optimizers the workers build by name, as a user has them.
+OPTIMIZERS = {"adamw": lambda parameters: torch.optim.AdamW(parameters, lr=1e-3),
+              "sgd_momentum": lambda parameters: torch.optim.SGD(parameters, lr=0.01, momentum=0.9),
+              "sgd": lambda parameters: torch.optim.SGD(parameters, lr=0.01)}
+
+
 def make_model(seed: int = 0, dtype=torch.float32) -> nn.Module:
     """Three layers of uneven sizes (1,490 parameters in six tensors)."""
     torch.manual_seed(seed)
@@ -318,9 +324,7 @@ def recipe_step_host_syncs(rank, world_size, optimizer_name, warmup_steps=4):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)]).cuda()
     ddp = DistributedDataParallel(model, process_group=nccl, bucket_cap_mb=1.5)
-    optimizer = {"adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
-                 "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
-                 "sgd": lambda p: torch.optim.SGD(p, lr=0.01)}[optimizer_name](ddp.parameters())
+    optimizer = OPTIMIZERS[optimizer_name](ddp.parameters())
     hetero_comm.compress(ddp, optimizer, process_group=nccl)
     return _host_syncs_of_a_steady_step(ddp, optimizer, warmup_steps)
 
@@ -363,9 +367,7 @@ def prepared_by_two_level(rank, world_size, settings, optimizer_name):
     """A TwoLevelState with ``settings`` prepares a fresh ``optimizer_name`` ("adamw" or
     "sgd_momentum"); its first group's hyperparameters, as lists."""
     from hetero_comm.hooks import TwoLevelState
-    parameters = [nn.Parameter(torch.ones(3))]
-    optimizer = (torch.optim.AdamW(parameters, lr=1e-3) if optimizer_name == "adamw"
-                 else torch.optim.SGD(parameters, lr=0.05, momentum=0.9))
+    optimizer = OPTIMIZERS[optimizer_name]([nn.Parameter(torch.ones(3))])
     TwoLevelState(**settings).prepare_optimizer(optimizer)
     group = optimizer.param_groups[0]
     return {name: list(group[name]) if isinstance(group[name], tuple) else group[name]
