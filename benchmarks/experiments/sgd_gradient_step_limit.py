@@ -29,8 +29,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from hetero_comm.lab.launch import run_ranks
 from hetero_comm.lab.training import TrainConfig, run_training
+from sgd_step_limit import regression_row
 from teacher_regression import run_steps, set_up
 
 _LIMIT_ENV = "HETERO_COMM_GRADIENT_STEP_LIMIT"  # "K"; read by every rank (spawned: inherited)
@@ -105,12 +105,7 @@ def main() -> None:
             os.environ.pop(_LIMIT_ENV, None)
         name = "no limit" if not limited else f"K={limit}"
         if "regression" in models:
-            cells = []
-            for lr in (0.02, 0.05, 0.1):
-                losses = run_ranks(2, regression, lr, limited, timeout=600)[0]
-                last = f"{losses[-1]:.3f}" if math.isfinite(losses[-1]) and len(losses) == 80 else "diverged"
-                cells.append(f"lr {lr:g}: {last}")
-            print(f"regression, {name}: " + ", ".join(cells), flush=True)
+            print(f"regression, {name}: {regression_row(regression, limited)}", flush=True)
         if "gru" in models:
             cells = []
             for lr in (0.3, 1.0, 3.0):
