@@ -23,7 +23,8 @@ with what it missed.
 sweep can be run in parts and the table printed over all of them (``--fresh`` ignores the file).
 
 Usage: python benchmarks/bench_generality.py [--models resnet,gru,gpt_large] [--optimizers adamw,sgd]
-       [--lrs 1e-3,3e-3] [--ranks 2,4] [--epochs N] [--seeds N] [--json PATH] [--fresh] [--quick]
+       [--lrs 1e-3,3e-3] [--ranks 2,4] [--epochs N] [--seeds N] [--ratio R] [--json PATH] [--fresh]
+       [--quick]
        python benchmarks/bench_generality.py --json PATH --table   (the table only)
 """
 
@@ -87,20 +88,22 @@ def train(options: dict, hook: str) -> dict:
 
 
 def run_case(model: str, optimizer: str, lr: float, ranks: int, epochs: Optional[int],
-             quick: bool, seeds: int = 1) -> dict:
+             quick: bool, seeds: int = 1, ratio: Optional[float] = None) -> dict:
     """Dense and the recipe from each of ``seeds`` seeds (0, 1, ...); with several, ``dense``
-    and ``recipe_run`` hold their means and ``per_seed`` every run."""
+    and ``recipe_run`` hold their means and ``per_seed`` every run. ``ratio``: the recipe at
+    ``compress(ratio=...)`` instead of its own."""
     options = dict(MODELS[model], **OPTIMIZERS[optimizer], lr=lr, workers=ranks)
     options["global_batch"] = options["global_batch"] // 2 * ranks
     if epochs is not None:
         options["epochs"] = epochs
     if quick:
         options.update(epochs=1, max_steps=10, lr_warmup_steps=0)
-    case = dict(model=model, optimizer=optimizer, lr=lr, ranks=ranks, options=options,
+    recipe_options = dict(options, hook_settings=dict(ratio=ratio)) if ratio else options
+    case = dict(model=model, optimizer=optimizer, lr=lr, ranks=ranks, ratio=ratio, options=options,
                 recipe="hetero_comm.compress", command="python " + " ".join(sys.argv),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     runs = [dict(seed=seed, dense=train(dict(options, seed=seed), "dense"),
-                 recipe_run=train(dict(options, seed=seed), "recipe")) for seed in range(seeds)]
+                 recipe_run=train(dict(recipe_options, seed=seed), "recipe")) for seed in range(seeds)]
     if seeds == 1:
         case.update(dense=runs[0]["dense"], recipe_run=runs[0]["recipe_run"])
     else:
@@ -151,7 +154,7 @@ def judge(dense: dict, recipe: dict) -> Dict[str, object]:
 
 def key(case: dict) -> tuple:
     return (case["model"], case["optimizer"], float(case["lr"]), int(case["ranks"]),
-            int(case["options"]["epochs"]), int(case.get("seeds", 1)))
+            int(case["options"]["epochs"]), int(case.get("seeds", 1)), float(case.get("ratio") or 0))
 
 
 def cell(run: dict) -> str:
@@ -171,6 +174,8 @@ def table(cases: List[dict]) -> str:
         gaps = ("|" if c["loss_gap_percent"] is None else
                 f"{c['loss_gap_percent']:+.1f} | {c['accuracy_gap_points']:+.1f}")
         compression = "" if recipe["diverged"] else f"{recipe['compression']:.1f}x"
+        if c.get("ratio"):
+            compression += f" (ratio={c['ratio']:g})"
         lines.append(f"| {c['model']} | {c['optimizer']} | {c['lr']:g} | {c['ranks']} | {c['options']['epochs']} | "
                      f"{c.get('seeds', 1)} | {cell(dense)} | "
                      f"{cell(recipe)} | {gaps} | {compression} | {c['verdict']} | {seed_gaps(c)} | "
@@ -200,6 +205,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=None, help="override every model's epochs")
     parser.add_argument("--seeds", type=int, default=1,
                         help="seeds per case (0, 1, ...): the table shows their means")
+    parser.add_argument("--ratio", type=float, default=None,
+                        help="the recipe at compress(ratio=RATIO) instead of its own (a separate case)")
     parser.add_argument("--json", default=None, help="records of every case (read first, then extended)")
     parser.add_argument("--fresh", action="store_true", help="ignore cases already in --json")
     parser.add_argument("--quick", action="store_true", help="10 steps per run (a smoke test)")
@@ -226,10 +233,11 @@ def run_sweep(args: argparse.Namespace, cases: List[dict]) -> None:
             for lr in lrs:
                 for ranks in (int(r) for r in args.ranks.split(",")):
                     epochs = 1 if args.quick else args.epochs or MODELS[model]["epochs"]
-                    if (model, optimizer, float(lr), ranks, epochs, args.seeds) in done:
+                    if (model, optimizer, float(lr), ranks, epochs, args.seeds, args.ratio or 0.0) in done:
                         print(f"  kept: {model}, {optimizer}, lr {lr:g}, {ranks} ranks", file=sys.stderr)
                         continue
-                    case = run_case(model, optimizer, lr, ranks, args.epochs, args.quick, args.seeds)
+                    case = run_case(model, optimizer, lr, ranks, args.epochs, args.quick, args.seeds,
+                                    args.ratio)
                     cases.append(case)
                     print(f"  done: {model}, {optimizer}, lr {lr:g}, {ranks} ranks: {case['verdict']} "
                           f"({case['dense']['wall_seconds']:.0f} s + {case['recipe_run']['wall_seconds']:.0f} s)",

@@ -117,6 +117,12 @@ def test_generality_benchmark_averages_seeds_and_keeps_cases_it_has(tmp_path):
     again = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_generality.py"), *args],
                            capture_output=True, text=True, timeout=300, cwd=REPO)
     assert "kept: resnet, adamw, lr 0.001, 2 ranks" in again.stderr  # not run twice
+    out = run_script("bench_generality", *args, "--ratio", "8")  # a case of its own
+    own, asked = json.loads(saved.read_text())
+    assert (own["ratio"], asked["ratio"]) == (None, 8.0)
+    # ten steps, the first dense: 4.7x against 7.9x
+    assert asked["recipe_run"]["compression"] < 0.8 * own["recipe_run"]["compression"]
+    assert sum("(ratio=8)" in line for line in out.splitlines() if line.startswith("| resnet")) == 1
 
 
 def two_level_record(final_loss: float, losses) -> dict:
