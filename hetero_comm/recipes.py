@@ -259,11 +259,11 @@ def _warn_where_unmeasured(ddp_model: DistributedDataParallel, recipe: Recipe,
         warnings.warn("hetero_comm.compress: the SGD recipe fell behind dense training on every "
                       "measured model with normalization, attention or recurrent layers (a "
                       "transformer: +6.4% validation loss, one ten times larger +7 to +21% at two "
-                      "of three rates; a residual CNN with GroupNorm: 7.4 "
-                      "points of accuracy at 4 ranks over five seeds; a GRU: +2 to +7% loss at two "
-                      "of three rates and at 4 ranks; docs/recipes.md, 'Not yet'), and held on an MLP and a CNN "
-                      "without them: with such layers prefer AdamW, or compare with a dense run",
-                      UserWarning, stacklevel=3)
+                      "of three rates; a residual CNN with GroupNorm: 7.4 to 8.1 points of "
+                      "accuracy in runs of 220 steps, 0.7 in 440; a GRU: +2 to +7% loss at two of "
+                      "three rates and at 4 ranks; docs/recipes.md, 'Not yet'), and held on an MLP "
+                      "and a CNN without them: with such layers prefer AdamW, or compare with a "
+                      "dense run", UserWarning, stacklevel=3)
 
 
 def _has_layers_the_sgd_recipe_failed_on(module: torch.nn.Module) -> bool:
