@@ -126,10 +126,12 @@ class HandedMomentumCorrectedSum(HandedSum):
                                  f"needs cycle_momentum=False)")
             if group["nesterov"]:
                 raise ValueError(f"parameter group {index} uses Nesterov momentum, which the "
-                                 f"hook's momentum correction does not apply")
+                                 f"hook's momentum correction does not apply: build the "
+                                 f"optimizer with nesterov=False (plain momentum), or use AdamW")
             if group["momentum"] and group["dampening"]:
                 raise ValueError(f"parameter group {index} has dampening {group['dampening']}, "
-                                 f"which the hook's momentum correction does not apply")
+                                 f"which the hook's momentum correction does not apply: build "
+                                 f"the optimizer with dampening=0, or use AdamW")
         if callable(self.density):
             return {"momentum": 0.0}, lambda: momentum_correction_lr_scale(self.density(), self.momentum)
         return {"momentum": 0.0}, momentum_correction_lr_scale(self.density, self.momentum)
