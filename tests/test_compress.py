@@ -131,15 +131,19 @@ WRITTEN_OUT = {
 RUN = dict(model="mlp", hidden=256, epochs=1, max_steps=6, global_batch=64, workers=2)
 
 
+@pytest.mark.parametrize("workers", [2, 3])
 @pytest.mark.parametrize("optimizer,lr", [("adamw", 1e-3), ("sgd", 0.05)])
-def test_one_call_trains_bitwise_as_the_recipe_written_out(optimizer, lr):
+def test_one_call_trains_bitwise_as_the_recipe_written_out(optimizer, lr, workers):
     """hook="recipe" (``compress`` on the lab's DDP model and dense optimizer) against the
     state built by hand with the recipe's settings and ``prepare_optimizer``: the recipe rows
-    of benchmarks/bench_convergence.py run the former."""
-    common = dict(RUN, optimizer=optimizer, lr=lr, momentum=0.9, weight_decay=0.01)
+    of benchmarks/bench_convergence.py run the former. Also at an odd world size (the int8
+    wire's levels, 127 // 3, and the rank weight 1/3 not a power of two)."""
+    common = dict(RUN, optimizer=optimizer, lr=lr, momentum=0.9, weight_decay=0.01, workers=workers,
+                  global_batch=32 * workers)
     one_call = run_training(TrainConfig(hook="recipe", **common))
     by_hand = run_training(TrainConfig(hook="sparse", hook_settings=WRITTEN_OUT[optimizer],
                                        prepare_optimizer=True, **common))
+    assert one_call["ranks_identical"] and by_hand["ranks_identical"]
     assert one_call["steps"] == by_hand["steps"] == 6
     np.testing.assert_array_equal(one_call["final_parameters"], by_hand["final_parameters"])
     assert one_call["bytes_total"] == by_hand["bytes_total"]
