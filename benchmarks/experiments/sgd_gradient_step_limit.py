@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hetero_comm.lab.training import TrainConfig, run_training
-from sgd_step_limit import regression_row
+from sgd_step_limit import hold_norm, regression_row
 from teacher_regression import run_steps, set_up
 
 _LIMIT_ENV = "HETERO_COMM_GRADIENT_STEP_LIMIT"  # "K"; read by every rank (spawned: inherited)
@@ -59,12 +59,7 @@ def _limited(parameters, max_norm, *args, **kwargs):
     dist.all_reduce(squared)
     gradient_norm = math.sqrt(float(squared) / dist.get_world_size())
     _state["reference"] = MOMENTUM * _state["reference"] + gradient_norm
-    limit = float(os.environ[_LIMIT_ENV]) * _state["reference"]
-    if math.isfinite(norm) and norm > limit:
-        with torch.no_grad():
-            for p in parameters:
-                if p.grad is not None:
-                    p.grad.mul_(limit / norm)
+    hold_norm(parameters, norm, float(os.environ[_LIMIT_ENV]) * _state["reference"])
     return torch.tensor(norm)
 
 

@@ -41,15 +41,19 @@ def _limited(parameters, max_norm, *args, **kwargs):
     norm = float(_clip(parameters, float("inf")))
     k, window = (float(v) for v in os.environ[_LIMIT_ENV].split(","))
     recent = _norms[-int(window):]
-    if len(recent) == int(window) and math.isfinite(norm):
-        limit = k * statistics.median(recent)
-        if norm > limit:
-            with torch.no_grad():
-                for p in parameters:
-                    if p.grad is not None:
-                        p.grad.mul_(limit / norm)
+    if len(recent) == int(window):
+        hold_norm(parameters, norm, k * statistics.median(recent))
     _norms.append(norm)
     return torch.tensor(norm)
+
+
+def hold_norm(parameters, norm: float, limit: float) -> None:
+    """Scale the gradients whose total norm is ``norm`` down to ``limit`` if above it."""
+    if math.isfinite(norm) and norm > limit:
+        with torch.no_grad():
+            for p in parameters:
+                if p.grad is not None:
+                    p.grad.mul_(limit / norm)
 
 
 if os.environ.get(_LIMIT_ENV):  # in every spawned rank, which imports this module again
