@@ -2,7 +2,7 @@
 (issue 34, "Proof: Generality") on a small residual CNN on the digits (``resnet``), a
 byte-level GRU language model on the transformer's text (``gru``) and bench_convergence's
 transformer at 10x its size (``gpt_large``: width 416, 8.46M parameters), with AdamW and with SGD
-(momentum 0.9), at several learning rates and at 2 and 4 gloo ranks; ``resnet_cosine`` is the
+(momentum 0.9; ``sgd_nesterov``: Nesterov's), at several learning rates and at 2 and 4 gloo ranks; ``resnet_cosine`` is the
 ResNet with the others' warm-up and cosine schedule.
 
 Each case trains the model twice from the same seed: dense allreduce, and the recipe for its
@@ -44,6 +44,7 @@ from hetero_comm.lab.training import TrainConfig, run_training
 OPTIMIZERS = {  # the dense optimizer's settings, as the user has them
     "adamw": dict(optimizer="adamw", weight_decay=0.01),
     "sgd": dict(optimizer="sgd", momentum=0.9),
+    "sgd_nesterov": dict(optimizer="sgd", momentum=0.9, nesterov=True),
 }
 # Per model: its workload at 2 ranks (global_batch scales with the ranks) and its default rates.
 MODELS = {
@@ -67,6 +68,8 @@ LRS = {
     ("gpt_large", "adamw"): (3e-4, 1e-3, 3e-3),
     ("gpt_large", "sgd"): (0.1, 0.3, 1.0),
 }
+LRS.update({(model, "sgd_nesterov"): rates for (model, optimizer), rates in list(LRS.items())
+            if optimizer == "sgd"})
 MAX_LOSS_GAP_PERCENT = 2.0
 MAX_ACCURACY_DROP_POINTS = 1.0
 MIN_COMPRESSION = 25.0

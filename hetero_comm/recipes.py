@@ -39,14 +39,15 @@ MEASURED_RATIO = 40.0
 # ratio="auto": the compression the link asks for, between these (64x: about 5.5% of the
 # segments, where the AdamW recipe still held at 2 ranks; 16x: about 24%).
 AUTO_RATIOS = (16.0, 64.0)
-# The SGD recipe sets the optimizer's momentum to 0 (the hook applies it); the momentum the user
-# gave is kept in each parameter group under this key, so it travels in optimizer.state_dict()
-# and a resumed run's compress() finds it whichever it loads first.
+# The SGD recipe sets the optimizer's momentum to 0 and Nesterov off (the hook applies them);
+# what the user gave is kept in each parameter group under these keys, so it travels in
+# optimizer.state_dict() and a resumed run's compress() finds it whichever it loads first.
 USER_MOMENTUM_KEY = "hetero_comm_momentum"
+USER_NESTEROV_KEY = "hetero_comm_nesterov"
 
 _SUPPORTED = ("torch.optim.AdamW, torch.optim.Adam (no weight decay, or "
-              "decoupled_weight_decay=True), torch.optim.SGD (with or without momentum; "
-              "no Nesterov, no dampening)")
+              "decoupled_weight_decay=True), torch.optim.SGD (with or without momentum, "
+              "Nesterov or not; no dampening)")
 _LOWER_LEVEL = ("for other optimizers build a hetero_comm.hooks.SegmentSparseState (output='sum') "
                 "and register hetero_comm.hooks.segment_sparse_hook yourself")
 
@@ -89,8 +90,9 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
 
     * AdamW, or Adam without coupled weight decay: DCT segments, the sign of the agreed sum,
       10% density (about 37x).
-    * SGD with momentum ``m``: momentum correction with ``m``, 8% density, segments of 512 or
-      smaller so that every bucket has 150 (about 29-35x measured).
+    * SGD with momentum ``m``: momentum correction with ``m`` (Nesterov's where the optimizer
+      has ``nesterov=True``), 8% density, segments of 512 or smaller so that every bucket has
+      150 (about 29-35x measured).
     * SGD without momentum: the same, without momentum correction.
 
     Args:
@@ -100,8 +102,8 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
 
     Raises:
         TypeError: an optimizer no recipe serves (the message lists the supported ones).
-        ValueError: a ``ratio`` out of range, SGD groups with different momenta, Nesterov,
-            dampening, or Adam's coupled weight decay.
+        ValueError: a ``ratio`` out of range, SGD groups with different momenta or mixing
+            Nesterov and plain momentum, dampening, or Adam's coupled weight decay.
     """
     inner = unwrap_optimizer(optimizer)
     if isinstance(ratio, str) and ratio != "auto":
@@ -123,6 +125,14 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
                         min_segments_per_bucket=SGD_MIN_SEGMENTS_PER_BUCKET)
         if momenta[0]:
             settings["momentum"] = momenta[0]
+            nesterov = {bool(group.get(USER_NESTEROV_KEY, group["nesterov"]))
+                        for group in inner.param_groups}
+            if len(nesterov) > 1:
+                raise ValueError("the SGD recipe applies one kind of momentum in the hook; the "
+                                 "optimizer's parameter groups mix nesterov=True and False: give "
+                                 "them one")
+            if nesterov == {True}:
+                settings["nesterov"] = True
         return Recipe("sgd", settings)
     raise TypeError(f"hetero_comm.compress has no recipe for {type(inner).__name__}; supported: "
                     f"{_SUPPORTED}. {_LOWER_LEVEL}")
@@ -218,11 +228,12 @@ def _recipe_state(recipe: Recipe, ratio, machines, process_group, ddp_model):
 
 
 def _remember_user_momentum(optimizer: torch.optim.Optimizer, recipe: Recipe) -> None:
-    """The SGD recipe sets the momentum to 0: keep the user's in each group, for the
-    :func:`recipe_for` of a resumed run."""
+    """The SGD recipe sets the momentum to 0 and Nesterov off: keep the user's in each group,
+    for the :func:`recipe_for` of a resumed run."""
     if recipe.name == "sgd":
         for group in optimizer.param_groups:
             group.setdefault(USER_MOMENTUM_KEY, float(group["momentum"]))
+            group.setdefault(USER_NESTEROV_KEY, bool(group["nesterov"]))
 
 
 def _check_model(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:

@@ -51,8 +51,9 @@ BAD_CALLS = {
     "machines not dividing the ranks": lambda ddp: (ddp, torch.optim.AdamW(ddp.parameters()),
                                                     dict(machines=3)),
     "adam coupled decay": lambda ddp: (ddp, torch.optim.Adam(ddp.parameters(), weight_decay=0.01), {}),
-    "sgd nesterov": lambda ddp: (ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9,
-                                                      nesterov=True), {}),
+    "sgd nesterov in one group": lambda ddp: (ddp, torch.optim.SGD(
+        [{"params": ddp.module[0].parameters(), "nesterov": True},
+         {"params": ddp.module[2].parameters()}], lr=0.1, momentum=0.9), {}),
     "sgd dampening": lambda ddp: (ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9,
                                                        dampening=0.5), {}),
     "sgd momenta differ": lambda ddp: (ddp, torch.optim.SGD(
@@ -113,15 +114,16 @@ def call_warnings(rank, world_size, model_kind, optimizer_kind, ratio):
     return [str(w.message) for w in caught if "hetero_comm.compress" in str(w.message)]
 
 
-def resume_either_order(rank, world_size, load_optimizer_first):
-    """Train 3 steps with SGD (momentum 0.9) under compress, save, and resume into new objects,
-    loading the optimizer's dict before or after compress; then 2 more steps. Returns the
-    resumed state's momentum and the parameters after each run's last step."""
+def resume_either_order(rank, world_size, load_optimizer_first, nesterov=False):
+    """Train 3 steps with SGD (momentum 0.9, ``nesterov``) under compress, save, and resume
+    into new objects, loading the optimizer's dict before or after compress; then 2 more
+    steps. Returns the resumed state's momentum and Nesterov setting, and whether the
+    parameters after each run's last step are identical."""
     def steps(ddp, optimizer, first, count):
         regression_steps(ddp, optimizer, rank, first, count)
 
     ddp = make_ddp()
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, nesterov=nesterov)
     state = hetero_comm.compress(ddp, optimizer)
     steps(ddp, optimizer, 0, 3)
     saved = copy.deepcopy(dict(model=ddp.module.state_dict(), optimizer=optimizer.state_dict(),
@@ -131,7 +133,7 @@ def resume_either_order(rank, world_size, load_optimizer_first):
 
     ddp = make_ddp(seed=1)
     ddp.module.load_state_dict(saved["model"])
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, nesterov=nesterov)
     if load_optimizer_first:
         optimizer.load_state_dict(saved["optimizer"])
     state = hetero_comm.compress(ddp, optimizer)
@@ -140,7 +142,7 @@ def resume_either_order(rank, world_size, load_optimizer_first):
     state.load_state_dict(saved["hook"])
     steps(ddp, optimizer, 3, 2)
     resumed = [p.detach().clone() for p in ddp.parameters()]
-    return state.momentum, all(torch.equal(a, b) for a, b in zip(straight, resumed))
+    return state.momentum, state.nesterov, all(torch.equal(a, b) for a, b in zip(straight, resumed))
 
 
 def two_level_steps(rank, world_size, optimizer_kind, ratio):

@@ -32,6 +32,9 @@ def params():
     (lambda: torch.optim.SGD(params(), lr=0.1, momentum=0.5), "sgd",
      dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150,
           momentum=0.5)),
+    (lambda: torch.optim.SGD(params(), lr=0.1, momentum=0.9, nesterov=True), "sgd",
+     dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150,
+          momentum=0.9, nesterov=True)),
     (lambda: torch.optim.SGD(params(), lr=0.1), "sgd",
      dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150)),
 ])
@@ -90,7 +93,7 @@ def test_bad_calls_raise_clear_errors_and_change_nothing():
         "machines not covering the ranks": ("ValueError", "machines has 3 labels but the process group has 2"),
         "machines not dividing the ranks": ("ValueError", "machines=3 ranks per machine does not divide the 2"),
         "adam coupled decay": ("ValueError", "Use AdamW"),
-        "sgd nesterov": ("ValueError", "Nesterov momentum.*nesterov=False"),
+        "sgd nesterov in one group": ("ValueError", "mix nesterov=True and False"),
         "sgd dampening": ("ValueError", "dampening 0.5.*dampening=0"),
         "sgd momenta differ": ("ValueError", r"one momentum.*\[0.5, 0.9\]"),
         "second call": ("ValueError", "already has a communication hook"),
@@ -162,12 +165,15 @@ def test_ratio_knob_reaches_about_the_asked_compression(optimizer, ratio):
     assert abs(achieved / ratio - 1) < 0.20, achieved
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("load_optimizer_first", [True, False])
-def test_resume_loads_the_optimizer_before_or_after_the_call(load_optimizer_first):
-    """The SGD recipe sets the optimizer's momentum to 0; its saved dict keeps the user's, so a
-    resumed run picks the same recipe and continues bitwise, whichever it loads first."""
-    for momentum, identical in run_ranks(2, compress_workers.resume_either_order, load_optimizer_first):
-        assert momentum == 0.9
+def test_resume_loads_the_optimizer_before_or_after_the_call(load_optimizer_first, nesterov):
+    """The SGD recipe sets the optimizer's momentum to 0 and Nesterov off; its saved dict keeps
+    the user's, so a resumed run picks the same recipe and continues bitwise, whichever it
+    loads first."""
+    for momentum, resumed_nesterov, identical in run_ranks(
+            2, compress_workers.resume_either_order, load_optimizer_first, nesterov):
+        assert (momentum, resumed_nesterov) == (0.9, nesterov)
         assert identical
 
 

@@ -248,15 +248,20 @@ def test_non_finite_gradient_in_a_bucket_of_several_plan_buckets(device_side_che
     assert_ranks_identical(results)
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("basis", [dict(basis="elements"), dict(basis="dct", dct_block_size=4)])
-def test_momentum_correction_at_full_density_clears_the_whole_velocity(basis):
+def test_momentum_correction_at_full_density_clears_the_whole_velocity(basis, nesterov):
     """Every segment sent: momentum correction clears the whole velocity each step (in the
-    DCT basis, every coefficient), so the result is the weighted sum of the gradients; with
-    sparse sends the ranks stay identical."""
+    DCT basis, every coefficient), so the result is the weighted sum of the gradients (with
+    Nesterov's update ``g + m u``, 1 + m times it after the dense warm-up steps); with sparse
+    sends the ranks stay identical."""
     options = dict(weights=[0.25, 0.75], bucket_cap_mb=0.002)
-    full = run_ranks(2, train, "sparse", dict(SPARSE, density=1.0, momentum=0.9, **basis), 4, options)
-    np.testing.assert_allclose(full[0]["applied"], weighted_sum(full), rtol=1e-5, atol=1e-6)
-    assert_ranks_identical(run_ranks(2, train, "sparse", dict(SPARSE, momentum=0.9, **basis), 6, options))
+    settings = dict(SPARSE, momentum=0.9, nesterov=nesterov, **basis)
+    full = run_ranks(2, train, "sparse", dict(settings, density=1.0), 4, options)
+    factor = np.where(np.arange(4) < SPARSE["warmup_steps"], 1.0, 1.9 if nesterov else 1.0)
+    np.testing.assert_allclose(full[0]["applied"], factor[:, None] * weighted_sum(full),
+                               rtol=1e-5, atol=1e-6)
+    assert_ranks_identical(run_ranks(2, train, "sparse", settings, 6, options))
 
 
 def test_resume_with_each_rank_loading_its_own_checkpoint():
@@ -458,6 +463,8 @@ def test_check_optimizer_warns_when_the_step_does_not_suit_the_output(output, op
     (lambda: SegmentSparseState(segment_size=0), r"segment_size must be an integer in \[1, 1048576\]"),
     (lambda: SegmentSparseState(selection="stale"), "selection must be one of"),
     (lambda: SegmentSparseState(momentum=1.0), "momentum"),
+    (lambda: SegmentSparseState(nesterov=True), r"nesterov=True needs momentum > 0"),
+    (lambda: SegmentSparseState(momentum=0.9, nesterov=1), "nesterov must be True or False"),
     (lambda: SegmentSparseState(wire_dtype="int4"), "wire_dtype must be one of"),
     (lambda: SegmentSparseState(warmup_steps=0), r"warmup_steps must be an integer >= 1"),
     (lambda: SegmentSparseState(min_compress_numel=-1), "min_compress_numel"),

@@ -13,6 +13,7 @@ from hetero_comm.hooks.segment_sparse import momentum_correction_lr_scale
 SIGN = dict(density=0.1, basis="dct", output="sign")
 MOMENTUM_CORRECTION = dict(density=0.1, momentum=0.9)
 MC_SCALE = momentum_correction_lr_scale(0.1, 0.9)  # 2.42
+MC_NESTEROV_SCALE = momentum_correction_lr_scale(0.1, 0.9, nesterov=True)  # 2.12
 
 
 def make_groups(seed=0):
@@ -70,6 +71,9 @@ RECIPES = {
                                 ("SGD", 0.05 * MC_SCALE,
                                  dict(momentum=0.0, weight_decay=1e-4 / (0.1 * MC_SCALE)))),
     "sgd, its momentum already 0": (MOMENTUM_CORRECTION, ("SGD", 0.05, {}), ("SGD", 0.05 * MC_SCALE, {})),
+    "sgd nesterov momentum correction": (
+        dict(MOMENTUM_CORRECTION, nesterov=True), ("SGD", 0.05, dict(momentum=0.9, nesterov=True, weight_decay=1e-4)),
+        ("SGD", 0.05 * MC_NESTEROV_SCALE, dict(momentum=0.0, weight_decay=1e-4 / (0.1 * MC_NESTEROV_SCALE)))),
 }
 
 
@@ -242,24 +246,27 @@ def test_copies_lose_the_fit_and_preparing_them_again_restores_it():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("interval", [1, 2, 5, 12, 40])
 @pytest.mark.parametrize("momentum", [0.5, 0.9, 0.99])
-def test_momentum_correction_scale_gives_back_what_clearing_loses(interval, momentum):
+def test_momentum_correction_scale_gives_back_what_clearing_loses(interval, momentum, nesterov):
     """Simulate the hook on one coordinate whose segment goes out every ``interval`` steps: a
     unit gradient arriving at each step of the interval in turn; what the sends carry, times
-    the factor, is what momentum SGD would move it (``1 / (1 - momentum)``) on average."""
+    the factor, is what momentum SGD (plain or Nesterov's, which moves a gradient as far in
+    all) would move it (``1 / (1 - momentum)``) on average."""
     carried = []
     for arrival in range(interval):
         velocity = held = sent = 0.0
         for step in range(arrival, arrival + interval * 400):
-            velocity = momentum * velocity + (1.0 if step == arrival else 0.0)
-            held += velocity
+            gradient = 1.0 if step == arrival else 0.0
+            velocity = momentum * velocity + gradient
+            held += gradient + momentum * velocity if nesterov else velocity
             if step % interval == interval - 1:  # the segment goes out: sent, then cleared
                 sent, held, velocity = sent + held, 0.0, 0.0
         carried.append(sent)
-    scale = momentum_correction_lr_scale(1.0 / interval, momentum)
+    scale = momentum_correction_lr_scale(1.0 / interval, momentum, nesterov)
     assert scale * sum(carried) / interval == pytest.approx(1 / (1 - momentum), rel=1e-9)
-    assert momentum_correction_lr_scale(1.0 / interval, 0.0) == 1.0
+    assert momentum_correction_lr_scale(1.0 / interval, 0.0, nesterov) == 1.0
 
 
 @pytest.mark.parametrize("settings,optimizer,error,match", [
@@ -269,7 +276,11 @@ def test_momentum_correction_scale_gives_back_what_clearing_loses(interval, mome
     (MOMENTUM_CORRECTION, lambda: make("SGD", 0.05, momentum=0.5), ValueError,
      "group 0 has momentum 0.5, but the hook applies momentum 0.9"),
     (MOMENTUM_CORRECTION, lambda: make("SGD", 0.05, momentum=0.9, nesterov=True), ValueError,
-     "Nesterov"),
+     "group 0 uses Nesterov momentum, but the hook applies plain momentum: give "
+     "SegmentSparseState nesterov=True"),
+    (dict(MOMENTUM_CORRECTION, nesterov=True), lambda: make("SGD", 0.05, momentum=0.9), ValueError,
+     "group 0 uses plain momentum, but the hook applies Nesterov momentum: give "
+     "SegmentSparseState nesterov=False"),
     (SIGN, lambda: torch.nn.Linear(2, 2), TypeError, "must be a torch.optim.Optimizer"),
     (SIGN, lambda: make("Adam", 1e-3, weight_decay=0.01), ValueError, "Adam's weight_decay 0.01"),
     (MOMENTUM_CORRECTION, lambda: make("SGD", 0.05, momentum=0.9, dampening=0.1), ValueError,

@@ -85,7 +85,7 @@ class HandedSign(HandedSum):
         return 1.0 / lr_scale
 
 
-def momentum_correction_lr_scale(density: float, momentum: float) -> float:
+def momentum_correction_lr_scale(density: float, momentum: float, nesterov: bool = False) -> float:
     """The learning-rate factor that gives back what momentum correction's clearing loses.
 
     Momentum SGD moves a gradient by ``1 / (1 - m)`` times the rate in all. Momentum correction
@@ -93,25 +93,30 @@ def momentum_correction_lr_scale(density: float, momentum: float) -> float:
     ``(1 - m**(t + 1)) / (1 - m)`` times the rate, then clears the velocity. With a segment
     sent every ``T = 1 / density`` steps and arrivals spread evenly over that interval, the
     fraction kept is ``1 - m * (1 - m**T) / (T * (1 - m))``; the factor is its inverse (2.1 at
-    8% and momentum 0.9, 1.5 at 4%, 2.7 at 12%)."""
+    8% and momentum 0.9, 1.5 at 4%, 2.7 at 12%). With ``nesterov`` the hook accumulates
+    ``g + m u`` (Nesterov's update), which moves such a gradient by
+    ``(1 - m**(t + 2)) / (1 - m)``: the kept fraction is ``1 - m**2 (1 - m**T) / (T (1 - m))``
+    (1.9 at 8% and 0.9)."""
     check_float("density", density, 0.0, 1.0, low_open=True)
     check_float("momentum", momentum, 0.0, 0.999)
     if not momentum:
         return 1.0
     interval = 1.0 / density
-    kept = 1.0 - momentum * (1.0 - momentum ** interval) / (interval * (1.0 - momentum))
+    lost = momentum ** (2 if nesterov else 1)
+    kept = 1.0 - lost * (1.0 - momentum ** interval) / (interval * (1.0 - momentum))
     return 1.0 / kept
 
 
 class HandedMomentumCorrectedSum(HandedSum):
     """A sum into which the hook has already folded SGD's momentum ``momentum`` (momentum
-    correction): SGD with its own momentum at 0, at
-    :func:`momentum_correction_lr_scale` times the user's rate."""
+    correction; Nesterov's with ``nesterov``): SGD with its own momentum at 0 (and Nesterov
+    off), at :func:`momentum_correction_lr_scale` times the user's rate."""
 
-    def __init__(self, momentum: float, density: Union[float, Callable[[], float]]) -> None:
+    def __init__(self, momentum: float, density: Union[float, Callable[[], float]],
+                 nesterov: bool = False) -> None:
         # density: fixed, or read at every step (a density chosen as training runs)
-        self.momentum, self.density = momentum, density
-        self.setting = f"momentum={momentum}"
+        self.momentum, self.density, self.nesterov = momentum, density, nesterov
+        self.setting = f"momentum={momentum}" + (", nesterov=True" if nesterov else "")
 
     def fit(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, object], float]:
         if not isinstance(optimizer, torch.optim.SGD):
@@ -124,17 +129,20 @@ class HandedMomentumCorrectedSum(HandedSum):
                                  f"SegmentSparseState the optimizer's momentum (the hook's is "
                                  f"fixed: a scheduler cycling momentum, such as OneCycleLR, "
                                  f"needs cycle_momentum=False)")
-            if group["nesterov"]:
-                raise ValueError(f"parameter group {index} uses Nesterov momentum, which the "
-                                 f"hook's momentum correction does not apply: build the "
-                                 f"optimizer with nesterov=False (plain momentum), or use AdamW")
+            if group["momentum"] and group["nesterov"] != self.nesterov:
+                kinds = ("plain", "Nesterov") if self.nesterov else ("Nesterov", "plain")
+                raise ValueError(f"parameter group {index} uses {kinds[0]} momentum, but the hook "
+                                 f"applies {kinds[1]} momentum: give SegmentSparseState "
+                                 f"nesterov={bool(group['nesterov'])}, as the optimizer has it")
             if group["momentum"] and group["dampening"]:
                 raise ValueError(f"parameter group {index} has dampening {group['dampening']}, "
                                  f"which the hook's momentum correction does not apply: build "
                                  f"the optimizer with dampening=0, or use AdamW")
+        settings = {"momentum": 0.0, "nesterov": False} if self.nesterov else {"momentum": 0.0}
         if callable(self.density):
-            return {"momentum": 0.0}, lambda: momentum_correction_lr_scale(self.density(), self.momentum)
-        return {"momentum": 0.0}, momentum_correction_lr_scale(self.density, self.momentum)
+            return settings, lambda: momentum_correction_lr_scale(self.density(), self.momentum,
+                                                                  self.nesterov)
+        return settings, momentum_correction_lr_scale(self.density, self.momentum, self.nesterov)
 
     def weight_decay_scale(self, lr_scale: float) -> float:
         """``1 / ((1 - momentum) * lr_scale)``: SGD adds ``weight_decay * p`` to the gradient,

@@ -403,13 +403,17 @@ class IntegerWire:
 # ------------------------------------------------------------ what goes into the residual
 def add_contribution(state, plan_bucket: PlanBucket, grad: torch.Tensor) -> torch.Tensor:
     """What goes into the residual this step: the weighted gradient, or with momentum
-    correction the velocity ``u = momentum * u + w * g``."""
+    correction the velocity ``u = momentum * u + w * g`` (Nesterov's: ``w * g + momentum * u``,
+    written over ``grad``)."""
     weight = state.contribution_weight()
     if weight != 1.0:
         grad.mul_(weight)
     if not state.momentum:
         return grad
-    return plan_bucket.tensors["momentum"].mul_(state.momentum).add_(grad)
+    velocity = plan_bucket.tensors["momentum"].mul_(state.momentum).add_(grad)
+    if state.nesterov:
+        return grad.add_(velocity, alpha=state.momentum)
+    return velocity
 
 
 def restart_sent_velocity(state, plan_bucket: PlanBucket, indices: torch.Tensor,

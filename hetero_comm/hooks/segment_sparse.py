@@ -66,6 +66,8 @@ class SegmentSparseState(ErrorFeedbackState):
             velocity ``u = momentum * u + g`` and accumulates ``u``, clearing both for the
             segments it sends. Use it INSTEAD of the optimizer's momentum (set that to 0).
             0 (default) accumulates the gradient itself.
+        nesterov: with ``momentum``, accumulate Nesterov's update ``g + momentum * u``
+            instead of ``u`` (SGD with ``nesterov=True``); default False.
         density_warmup_steps: after the dense warm-up, the density falls geometrically from 1
             to ``density`` over this many steps (0: start at ``density``), >= 0.
         wire_dtype: dtype of the packed values on the wire: ``"float32"`` (default),
@@ -94,16 +96,23 @@ class SegmentSparseState(ErrorFeedbackState):
     """
 
     _checkpoint_settings = ("density", "segment_size", "min_segments_per_bucket", "selection",
-                            "momentum", "density_warmup_steps", "basis", "dct_block_size")
+                            "momentum", "nesterov", "density_warmup_steps", "basis",
+                            "dct_block_size")
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
                  density: float = 0.01, segment_size: int = 256,
                  min_segments_per_bucket: int = 0, selection: str = "current",
-                 momentum: float = 0.0, density_warmup_steps: int = 0,
+                 momentum: float = 0.0, nesterov: bool = False, density_warmup_steps: int = 0,
                  wire_dtype: str = "float32", basis: str = "elements", dct_block_size: int = 64,
                  output: str = "sum", rank_weight: Optional[float] = None,
                  warmup_steps: int = 1, min_compress_numel: int = 0) -> None:
         self.momentum = check_float("momentum", momentum, 0.0, 0.999)
+        if not isinstance(nesterov, bool):
+            raise ValueError(f"nesterov must be True or False; got {nesterov!r}")
+        if nesterov and not self.momentum:
+            raise ValueError("nesterov=True needs momentum > 0 (Nesterov's update adds the "
+                             "momentum's look-ahead)")
+        self.nesterov = nesterov
         super().__init__(process_group=process_group, rank_weight=rank_weight,
                          warmup_steps=warmup_steps, min_compress_numel=min_compress_numel,
                          plan_tensors=("residual", "momentum") if self.momentum else ("residual",))
@@ -133,11 +142,12 @@ class SegmentSparseState(ErrorFeedbackState):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._warned_coarse_segments = False
+        self.__dict__.setdefault("nesterov", False)  # pickled before the setting existed
 
     def settings(self) -> dict:
         return dict(density=self.density, segment_size=self.segment_size,
                     min_segments_per_bucket=self.min_segments_per_bucket,
-                    selection=self.selection, momentum=self.momentum,
+                    selection=self.selection, momentum=self.momentum, nesterov=self.nesterov,
                     density_warmup_steps=self.density_warmup_steps, wire_dtype=self.wire_dtype,
                     basis=self.basis, dct_block_size=self.dct_block_size, output=self.output,
                     **super().settings())
@@ -161,7 +171,7 @@ class SegmentSparseState(ErrorFeedbackState):
         if self.output == "sign":
             return HandedSign()
         if self.momentum:
-            return HandedMomentumCorrectedSum(self.momentum, self.density)
+            return HandedMomentumCorrectedSum(self.momentum, self.density, self.nesterov)
         return HandedSum()
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,

@@ -220,7 +220,8 @@ class TwoLevelState(SegmentSparseState):
             return HandedSum()  # the exchange hands the plain sum, whatever the sparse settings
         handed = super().handed_step()
         if self.auto_density is not None and isinstance(handed, HandedMomentumCorrectedSum):
-            return HandedMomentumCorrectedSum(self.momentum, lambda: self.last_step_density)
+            return HandedMomentumCorrectedSum(self.momentum, lambda: self.last_step_density,
+                                              self.nesterov)
         return handed
 
     def shares_of(self, numel: int) -> Shares:

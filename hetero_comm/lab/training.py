@@ -48,8 +48,8 @@ class TrainConfig:
     :data:`~hetero_comm.lab.registry.HOOKS`), whose state is built from ``hook_settings``
     (passed straight to its constructor, which validates them).
 
-    ``optimizer``: ``"sgd"`` (with ``momentum``) or ``"adamw"`` (:meth:`adam_betas`), with
-    ``weight_decay``; the learning rate rises linearly over ``lr_warmup_steps`` and then stays
+    ``optimizer``: ``"sgd"`` (with ``momentum``, Nesterov's with ``nesterov``) or ``"adamw"``
+    (:meth:`adam_betas`), with ``weight_decay``; the learning rate rises linearly over ``lr_warmup_steps`` and then stays
     (``lr_schedule="constant"``) or follows a cosine down towards 0 (``"cosine"``, which would
     reach 0 one step after the last);
     ``clip_norm`` clips the global gradient norm (after the hook) before each step.
@@ -82,6 +82,7 @@ class TrainConfig:
     global_batch: int = 64
     lr: float = 0.02
     momentum: float = 0.9
+    nesterov: bool = False
     optimizer: str = "sgd"
     weight_decay: float = 0.0
     lr_warmup_steps: int = 0
@@ -127,6 +128,8 @@ class TrainConfig:
         if self.global_batch % self.workers:
             raise ValueError(f"global_batch ({self.global_batch}) must be a multiple of "
                              f"workers ({self.workers})")
+        if self.nesterov and (self.optimizer != "sgd" or not self.momentum):
+            raise ValueError("nesterov=True is SGD's, with momentum > 0")
         if self.optimizer != "sgd" and self.hook_settings.get("momentum"):
             raise ValueError("the sparse hook's momentum correction replaces SGD's momentum; "
                              f"with optimizer={self.optimizer!r} it would apply momentum twice")
@@ -179,7 +182,9 @@ class TrainConfig:
             optimizer = torch.optim.AdamW(parameters, lr=self.lr, betas=self.adam_betas(),
                                           weight_decay=self.weight_decay)
         else:
-            optimizer = torch.optim.SGD(parameters, lr=self.lr, momentum=self.optimizer_momentum(),
+            momentum = self.optimizer_momentum()
+            optimizer = torch.optim.SGD(parameters, lr=self.lr, momentum=momentum,
+                                        nesterov=self.nesterov and momentum > 0,
                                         weight_decay=self.weight_decay)
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor(total_steps))
 
