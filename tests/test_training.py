@@ -129,6 +129,7 @@ def test_dct_sign_recipe_keeps_a_transformer_with_adamw_near_dense():
     (dict(clip_norm=0.0), "clip_norm must be a number in (0.0"),
     (dict(hook="sparse", hook_settings=dict(density=2.0)), "density must be a number in (0.0, 1.0]"),
     (dict(hook="sparse", optimizer="adamw", hook_settings=dict(momentum=0.9)), "apply momentum twice"),
+    (dict(hook="sparse", nesterov=True, hook_settings=dict(momentum=0.9)), "give it nesterov=True"),
     (dict(hook="sparse", hook_settings=dict(output="sign")), "output='sign' is a recipe for AdamW"),
     (dict(hook="powersgd", prepare_optimizer=True), "prepare_optimizer needs a hetero_comm hook"),
     (dict(hook="fp16", prepare_optimizer=True), "prepare_optimizer needs a hetero_comm hook"),

@@ -130,6 +130,10 @@ class TrainConfig:
                              f"workers ({self.workers})")
         if self.nesterov and (self.optimizer != "sgd" or not self.momentum):
             raise ValueError("nesterov=True is SGD's, with momentum > 0")
+        if (self.hook_settings.get("momentum") and not self.prepare_optimizer
+                and bool(self.hook_settings.get("nesterov")) != self.nesterov):
+            raise ValueError("the hook's momentum correction replaces SGD's momentum: give it "
+                             f"nesterov={self.nesterov} as the optimizer has it")
         if self.optimizer != "sgd" and self.hook_settings.get("momentum"):
             raise ValueError("the sparse hook's momentum correction replaces SGD's momentum; "
                              f"with optimizer={self.optimizer!r} it would apply momentum twice")
