@@ -87,8 +87,10 @@ def transformer_workload(device, width=256, heads=4, blocks=4, batch=16):
 def wide_transformer_workload(device):
     """A GPU-sized transformer (0.4B parameters): the small one's step is a few milliseconds of
     kernel launches on a GPU, too short to hide any copy; here a block's compute per byte it saves
-    is 8x the small one's (flops per token grow with width squared, saved bytes with width)."""
-    return transformer_workload(device, width=2048, heads=16, blocks=8, batch=8)
+    is 8x the small one's (flops per token grow with width squared, saved bytes with width). Batch
+    32, so that activations outweigh the 1.6 GB of gradients the step allocates too: at batch 8
+    the gradients were two thirds of the peak and no plan could halve it (H200, 2026-11-27)."""
+    return transformer_workload(device, width=2048, heads=16, blocks=8, batch=32)
 
 
 def cnn_workload(device):

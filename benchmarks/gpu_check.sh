@@ -9,8 +9,9 @@
 # folder holds more than the 8 files a device call brings back: pack it (tar) at the end of the
 # call. The test workers run torch with one thread each: with its default of one per core, 14
 # workers on 16 cores ran the kernel tests ten times slower. "kernels_changed" runs the tests of
-# the ops named in $KERNELS only. "bisect" rebuilds small extensions to find which build step
-# puts a private copy of libstdc++ in them (issue 35).
+# the ops named in $KERNELS only; $BENCH_ARGS (e.g. "--only dct") narrows the benchmark, and
+# $MEMORY_WORKLOADS / $MEMORY_SECONDS the memory planner's run. "bisect" rebuilds small
+# extensions to find which build step puts a private copy of libstdc++ in them (issue 35).
 # Runs from the repository root with the machine's own python3 (which holds a CUDA torch). Wheels
 # in .whl/ are installed first: the workplace's GPU image lacks expecttest, which
 # torch.library.opcheck needs (pip download expecttest -d .whl, and carry .whl).
@@ -56,7 +57,7 @@ for step in "$@"; do
     timeout 45 cuda-gdb -batch -ex run -ex bt --args python3 -P -c "${bad//DEV/cuda}" 2>&1 | grep -E "^#|signal" | head -30
     ;;
   bench)
-    timeout 110 $PY benchmarks/bench_kernels.py --device cuda --json "$OUT/bench_kernels_cuda.json" 2>&1 \
+    timeout 110 $PY benchmarks/bench_kernels.py --device cuda ${BENCH_ARGS:-} --json "$OUT/bench_kernels_cuda.json" 2>&1 \
       | tee "$OUT/bench_kernels_cuda.txt" | grep -A30 "^aims"
     ;;
   hookcost)
@@ -92,7 +93,8 @@ for step in "$@"; do
   memory)  # issue 37: the planner on CUDA, the small workloads and the 0.4B-parameter transformer
     PYTHONPATH=/tmp/site timeout 120 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_memory.py \
       2>&1 | tee "$OUT/memory_tests.log" | tail -5
-    timeout 300 $PY benchmarks/bench_memory.py --device cuda --workloads transformer,wide_transformer \
+    timeout ${MEMORY_SECONDS:-300} $PY benchmarks/bench_memory.py --device cuda \
+      --workloads ${MEMORY_WORKLOADS:-transformer,wide_transformer} \
       --json "$OUT/bench_memory_cuda.json" 2>&1 | tee "$OUT/bench_memory_cuda.txt" | tail -24
     ;;
   *) echo "unknown step $step"; exit 2 ;;

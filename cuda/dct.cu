@@ -1,11 +1,15 @@
 // dct_encode / dct_decode (and their out= forms dct_encode_into_ / dct_decode_into_):
-// blockwise orthonormal DCT-II, keeping the `keep` lowest frequencies, and its inverse. Where
-// the kept basis rows fit in 64 MB, one matrix product with them (cuBLAS, float32; torch's
-// allow_tf32 setting applies), the basis built from a quarter-wave cosine table computed in
-// double (cospi). A direct sum per value was 30x slower on an H200 (benchmarks/NOTES.md);
-// it stays for larger bases, accumulated in double. The grouped layout (the sparse hook's) is
-// written and read by batched products in place; with the direct sum it goes through the plain
-// layout and a copy. Both forms of each op share one "write into a given tensor" function.
+// blockwise orthonormal DCT-II, keeping the `keep` lowest frequencies, and its inverse. Three
+// paths, by block size:
+// - B <= 64 (the recipes' blocks): Lee's fast transform, one thread per block with the block
+//   in registers, O(B log B) work; it streams, where a product with the basis is bound by
+//   float32 compute (2 B flop per value; benchmarks/NOTES.md). Both layouts written directly.
+// - larger bases up to 64 MB: one matrix product with the kept basis rows (cuBLAS, float32;
+//   torch's allow_tf32 setting applies), the basis built from a quarter-wave cosine table
+//   computed in double (cospi); the grouped layout by batched products in place.
+// - larger still: a direct sum per coefficient accumulated in double, the grouped layout
+//   through the plain one and a copy.
+// Both forms of each op share one "write into a given tensor" function.
 // See hetero_comm/reference.py for the spec.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/bmm.h>
@@ -17,11 +21,15 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
+#include <vector>
 
 #include "../csrc/checks.h"
+#include "../csrc/kernels/dct.h"
 #include "cuda_utils.cuh"
 
 namespace hetero_comm {
@@ -111,6 +119,245 @@ dct_basis_kernel(const double* __restrict__ table, uint32_t block_size, int64_t 
     basis[e] = static_cast<float>((k == 0 ? scale_dc : scale_ac) *
                                   dct_cos(table, dct_phase(i, k, block_size), block_size));
   }
+}
+
+// ---- Lee's fast transform, for blocks of at most kFastMaxBlock values ----
+// The same recursion as csrc/kernels/dct.h, with the size a template argument so that every
+// index is known at compile time and the block and its scratch stay in registers.
+constexpr int kFastMaxBlock = 64;
+constexpr int kFastThreads = 128;  // DCT blocks per thread block, one per thread
+
+// Passed by value: kernel arguments live in the constant bank, read by every thread at the
+// same compile-time offset. twiddles as dct_twiddles(): size N's N/2 values from N/2 - 1.
+struct FastDctConstants {
+  float twiddles[kFastMaxBlock];
+  float scale_dc, scale_ac;  // the orthonormal scales, sqrt(1/B) and sqrt(2/B)
+};
+
+FastDctConstants compute_fast_dct_constants(int64_t block_size) {
+  FastDctConstants constants{};
+  const std::vector<float> twiddles = dct_twiddles(block_size);
+  std::copy(twiddles.begin(), twiddles.end(), constants.twiddles);
+  constants.scale_dc = dct_ortho_scale(0, block_size);
+  constants.scale_ac = dct_ortho_scale(1, block_size);
+  return constants;
+}
+
+// Computed once per block size (1, 2, 4, ..., kFastMaxBlock), on first use.
+const FastDctConstants& fast_dct_constants(int64_t block_size) {
+  static const std::vector<FastDctConstants> by_log2 = [] {
+    std::vector<FastDctConstants> all;
+    for (int64_t size = 1; size <= kFastMaxBlock; size *= 2) all.push_back(compute_fast_dct_constants(size));
+    return all;
+  }();
+  int log2 = 0;
+  while ((int64_t{1} << log2) < block_size) ++log2;
+  return by_log2.at(log2);
+}
+
+// Unnormalised DCT-II in place: x[k] <- sum_i x[i] cos(pi (2i + 1) k / (2N)).
+template <int N>
+__device__ __forceinline__ void fast_dct2(float* x, float* scratch, const float* twiddles) {
+  if constexpr (N == 2) {
+    const float low = x[0], high = x[1];
+    x[0] = low + high;
+    x[1] = (low - high) * twiddles[0];
+  } else if constexpr (N > 2) {
+    constexpr int half = N / 2;
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float low = x[i], high = x[N - 1 - i];
+      scratch[i] = low + high;
+      scratch[half + i] = (low - high) * twiddles[half - 1 + i];
+    }
+    fast_dct2<half>(scratch, x, twiddles);
+    fast_dct2<half>(scratch + half, x + half, twiddles);
+#pragma unroll
+    for (int i = 0; i + 1 < half; ++i) {
+      x[2 * i] = scratch[i];
+      x[2 * i + 1] = scratch[half + i] + scratch[half + i + 1];
+    }
+    x[N - 2] = scratch[half - 1];
+    x[N - 1] = scratch[N - 1];
+  }
+}
+
+// Its transpose, an unnormalised DCT-III: x[i] <- sum_k x[k] cos(pi (2i + 1) k / (2N)).
+template <int N>
+__device__ __forceinline__ void fast_dct3(float* x, float* scratch, const float* twiddles) {
+  if constexpr (N == 2) {
+    const float even = x[0], odd = x[1] * twiddles[0];
+    x[0] = even + odd;
+    x[1] = even - odd;
+  } else if constexpr (N > 2) {
+    constexpr int half = N / 2;
+    scratch[0] = x[0];
+    scratch[half] = x[1];
+#pragma unroll
+    for (int i = 1; i < half; ++i) {
+      scratch[i] = x[2 * i];
+      scratch[half + i] = x[2 * i + 1] + x[2 * i - 1];
+    }
+    fast_dct3<half>(scratch, x, twiddles);
+    fast_dct3<half>(scratch + half, x + half, twiddles);
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float even = scratch[i], odd = scratch[half + i] * twiddles[half - 1 + i];
+      x[i] = even + odd;
+      x[N - 1 - i] = even - odd;
+    }
+  }
+}
+
+// Where coefficient 0 of `block` is stored; coefficient k is k * group further (plain: 1).
+__device__ __forceinline__ int64_t coeff_offset(int64_t block, int64_t keep, int64_t group) {
+  return (block / group) * (keep * group) + block % group;
+}
+
+// Each thread block takes kFastThreads consecutive DCT blocks per step: their values are
+// read coalesced into a shared tile (rows padded by one value, so that thread t reading row
+// t hits a different bank from its neighbours), each thread transforms its row in registers.
+// The grouped layout (group > 1) keeps consecutive blocks' coefficients side by side, so each
+// thread stores its own directly, coalesced; the plain one goes back through the tile.
+// `blocks` counts the grouped layout's padding blocks too: their values lie past n, so
+// their coefficients come out zero.
+template <int B, typename InT>
+__global__ void __launch_bounds__(kFastThreads)
+dct_encode_fast_kernel(const InT* __restrict__ x, int64_t n, int64_t blocks, int keep,
+                       int64_t group, const FastDctConstants constants,
+                       float* __restrict__ coeffs) {
+  constexpr int kRow = B + 1;
+  __shared__ float tile[kFastThreads * kRow];
+  const int t = threadIdx.x;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kFastThreads; first < blocks;
+       first += static_cast<int64_t>(gridDim.x) * kFastThreads) {
+    const int64_t begin = first * B;
+    for (int e = t; e < kFastThreads * B; e += kFastThreads) {
+      const int64_t at = begin + e;
+      tile[(e / B) * kRow + e % B] = at < n ? static_cast<float>(x[at]) : 0.0f;
+    }
+    __syncthreads();
+    float values[B], scratch[B];
+#pragma unroll
+    for (int i = 0; i < B; ++i) values[i] = tile[t * kRow + i];
+    fast_dct2<B>(values, scratch, constants.twiddles);
+    const int64_t block = first + t;
+    if (group > 1) {
+      if (block < blocks) {
+        float* out = coeffs + coeff_offset(block, keep, group);
+#pragma unroll
+        for (int k = 0; k < B; ++k) {
+          if (k < keep) out[k * group] = values[k] * (k == 0 ? constants.scale_dc : constants.scale_ac);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < B; ++k) {  // this thread's own row: no other thread reads it yet
+        if (k < keep) tile[t * kRow + k] = values[k] * (k == 0 ? constants.scale_dc : constants.scale_ac);
+      }
+      __syncthreads();
+      const int count = static_cast<int>(blocks - first < kFastThreads ? blocks - first : kFastThreads) * keep;
+      for (int e = t; e < count; e += kFastThreads) {
+        coeffs[first * keep + e] = tile[(e / keep) * kRow + e % keep];
+      }
+    }
+    __syncthreads();  // the tile is refilled next step
+  }
+}
+
+// The inverse: coefficients in (direct from the grouped layout, through the tile from the
+// plain one), the transform in registers, the values out through the tile, coalesced and cut
+// at numel. `blocks` counts the real blocks only.
+template <int B>
+__global__ void __launch_bounds__(kFastThreads)
+dct_decode_fast_kernel(const float* __restrict__ coeffs, int64_t blocks, int keep, int64_t group,
+                       int64_t numel, const FastDctConstants constants, float* __restrict__ out) {
+  constexpr int kRow = B + 1;
+  __shared__ float tile[kFastThreads * kRow];
+  const int t = threadIdx.x;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kFastThreads; first < blocks;
+       first += static_cast<int64_t>(gridDim.x) * kFastThreads) {
+    const int64_t block = first + t;
+    float values[B], scratch[B];
+    if (group > 1) {
+      const float* in = coeffs + coeff_offset(block, keep, group);
+#pragma unroll
+      for (int k = 0; k < B; ++k) values[k] = k < keep && block < blocks ? in[k * group] : 0.0f;
+    } else {
+      const int count = static_cast<int>(blocks - first < kFastThreads ? blocks - first : kFastThreads) * keep;
+      for (int e = t; e < count; e += kFastThreads) {
+        tile[(e / keep) * kRow + e % keep] = coeffs[first * keep + e];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int k = 0; k < B; ++k) values[k] = k < keep && block < blocks ? tile[t * kRow + k] : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < B; ++k) values[k] *= k == 0 ? constants.scale_dc : constants.scale_ac;
+    fast_dct3<B>(values, scratch, constants.twiddles);
+    __syncthreads();  // every coefficient has been read from the tile
+#pragma unroll
+    for (int i = 0; i < B; ++i) tile[t * kRow + i] = values[i];
+    __syncthreads();
+    const int64_t begin = first * B;
+    for (int e = t; e < kFastThreads * B; e += kFastThreads) {
+      const int64_t at = begin + e;
+      if (at < numel) out[at] = tile[(e / B) * kRow + e % B];
+    }
+    __syncthreads();  // the tile is refilled next step
+  }
+}
+
+// Calls f(std::integral_constant<int, B>) for block_size B, a power of two <= kFastMaxBlock.
+template <typename F>
+void dispatch_fast_block_size(int64_t block_size, F&& f) {
+  switch (block_size) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 16: f(std::integral_constant<int, 16>{}); break;
+    case 32: f(std::integral_constant<int, 32>{}); break;
+    case 64: f(std::integral_constant<int, 64>{}); break;
+    default: TORCH_INTERNAL_ASSERT(false, "no fast DCT for block size ", block_size);
+  }
+}
+
+// `coeffs` plain [blocks, keep] or grouped [groups, keep, group], float32, contiguous, on x's
+// device; every element of it is written. The caller holds the device guard.
+void encode_fast(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs, cudaStream_t stream) {
+  const bool grouped = coeffs.dim() == 3;
+  const int64_t keep = coeffs.size(1), group = grouped ? coeffs.size(2) : 1;
+  const int64_t blocks = grouped ? coeffs.size(0) * group : coeffs.size(0);
+  const at::Tensor x_c = x.contiguous();
+  const FastDctConstants& constants = fast_dct_constants(block_size);
+  dispatch_fast_block_size(block_size, [&](auto size) {
+    constexpr int B = decltype(size)::value;
+    dispatch_float_types(x.scalar_type(), "x", [&](auto tag) {
+      using InT = decltype(tag);
+      dct_encode_fast_kernel<B, InT><<<grid_for(blocks, kFastThreads), kFastThreads, 0, stream>>>(
+          x_c.const_data_ptr<InT>(), x.numel(), blocks, static_cast<int>(keep), group, constants,
+          coeffs.mutable_data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
+// `coeffs` plain or grouped; `x_hat` float32 [numel], contiguous, on coeffs' device; every
+// element of it is written. The caller holds the device guard.
+void decode_fast(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat, cudaStream_t stream) {
+  const bool grouped = coeffs.dim() == 3;
+  const int64_t keep = coeffs.size(1), group = grouped ? coeffs.size(2) : 1;
+  const int64_t blocks = num_segments(x_hat.numel(), block_size);
+  const at::Tensor coeffs_c = coeffs.contiguous();
+  const FastDctConstants& constants = fast_dct_constants(block_size);
+  dispatch_fast_block_size(block_size, [&](auto size) {
+    constexpr int B = decltype(size)::value;
+    dct_decode_fast_kernel<B><<<grid_for(blocks, kFastThreads), kFastThreads, 0, stream>>>(
+        coeffs_c.const_data_ptr<float>(), blocks, static_cast<int>(keep), group, x_hat.numel(),
+        constants, x_hat.mutable_data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 // Largest kept basis (keep x B floats, 64 MB) for which the matrix product is used.
@@ -268,6 +515,10 @@ void encode_plain(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
   if (num_coeffs == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (block_size <= kFastMaxBlock) {
+    encode_fast(x, block_size, coeffs, stream);
+    return;
+  }
   if (coeffs.size(1) * block_size <= kMaxGemmBasis) {
     encode_by_product(x, block_size, coeffs, stream);
     return;
@@ -303,6 +554,10 @@ void encode_into(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
   }
   if (coeffs.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
+  if (block_size <= kFastMaxBlock) {
+    encode_fast(x, block_size, coeffs, c10::cuda::getCurrentCUDAStream());
+    return;
+  }
   if (coeffs.size(1) * block_size <= kMaxGemmBasis) {
     encode_grouped_by_product(x, block_size, coeffs, c10::cuda::getCurrentCUDAStream());
     return;
@@ -336,6 +591,10 @@ void decode_plain(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_ha
   if (numel == 0) return;
   const c10::cuda::CUDAGuard guard(coeffs.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (block_size <= kFastMaxBlock) {
+    decode_fast(coeffs, block_size, x_hat, stream);
+    return;
+  }
   if (coeffs.size(1) * block_size <= kMaxGemmBasis) {
     decode_by_product(coeffs, block_size, x_hat, stream);
     return;
@@ -356,6 +615,10 @@ void decode_into(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat
   }
   if (x_hat.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(coeffs.device());
+  if (block_size <= kFastMaxBlock) {
+    decode_fast(coeffs, block_size, x_hat, c10::cuda::getCurrentCUDAStream());
+    return;
+  }
   if (coeffs.size(1) * block_size <= kMaxGemmBasis) {
     decode_grouped_by_product(coeffs, block_size, x_hat, c10::cuda::getCurrentCUDAStream());
     return;

@@ -7,7 +7,7 @@ import torch
 
 from hetero_comm import ops, reference
 from kernel_cases import (BACKENDS, DEVICES, GRAD_DTYPES, compiled_with_strict_checks,  # noqa: F401
-                          non_contiguous, random_tensor, to_device, untouched)
+                          cuda_skip_reason, non_contiguous, random_tensor, to_device, untouched)
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 SIZES = (0, 1, 5, 8, 1000, 4099, 70_001)
@@ -63,6 +63,23 @@ def test_dct_round_trip_with_all_coefficients_is_lossless(block_size, device):
     x = random_tensor(10_007, torch.float32, seed=5)
     back = ops.dct_decode(ops.dct_encode(x.to(device), block_size, block_size), block_size, x.numel())
     torch.testing.assert_close(back.cpu(), x, rtol=0, atol=4 * dct_tolerance(block_size))
+
+
+@pytest.mark.skipif(bool(cuda_skip_reason()), reason=cuda_skip_reason() or "runs")
+@pytest.mark.parametrize("block_size, group", [(1, None), (8, None), (8, 512), (64, 3)])
+def test_cuda_dct_loops_over_more_blocks_than_one_launch_has_threads(block_size, group):
+    # For blocks of at most 64 values the CUDA kernels run one thread per block, at most
+    # 8,192 x 128 threads a launch, and loop over the rest: 2M + 3 blocks take a second
+    # round (64-value blocks: one round, a tenth of that). Compared with the CPU kernels.
+    blocks = 2 * 8192 * 128 + 3 if block_size < 64 else 100_003
+    numel = blocks * block_size - block_size // 2  # the last block partial (B > 1)
+    x = random_tensor(numel, torch.float32, seed=11)
+    expected = ops.dct_encode(x, block_size, block_size, group)
+    coeffs = ops.dct_encode(x.cuda(), block_size, block_size, group)
+    torch.testing.assert_close(coeffs.cpu(), expected, rtol=0, atol=dct_tolerance(block_size))
+    torch.testing.assert_close(ops.dct_decode(coeffs, block_size, numel).cpu(),
+                               ops.dct_decode(expected, block_size, numel), rtol=0,
+                               atol=2 * dct_tolerance(block_size))
 
 
 @DEVICES
@@ -206,8 +223,9 @@ def plain_of_grouped(grouped: torch.Tensor, blocks: int) -> torch.Tensor:
 def test_dct_grouped_layout_is_the_plain_one_rearranged(backend, numel, block_size, keep, group,
                                                         dtype, device):
     # The same transform whichever layout, padding blocks zero, decode inverse: bit for bit on
-    # the CPU (the same arithmetic); on CUDA the layouts are different cuBLAS products (a batched
-    # one for the grouped layout), whose float32 sums may round differently.
+    # the CPU and, for blocks of <= 64 values, on CUDA (the same arithmetic); larger CUDA blocks
+    # go through different cuBLAS products (a batched one for the grouped layout), whose float32
+    # sums may round differently.
     x = random_tensor(numel, dtype, seed=numel + group).to(device)
     blocks = -(-numel // block_size)
     plain = backend.dct_encode(x, block_size, keep)
@@ -215,7 +233,7 @@ def test_dct_grouped_layout_is_the_plain_one_rearranged(backend, numel, block_si
     assert grouped.shape == (-(-blocks // group), keep, group) and grouped.is_contiguous()
 
     def assert_same_transform(actual, expected):
-        if device == "cpu":
+        if device == "cpu" or block_size <= 64:
             assert torch.equal(actual, expected)
         else:
             torch.testing.assert_close(actual, expected, rtol=0, atol=dct_tolerance(block_size))

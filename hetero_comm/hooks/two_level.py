@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_choice, check_float
+from .._collectives import all_gather_single, reduce_scatter_single
 from .._layout import GRADIENT_DTYPES
 from ._auto_density import DEFAULT_CEILING, DEFAULT_FLOOR, AutoDensity
 from ._machines import MachineLayout, MachinesArgument
@@ -374,14 +375,14 @@ def _sum_inside_machine(state: TwoLevelState, staged: torch.Tensor, mine: torch.
     if state.groups.local_size == 1:
         mine.copy_(staged)
     else:
-        dist.reduce_scatter_single(mine, staged, group=state.groups.machine)
+        reduce_scatter_single(mine, staged, group=state.groups.machine)
 
 
 def _spread_inside_machine(state: TwoLevelState, mine: torch.Tensor, staged: torch.Tensor) -> None:
     if state.groups.local_size == 1:
         staged.copy_(mine)
     else:
-        dist.all_gather_single(staged, mine, group=state.groups.machine)
+        all_gather_single(staged, mine, group=state.groups.machine)
 
 
 def _gather_held_back(state: TwoLevelState, plan_bucket: PlanBucket, shares: Shares) -> None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
 from .._checks import check_float, check_int
+from .._collectives import all_gather_single
 from ..hooks.two_level import Shares, TwoLevelState, two_level_hook
 from ..sync.wire import pack_codes, unpack_codes
 
@@ -87,8 +88,8 @@ class Int4BetweenMachinesState(TwoLevelState):
         packed, scales = quantize_int4(mine, self.block)
         all_packed = torch.empty(machines * packed.numel(), dtype=torch.uint8, device=values.device)
         all_scales = torch.empty(machines * scales.numel(), dtype=torch.float32, device=values.device)
-        dist.all_gather_single(all_packed, packed, group=rail)
-        dist.all_gather_single(all_scales, scales, group=rail)
+        all_gather_single(all_packed, packed, group=rail)
+        all_gather_single(all_scales, scales, group=rail)
         values.copy_(dequantize_int4(all_packed, all_scales, machines * piece)[:values.numel()])
         sent = (machines + 1) * (packed.numel() + scales.numel() * 4)  # handed to the two stages
         self.count_bytes(values.numel() * values.element_size(), sent, True)
