@@ -8,7 +8,8 @@ For each workload (a CNN and a transformer, trained with AdamW on one micro-batc
    ``MemoryMeter``: the allocator's peak on CUDA, the resident set's high-water mark on the CPU)
    and the median step time.
 3. Budgets = each of ``--budget-share`` x that peak. Plans: the seed's rule and the integer program's
-   optimum (with and without swapping) at that budget; the peers: full checkpointing
+   optimum (with and without swapping) at that budget, and the fastest of those and the program's
+   next best as they ran (``tune_memory_plan``, ``--candidates``); the peers: full checkpointing
    (``torch.utils.checkpoint`` around every block) and ``torch.autograd.graph.save_on_cpu``.
 4. Run each for ``--steps`` steps after ``--warmup``; print one table: measured peak, the
    planner's predicted peak and its error, median step time and its ratio to the unplanned.
@@ -25,7 +26,7 @@ Every configuration runs in this one process, in turn, on the same model and bat
 ``wide_transformer`` (0.4B parameters, for a GPU) is not in the default list.
 
 Usage: python benchmarks/bench_memory.py [--workloads cnn,transformer[,wide_transformer]] [--steps 8]
-       [--budget-share 0.5,0.65] [--swap-directory /tmp] [--device cpu] [--json PATH]
+       [--budget-share 0.5,0.65] [--swap-directory /tmp] [--device cpu] [--json PATH] [--candidates 3]
        [--allocators-only]
 """
 
@@ -41,8 +42,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from hetero_comm.memory import (MemoryMeter, apply_memory_plan, empty_pooled_cpu_cache, plan_memory,
-                                pooled_cpu_allocator,
-                                pooled_cpu_allocator_stats, predict, profile_memory)
+                                pooled_cpu_allocator, pooled_cpu_allocator_stats, predict,
+                                profile_memory, tune_memory_plan)
 
 
 class CausalBlock(nn.Module):
@@ -184,6 +185,7 @@ def bench_workload(name, args, device):
             rows.append(dict(config=label, peak=peak, seconds=seconds,
                              predicted=plan.predicted_peak_bytes, predicted_s=plan.predicted_step_s,
                              choices=" ".join(choice[0] for choice in plan.choices)))
+        rows.append(tuned_row(model, inputs, targets, profile, share, share * unplanned_peak, run, args))
     for label, forward in (("full checkpointing", full_checkpointing(model)),
                            ("save_on_cpu", save_on_cpu(model))):
         peak, seconds = run(forward)
@@ -193,6 +195,32 @@ def bench_workload(name, args, device):
     for row in rows:
         row.update(workload=name, unplanned_s=unplanned_s)
     return rows, profile
+
+
+def tuned_row(model, inputs, targets, profile, share, budget, run, args):
+    """``tune_memory_plan``: the model's best few plans run for a few steps each, the fastest
+    that fits kept; then measured as every other row is. ``tuning_s``: what choosing cost."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(inputs)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets).backward()
+        optimizer.step()
+
+    label = f"measured best @{share:g}"
+    start = time.perf_counter()
+    try:
+        tuned = tune_memory_plan(model, profile, budget, step, candidates=args.candidates,
+                                 swap_directory=args.swap_directory)
+    except ValueError as error:
+        return dict(config=label, error=str(error).split(";")[0])
+    tuning_s = time.perf_counter() - start
+    with apply_memory_plan(model, tuned.plan, swap_directory=args.swap_directory):
+        peak, seconds = run(model)
+    return dict(config=label, peak=peak, seconds=seconds, predicted=tuned.plan.predicted_peak_bytes,
+                predicted_s=tuned.plan.predicted_step_s, tuning_s=tuning_s, trials=len(tuned.trials),
+                choices=" ".join(choice[0] for choice in tuned.plan.choices))
 
 
 def pooled_rows(model, profile, run, budget, args):
@@ -252,7 +280,8 @@ def print_table(rows, swap_bytes_per_s):
         error = "" if row["predicted"] is None else f"{(row['predicted'] / row['peak'] - 1) * 100:+.0f}%"
         print(f"{row['workload']:<12}{row['config']:<24}{row['peak'] / 2**20:>9.1f}"
               f"{row['peak'] / unplanned['peak']:>8.2f}{predicted:>10}{error:>7}"
-              f"{row['seconds'] * 1e3:>9.1f}{row['seconds'] / unplanned['seconds']:>8.2f}  {row['choices']}")
+              f"{row['seconds'] * 1e3:>9.1f}{row['seconds'] / unplanned['seconds']:>8.2f}  {row['choices']}"
+              + (f"  ({row['trials']} plans run in {row['tuning_s']:.1f} s)" if "tuning_s" in row else ""))
 
 
 def main() -> None:
@@ -263,6 +292,9 @@ def main() -> None:
     parser.add_argument("--budget-share", default="0.5,0.65",
                         help="budgets as shares of the unplanned peak, comma-separated")
     parser.add_argument("--swap-directory", default=None)
+    parser.add_argument("--candidates", type=int, default=3,
+                        help="the integer program's best plans that tune_memory_plan runs (besides the "
+                             "no-swap optimum and the seed's rule)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
     parser.add_argument("--allocators-only", action="store_true",

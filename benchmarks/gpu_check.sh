@@ -10,7 +10,8 @@
 # call. The test workers run torch with one thread each: with its default of one per core, 14
 # workers on 16 cores ran the kernel tests ten times slower. "kernels_changed" runs the tests of
 # the ops named in $KERNELS only; $BENCH_ARGS (e.g. "--only dct") narrows the benchmark, and
-# $MEMORY_WORKLOADS / $MEMORY_SECONDS the memory planner's run. "bisect" rebuilds small
+# $MEMORY_WORKLOADS / $MEMORY_SECONDS the memory planner's run ("memorytrace": the plans in
+# $MEMORY_PLANS profiled, one step each). "bisect" rebuilds small
 # extensions to find which build step puts a private copy of libstdc++ in them (issue 35).
 # Runs from the repository root with the machine's own python3 (which holds a CUDA torch). Wheels
 # in .whl/ are installed first: the workplace's GPU image lacks expecttest, which
@@ -96,6 +97,11 @@ for step in "$@"; do
     timeout ${MEMORY_SECONDS:-300} $PY benchmarks/bench_memory.py --device cuda \
       --workloads ${MEMORY_WORKLOADS:-transformer,wide_transformer} \
       --json "$OUT/bench_memory_cuda.json" 2>&1 | tee "$OUT/bench_memory_cuda.txt" | tail -24
+    ;;
+  memorytrace)  # issue 37: where the sixth run's swapping plans at half the wide transformer's peak lost time
+    timeout ${MEMORY_SECONDS:-180} $PY benchmarks/trace_memory_plan.py --device cuda --workload wide_transformer \
+      --plans "${MEMORY_PLANS:-k s s s k s s k k k,k k s s k s s k k k,k r r k r r r k k k}" \
+      2>&1 | tee "$OUT/trace_memory_plan_cuda.txt" | tail -60
     ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac

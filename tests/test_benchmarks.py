@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -185,3 +187,24 @@ def test_two_level_benchmark_counts_the_seeds_every_row_has_after_a_merge():
     assert bench.seeds_present(merged, ["auto", "fixed"]) == 4  # seed 4 lacks a fixed row
     assert bench.seeds_present(merged, ["auto"]) == 5
     assert bench.seeds_present({("gpt", "1gbit"): earlier}, ["auto"]) == 1  # none from 0: one
+
+
+def test_memory_trace_finds_the_compute_streams_gaps_and_the_copies_in_them():
+    load_benchmark("bench_memory")  # the trace script takes its workloads from there
+    trace = load_benchmark("trace_memory_plan")
+
+    def event(ts, dur, stream, cat="kernel", name="gemm"):
+        return dict(ph="X", cat=cat, ts=ts, dur=dur, name=name, args=dict(stream=stream))
+
+    events = [event(1000, 1000, 7), event(2000, 500, 7), event(5000, 1000, 7), event(7000, 100, 7),
+              event(2600, 3000, 20, "gpu_memcpy", "Memcpy DtoH"),
+              dict(ph="X", cat="cpu_op", ts=0, dur=99999, name="aten::mm", args={})]
+    summary = trace.summarize_trace(events)
+    assert summary["compute_stream"] == 7
+    assert summary["streams"] == {7: pytest.approx(2.6), 20: pytest.approx(3.0)}
+    assert summary["copies"] == [(1.6, 3.0, "Memcpy DtoH")]
+    # 2.5 ms waiting while the copy ran, then 1 ms with nothing in flight (the host behind)
+    assert [(round(length, 6), round(at, 6), names) for length, at, names in summary["gaps"]] == [
+        (2.5, 1.5, ["Memcpy DtoH"]), (1.0, 5.0, [])]
+    assert summary["gap_total_ms"] == pytest.approx(3.5) and summary["span_ms"] == pytest.approx(6.1)
+    assert trace.summarize_trace(events[-1:]) == {"streams": {}, "copies": [], "gaps": []}

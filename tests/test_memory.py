@@ -2,6 +2,7 @@
 keep, swap and recompute on a CNN and a transformer), the swap spaces return every byte, the
 integer program finds the exhaustive optimum of the cost model, and bad input is refused."""
 
+import itertools
 import weakref
 
 import pytest
@@ -12,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hetero_comm.memory import (CHOICES, FileSwap, MemoryMeter, MemoryPlan, MemoryProfile,
-                                apply_memory_plan, chain_blocks, exhaustive_memory_plan,
-                                plan_memory, predict, profile_memory, seed_choices)
+                                apply_memory_plan, candidate_plans, chain_blocks, exhaustive_memory_plan,
+                                plan_memory, predict, profile_memory, seed_choices, tune_memory_plan)
 from hetero_comm.pipeline import LayerProfile
 
 
@@ -239,6 +240,88 @@ def test_the_integer_program_finds_the_exhaustive_optimum(profile, budget_share)
     if seed is not None:  # the seed's rule fits too; it is never faster than the optimum
         assert seed.predicted_peak_bytes <= budget * (1 + 1e-9)
         assert seed.predicted_step_s >= plan.predicted_step_s - 1e-9
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_profiles(), st.floats(0.3, 1.2), st.integers(1, 4))
+def test_candidates_are_the_best_few_plans_that_fit(profile, budget_share, count):
+    """The first ``count`` candidates are the exhaustive search's ``count`` fastest predicted
+    (or all that fit); the rest are the no-swap optimum and the seed's rule; all distinct."""
+    budget = budget_share * predict(profile, ("keep",) * profile.num_blocks)[0]
+    fitting = sorted(predict(profile, choices)[1] for choices in itertools.product(CHOICES, repeat=profile.num_blocks)
+                     if predict(profile, choices)[0] <= budget)
+    if not fitting:
+        with pytest.raises(ValueError, match="no plan fits"):
+            candidate_plans(profile, budget, count)
+        return
+    plans = candidate_plans(profile, budget, count)
+    assert plans[0].predicted_step_s == pytest.approx(plan_memory(profile, budget).predicted_step_s, rel=1e-6, abs=1e-9)
+    assert len({plan.choices for plan in plans}) == len(plans) <= count + 2
+    assert all(plan.predicted_peak_bytes <= budget * (1 + 1e-9) for plan in plans)
+    times = [plan.predicted_step_s for plan in plans]
+    assert times == sorted(times)
+    best = min(count, len(fitting))
+    assert times[:best] == pytest.approx(fitting[:best], rel=1e-6, abs=1e-9)
+
+
+def wide_mlp():
+    """Blocks whose saved activations (512 KiB each) stand well above the resident set's noise."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+                           for _ in range(4)])
+
+
+def halfway_budget(profile):
+    """Halfway between recomputing every block and keeping every block (predicted peaks)."""
+    least, most = (predict(profile, (choice,) * profile.num_blocks)[0] for choice in ("recompute", "keep"))
+    return (least + most) / 2
+
+
+def test_tune_runs_the_candidates_and_keeps_the_fastest_that_fits(tmp_path):
+    model = wide_mlp()
+    inputs, targets = torch.randn(256, 128), torch.randn(256, 128)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    calls = []
+
+    def step():
+        calls.append(1)
+        optimizer.zero_grad(set_to_none=True)
+        F.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+
+    profile = profile_memory(model, inputs, swap_directory=str(tmp_path), swap_bytes_per_s=1e9,
+                             repeats=1, min_sample_s=0)
+    budget = halfway_budget(profile)
+    tuned = tune_memory_plan(model, profile, budget, step, candidates=2, steps=2, warmup=1,
+                             swap_directory=str(tmp_path))
+    expected = candidate_plans(profile, budget, 2)
+    assert [trial.plan.choices for trial in tuned.trials] == [plan.choices for plan in expected]
+    assert len(calls) == 3 * len(expected)
+    fitting = [trial for trial in tuned.trials if trial.peak_bytes <= budget]
+    assert fitting and tuned.plan is min(fitting, key=lambda trial: trial.step_s).plan
+    assert all(trial.step_s > 0 and trial.peak_bytes > 0 for trial in tuned.trials)
+    assert all("forward" not in block.__dict__ for block in model)  # every trial's plan removed
+    assert tuned.format().count("\n") == len(tuned.trials) and "*" in tuned.format()
+
+
+def test_tune_refuses_when_the_step_adds_more_than_the_budget(tmp_path):
+    model = wide_mlp()
+    inputs = torch.randn(256, 128)
+    extra = []
+
+    def step():  # holds 64 MiB more than the blocks' profile knows of, while the step runs
+        extra.append(torch.ones(16 << 20))
+        model(inputs).sum().backward()
+        extra.clear()
+
+    profile = profile_memory(model, inputs, swap_directory=str(tmp_path), swap_bytes_per_s=1e9,
+                             repeats=1, min_sample_s=0)
+    with pytest.raises(ValueError, match="stayed within the budget"):
+        tune_memory_plan(model, profile, halfway_budget(profile), step,
+                         candidates=1, steps=1, warmup=0, swap_directory=str(tmp_path))
+    with pytest.raises(ValueError, match="steps"):
+        tune_memory_plan(model, profile, 1e9, step, steps=0)
+    assert all("forward" not in block.__dict__ for block in model)
 
 
 def make_profile(count=3, internal=100, output=10, forward_s=0.01, swap_bytes_per_s=1e4):

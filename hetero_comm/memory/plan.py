@@ -29,11 +29,12 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .._checks import check_choice
+from .._checks import check_choice, check_int
 from ..pipeline._milp import Expression, _combine, _const, _Program, _var
 from .profile import CHOICES, MemoryProfile
 
-__all__ = [ "MemoryPlan", "predict", "plan_memory", "seed_choices", "exhaustive_memory_plan"]
+__all__ = ["MemoryPlan", "predict", "plan_memory", "candidate_plans", "seed_choices",
+           "exhaustive_memory_plan"]
 
 @dataclass(frozen=True)
 class MemoryPlan:
@@ -210,12 +211,17 @@ def _seed_plan(profile: MemoryProfile, budget_bytes: float, allow_swap: bool) ->
 
 
 def _optimal_plan(profile: MemoryProfile, budget_bytes: float, allow_swap: bool,
-                  time_limit_s: float) -> Optional[Tuple[str, ...]]:
+                  time_limit_s: float, excluded: Sequence[Tuple[str, ...]] = ()) -> Optional[Tuple[str, ...]]:
+    """The least predicted step time under the budget, other than the choices in ``excluded``."""
     program = _Program()
     model = _CostModel(profile, program)
     model.constrain(program, allow_swap)
     for _, expression in model.phases():
         program.constrain(expression, upper=budget_bytes)
+    flags = dict(zip(CHOICES, (model.keep, model.swap, model.recompute)))
+    for choices in excluded:  # at least one block chooses differently
+        program.constrain(_combine(*[(1, _var(flags[choice][l])) for l, choice in enumerate(choices)]),
+                          upper=profile.num_blocks - 1)
     coefficients, _ = model.seconds()
     result = program.solve(coefficients, time_limit_s)
     if result.x is None:
@@ -256,6 +262,33 @@ def plan_memory(profile: MemoryProfile, budget_bytes: Optional[float] = None, *,
                          f"(method {method!r}); recomputing every block needs "
                          f"{least / 2**20:.1f} MiB: raise the budget or cut the model into finer blocks")
     return _make_plan(profile, choices)
+
+
+def candidate_plans(profile: MemoryProfile, budget_bytes: float, count: int = 4, *,
+                    time_limit_s: float = 10.0) -> List[MemoryPlan]:
+    """Distinct plans that fit ``budget_bytes``, the fastest predicted first: the ``count``
+    best of the integer program (each solved with the ones before excluded), then the best
+    without swapping and the seed's rule where they are not among them. These are what
+    :func:`~hetero_comm.memory.tune_memory_plan` runs, so that an error of the cost model's
+    step time (copies that do not hide, a recompute cheaper than a forward) cannot decide alone.
+    Raises ``ValueError`` as :func:`plan_memory` does when nothing fits."""
+    check_int("count", count, 1)
+    found: List[Tuple[str, ...]] = [plan_memory(profile, budget_bytes, time_limit_s=time_limit_s).choices]
+    while len(found) < count:
+        choices = _optimal_plan(profile, budget_bytes, True, time_limit_s, excluded=found)
+        if choices is None or predict(profile, choices)[0] > budget_bytes * (1 + 1e-9):
+            break
+        found.append(choices)
+    for method, allow_swap in (("optimal", False), ("seed", True)):
+        try:
+            choices = plan_memory(profile, budget_bytes, method=method, allow_swap=allow_swap,
+                                  time_limit_s=time_limit_s).choices
+        except ValueError:  # fits only with swapping, or the seed's order misses the budget
+            continue
+        if choices not in found:
+            found.append(choices)
+    plans = [_make_plan(profile, choices) for choices in found]
+    return sorted(plans, key=lambda plan: plan.predicted_step_s)
 
 
 def exhaustive_memory_plan(profile: MemoryProfile, budget_bytes: float) -> Optional[Tuple[str, ...]]:
