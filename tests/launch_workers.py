@@ -30,3 +30,9 @@ def exit_on_rank_one(rank, world_size):
 
 def parent_and_test(rank, world_size):
     return os.getppid(), os.environ.get("PYTEST_CURRENT_TEST"), os.environ.get("HETERO_COMM_TEST_LAUNCH_VALUE")
+
+
+def imported_package(rank, world_size):
+    import hetero_comm
+    from hetero_comm._backend import extension_loaded
+    return hetero_comm.__file__, extension_loaded()

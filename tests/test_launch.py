@@ -5,8 +5,8 @@ import os
 import pytest
 
 from hetero_comm.lab.launch import run_ranks
-from launch_workers import (environment_value, exit_on_rank_one, parent_and_test, raise_on_rank_one,
-                            summed_rank)
+from launch_workers import (environment_value, exit_on_rank_one, imported_package, parent_and_test,
+                            raise_on_rank_one, summed_rank)
 
 VARIABLE = "HETERO_COMM_TEST_LAUNCH_VALUE"
 
@@ -48,3 +48,11 @@ def test_ranks_fork_from_the_server_in_every_test(test, monkeypatch):
     ranks = run_ranks(2, parent_and_test)
     assert all(parent != os.getpid() for parent, _, _ in ranks)
     assert all(name == os.environ["PYTEST_CURRENT_TEST"] and value == test for _, name, value in ranks)
+
+
+def test_ranks_import_the_package_this_process_imported():
+    """The server's sys.path starts with its working directory: from a source checkout, a rank
+    must still get the installed package (with its compiled kernels), not the source tree."""
+    import hetero_comm
+    from hetero_comm._backend import extension_loaded
+    assert run_ranks(2, imported_package) == [(hetero_comm.__file__, extension_loaded())] * 2
