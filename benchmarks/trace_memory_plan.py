@@ -130,11 +130,12 @@ def main() -> None:
     model, inputs, targets = WORKLOADS[args.workload](torch.device(args.device))
     count = len(chain_blocks(model)[0])
     plans = [parse_plan(text, count) for text in args.plans.split(",")]
-    trace_dir = args.json_trace or tempfile.mkdtemp(prefix="memory_trace_")
-    os.makedirs(trace_dir, exist_ok=True)
-    for text, choices in zip(args.plans.split(","), plans):
-        seconds, summary = trace_plan(model, inputs, targets, choices, args.warmup, trace_dir)
-        print_summary(text.strip(), seconds, summary)
+    with tempfile.TemporaryDirectory(prefix="memory_trace_") as scratch:
+        trace_dir = args.json_trace or scratch
+        os.makedirs(trace_dir, exist_ok=True)
+        for text, choices in zip(args.plans.split(","), plans):
+            seconds, summary = trace_plan(model, inputs, targets, choices, args.warmup, trace_dir)
+            print_summary(text.strip(), seconds, summary)
 
 
 if __name__ == "__main__":

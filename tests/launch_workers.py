@@ -1,4 +1,4 @@
-"""Rank targets for test_launch.py (spawned ranks import them from here)."""
+"""Rank targets for test_launch.py (ranks import them from here)."""
 
 import os
 
@@ -28,8 +28,8 @@ def exit_on_rank_one(rank, world_size):
     return rank
 
 
-def parent_and_test(rank, world_size):
-    return os.getppid(), os.environ.get("PYTEST_CURRENT_TEST"), os.environ.get("HETERO_COMM_TEST_LAUNCH_VALUE")
+def parent_and_test(rank, world_size, name):
+    return os.getppid(), os.environ.get("PYTEST_CURRENT_TEST"), os.environ.get(name)
 
 
 def imported_package(rank, world_size):

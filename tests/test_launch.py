@@ -45,7 +45,7 @@ def test_ranks_fork_from_the_server_in_every_test(test, monkeypatch):
     (each spawned rank imports torch again: seconds per rank). Forked, a rank's parent is the
     server, not this process; it still sees this test's environment."""
     monkeypatch.setenv(VARIABLE, test)
-    ranks = run_ranks(2, parent_and_test)
+    ranks = run_ranks(2, parent_and_test, VARIABLE)
     assert all(parent != os.getpid() for parent, _, _ in ranks)
     assert all(name == os.environ["PYTEST_CURRENT_TEST"] and value == test for _, name, value in ranks)
 

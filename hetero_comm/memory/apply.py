@@ -95,6 +95,12 @@ class _SwapBlock:
         self.prefetch_when_output_gradient(self.latest, output)
 
 
+def parameter_device(modules: Sequence[nn.Module]) -> torch.device:
+    """The device every parameter of ``modules`` is on; the CPU when they are spread or absent."""
+    devices = {p.device for module in modules for p in module.parameters()}
+    return next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+
+
 def _prefetch(space: SwapSpace, storages: List[_SwappedStorage], gradient) -> None:
     for storage in storages:
         space.prefetch(storage.ticket)
@@ -151,9 +157,7 @@ def apply_memory_plan(blocks, plan: MemoryPlan, *, swap_directory: Optional[str]
                              "its forward); remove that first")
     space = None
     if "swap" in plan.choices:
-        devices = {p.device for module in modules for p in module.parameters()}
-        device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
-        space = make_swap_space(device, swap_directory)
+        space = make_swap_space(parameter_device(modules), swap_directory)
     hooks = []
     for index, (module, choice) in enumerate(zip(modules, plan.choices)):
         original = type(module).forward.__get__(module)

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from .._checks import check_int
-from .apply import apply_memory_plan
+from .apply import apply_memory_plan, parameter_device
 from .meter import MemoryMeter
 from .plan import MemoryPlan, candidate_plans
 from .profile import MemoryProfile, chain_blocks
@@ -82,8 +82,9 @@ def tune_memory_plan(blocks, profile: MemoryProfile, budget_bytes: float, step: 
             :func:`~hetero_comm.memory.plan_memory` (the profile of these blocks).
         budget_bytes: what one step may add above the memory in use when it begins.
         step: runs one training step of the model the blocks belong to (forward, backward,
-            optimizer update), with no arguments. It runs ``candidates x (warmup + steps)``
-            times, so it trains the model: tune on a copy, or accept those updates.
+            optimizer update), with no arguments. It runs ``warmup + steps`` times per
+            candidate plan (up to ``candidates + 2`` plans), so it trains the model: tune on a
+            copy, or accept those updates.
         candidates: how many of the integer program's best plans to run, besides the best
             plan without swapping and the seed's rule (see :func:`~hetero_comm.memory.candidate_plans`).
 
@@ -94,9 +95,7 @@ def tune_memory_plan(blocks, profile: MemoryProfile, budget_bytes: float, step: 
     """
     check_int("steps", steps, 1)
     check_int("warmup", warmup, 0)
-    _, modules = chain_blocks(blocks)
-    devices = {p.device for module in modules for p in module.parameters()}
-    meter = MemoryMeter(next(iter(devices)) if len(devices) == 1 else torch.device("cpu"))
+    meter = MemoryMeter(parameter_device(chain_blocks(blocks)[1]))
     plans = candidate_plans(profile, budget_bytes, candidates)
     trials = tuple(_run_trial(blocks, plan, step, meter, steps, warmup, swap_directory) for plan in plans)
     fitting = [trial for trial in trials if trial.peak_bytes <= budget_bytes]
