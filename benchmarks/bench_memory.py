@@ -32,6 +32,7 @@ Usage: python benchmarks/bench_memory.py [--workloads cnn,transformer[,wide_tran
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import time
@@ -304,18 +305,19 @@ def main() -> None:
         return allocator_timings(args)
     args.budget_share = [float(share) for share in args.budget_share.split(",")]
     device = torch.device(args.device)
-    rows, bandwidths = [], {}
+    rows, bandwidths, profiles = [], {}, {}
     for name in args.workloads.split(","):
         workload_rows, profile = bench_workload(name, args, device)
         rows += workload_rows
         bandwidths[name] = profile.swap_bytes_per_s
+        profiles[name] = dataclasses.asdict(profile)  # to test a changed cost model against these runs
     print(f"device {device}, {torch.get_num_threads()} threads; budgets (@) as shares of the "
           f"unplanned peak; swap space "
           + ", ".join(f"{n} {b / 1e9:.2f} GB/s" for n, b in bandwidths.items()))
     print_table(rows, bandwidths)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(dict(rows=rows, swap_bytes_per_s=bandwidths), handle, indent=1)
+            json.dump(dict(rows=rows, swap_bytes_per_s=bandwidths, profiles=profiles), handle, indent=1)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,8 @@ def batch(model_name, dtype):
 
 
 def gradients_after_steps(model, inputs, targets, steps=2):
-    """Gradients of two training steps (the second after an SGD update) and the losses."""
+    """Per training step (the second after an SGD update): the loss, the gradients, and the
+    buffers after it (BatchNorm's running statistics)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(5)  # dropout's masks
     results = []
@@ -81,9 +82,20 @@ def gradients_after_steps(model, inputs, targets, steps=2):
         logits = model(inputs)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
         loss.backward()
-        results.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+        results.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters()],
+                        [b.clone() for b in model.buffers()]))
         optimizer.step()
     return results
+
+
+def assert_same_steps(got, expected):
+    """Bit for bit: every step's loss, gradients and buffers."""
+    assert len(got) == len(expected)
+    for (loss, grads, buffers), (want_loss, want_grads, want_buffers) in zip(got, expected):
+        assert torch.equal(loss, want_loss)
+        assert len(grads) == len(want_grads) and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+        assert len(buffers) == len(want_buffers)
+        assert all(torch.equal(b, w) for b, w in zip(buffers, want_buffers))
 
 
 def plan_of(model, choices):
@@ -94,7 +106,7 @@ def plan_of(model, choices):
 @pytest.mark.parametrize("model_name", ["cnn", "transformer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("pattern", ["all_swap", "all_recompute", "mixed", "alternate"])
-def test_planned_gradients_are_bitwise_the_unplanned(model_name, dtype, pattern, tmp_path):
+def test_planned_steps_are_bitwise_the_unplanned(model_name, dtype, pattern, tmp_path):
     make = cnn if model_name == "cnn" else transformer
     inputs, targets = batch(model_name, dtype)
     expected = gradients_after_steps(make(dtype), inputs, targets)
@@ -105,10 +117,7 @@ def test_planned_gradients_are_bitwise_the_unplanned(model_name, dtype, pattern,
                "alternate": [("swap", "recompute")[i % 2] for i in range(count)]}[pattern]
     with apply_memory_plan(model, plan_of(model, choices), swap_directory=str(tmp_path)):
         got = gradients_after_steps(model, inputs, targets)
-    for (loss, grads), (want_loss, want_grads) in zip(got, expected):
-        assert torch.equal(loss, want_loss)
-        for grad, want in zip(grads, want_grads):
-            assert torch.equal(grad, want)
+    assert_same_steps(got, expected)
 
 
 def test_remove_restores_the_blocks_and_a_plan_applies_once(tmp_path):
@@ -215,7 +224,8 @@ def small_profiles(draw):
         return tuple(draw(st.lists(strategy, min_size=count, max_size=count)))
 
     layers = LayerProfile(column(st.floats(0.01, 1.0)), column(st.floats(0.01, 2.0)),
-                          column(st.integers(1, 50)), column(sizes), column(st.integers(0, 20)), 8)
+                          column(st.integers(1, 50)), column(sizes), column(st.integers(0, 20)), 8,
+                          recompute_s=column(st.floats(0.005, 1.2)))
     triples = st.tuples(sizes, sizes, sizes)
     return MemoryProfile(tuple(f"b{i}" for i in range(count)), layers, column(sizes),
                          column(st.booleans()), column(st.booleans()), column(triples),
@@ -324,9 +334,10 @@ def test_tune_refuses_when_the_step_adds_more_than_the_budget(tmp_path):
     assert all("forward" not in block.__dict__ for block in model)
 
 
-def make_profile(count=3, internal=100, output=10, forward_s=0.01, swap_bytes_per_s=1e4):
+def make_profile(count=3, internal=100, output=10, forward_s=0.01, swap_bytes_per_s=1e4, recompute_s=None):
     layers = LayerProfile((forward_s,) * count, (2 * forward_s,) * count, (output,) * count,
-                          (internal,) * count, (0,) * count, 8)
+                          (internal,) * count, (0,) * count, 8,
+                          recompute_s=() if recompute_s is None else (recompute_s,) * count)
     return MemoryProfile(tuple(f"b{i}" for i in range(count)), layers, (internal,) * count,
                          (True,) * count, (False,) * count, ((internal + output, internal + output, output),) * count,
                          ((2 * output, 2 * output + internal, 2 * output + internal),) * count, swap_bytes_per_s)
@@ -362,17 +373,24 @@ def test_plan_memory_refuses_an_impossible_budget_and_bad_settings():
     assert "swap" not in no_swap.choices and "recompute" in no_swap.choices
 
 
-def test_recompute_is_priced_as_the_pipeline_planner_prices_it():
-    """Both planners take a recomputed layer's cost as one more forward of the same profile."""
+@pytest.mark.parametrize("recompute_s", [None, 0.1, 0.4])
+def test_recompute_is_priced_as_the_pipeline_planner_prices_it(recompute_s):
+    """Both planners charge a recomputed layer the profile's measured recomputation (one more
+    forward when it was not measured), the seed's rule compares that with the transfer, and the
+    step time rises by it."""
     from hetero_comm.pipeline import Cluster, DeviceKind
     from hetero_comm.pipeline.cost import stage_estimates
-    profile = make_profile(count=1, forward_s=0.25)
+    profile = make_profile(count=1, forward_s=0.25, recompute_s=recompute_s)
     cluster = Cluster((DeviceKind("d", profile.layers),), 1)
     kept, recomputed = (stage_estimates(cluster, cluster.devices, [0, 1], [flag], 1, "gpipe")[0]
                         for flag in (False, True))
     extra_pipeline = recomputed.backward_s - kept.backward_s
     extra_memory = predict(profile, ("recompute",))[1] - predict(profile, ("keep",))[1]
-    assert extra_pipeline == pytest.approx(extra_memory) == pytest.approx(0.25)
+    expected = 0.25 if recompute_s is None else recompute_s
+    assert extra_pipeline == pytest.approx(extra_memory) == pytest.approx(expected)
+    # 100 bytes out and back at 1,000 B/s: 0.2 s, between the cheap recomputation and the others.
+    seed = seed_choices(make_profile(count=1, forward_s=0.25, recompute_s=recompute_s, swap_bytes_per_s=1e3))
+    assert seed == (("swap",) if expected > 0.2 else ("recompute",))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host swap, side stream)")
@@ -384,9 +402,7 @@ def test_cuda_plans_are_bitwise_the_unplanned(pattern):
     model = cnn().cuda()
     with apply_memory_plan(model, plan_of(model, pattern)):
         got = gradients_after_steps(model, inputs, targets)
-    for (loss, grads), (want_loss, want_grads) in zip(got, expected):
-        assert torch.equal(loss, want_loss)
-        assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+    assert_same_steps(got, expected)
 
 
 def test_pooled_cpu_allocator_reuses_freed_storages_and_changes_no_value():
@@ -404,9 +420,7 @@ def test_pooled_cpu_allocator_reuses_freed_storages_and_changes_no_value():
     after = pooled_cpu_allocator_stats()
     assert after["reuses"] > before["reuses"] and after["allocations"] > before["allocations"]
     assert after["bytes_in_use"] > before["bytes_in_use"]  # the survivor, at least
-    for (loss, grads), (want_loss, want_grads) in zip(got, expected):
-        assert torch.equal(loss, want_loss)
-        assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+    assert_same_steps(got, expected)
     assert survivor.sum().item() == 499500.0
     in_use = pooled_cpu_allocator_stats()["bytes_in_use"]
     del survivor, got

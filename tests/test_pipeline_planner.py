@@ -15,11 +15,12 @@ from hetero_comm.pipeline import (Cluster, DeviceKind, LayerProfile, PipelinePla
                                   capability_order, seed_order, simulate)
 
 
-def make_profile(forward, backward=None, output=None, saved=None, params=None, input_bytes=8):
+def make_profile(forward, backward=None, output=None, saved=None, params=None, input_bytes=8,
+                 recompute=None):
     num_layers = len(forward)
     return LayerProfile(tuple(forward), tuple(backward or [2 * f for f in forward]),
                         tuple(output or [4] * num_layers), tuple(saved or [1] * num_layers),
-                        tuple(params or [0] * num_layers), input_bytes)
+                        tuple(params or [0] * num_layers), input_bytes, recompute_s=tuple(recompute or ()))
 
 
 @st.composite
@@ -36,9 +37,11 @@ def small_clusters(draw):
         slowdown = draw(st.floats(0.5, 3.0))
         saved = draw(st.lists(st.integers(1, 100), min_size=num_layers, max_size=num_layers))
         memory = draw(st.one_of(st.just(math.inf), st.floats(300, 2000)))
+        # Early stopping makes a recomputation shorter than the forward, host costs can make it longer.
+        recompute = [b * slowdown * draw(st.floats(0.3, 1.3)) for b in base]
         devices.append(DeviceKind(f"d{index}", make_profile(
             [b * slowdown for b in base], [2 * b * slowdown * draw(st.floats(0.8, 1.2)) for b in base],
-            output, saved, params, 10), memory_bytes=memory,
+            output, saved, params, 10, recompute), memory_bytes=memory,
             sync_bytes_per_s=draw(st.floats(10, 200))))
     return Cluster(tuple(devices), draw(st.integers(1, 3)), stage_bytes_per_s=draw(st.floats(10, 200)),
                    sync_bytes_per_s=50.0, state_bytes_per_param_byte=draw(st.sampled_from([0.0, 1.0, 4.0])))
@@ -165,6 +168,20 @@ def test_format_and_timeline(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_recomputing_stage_reruns_every_forward_but_its_last_layers_tail():
+    """Checkpointing a stage reruns each layer's forward except the last one's, which stops at
+    its last saved tensor (the profile's recompute_s)."""
+    from hetero_comm.pipeline.cost import stage_estimates
+    profile = make_profile([1.0, 2.0, 4.0, 8.0], recompute=[0.5, 1.5, 3.0, 2.0])
+    cluster = Cluster((DeviceKind("a", profile), DeviceKind("b", profile)), 1)
+    kept, recomputed = (stage_estimates(cluster, cluster.devices, [0, 3, 4], [flag, flag], 1, "gpipe")
+                        for flag in (False, True))
+    assert recomputed[0].backward_s - kept[0].backward_s == pytest.approx(1.0 + 2.0 + 3.0)
+    assert recomputed[1].backward_s - kept[1].backward_s == pytest.approx(2.0)
+    assert make_profile([1.0, 2.0]).recompute_s == (1.0, 2.0)  # not measured: one more forward
+    assert profile.scaled(2.0).recompute_s == (1.0, 3.0, 6.0, 4.0)
+
+
 # ------------------------------------------------------------------ profiles
 def test_profile_layers_counts_bytes_exactly_and_times_every_layer():
     torch.manual_seed(0)
@@ -179,12 +196,58 @@ def test_profile_layers_counts_bytes_exactly_and_times_every_layer():
     assert all(t > 0 for t in profile.forward_s) and all(t >= 0 for t in profile.backward_s)
     assert all(p.grad is None for p in model.parameters())  # profiling leaves no gradients
     assert profile.update_s == (0.0, 0.0, 0.0)  # no optimizer given: not measured
+    assert profile.recompute_s[0] > 0 and profile.recompute_s[2] > 0
 
     before = [p.detach().clone() for p in model.parameters()]
     timed = profile_layers(model, sample, repeats=1, warmup=0, min_sample_s=0.0,
                            optimizer=lambda params: torch.optim.AdamW(params, lr=1.0))
     assert timed.update_s[0] > 0 and timed.update_s[1] == 0 and timed.update_s[2] > 0
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # steps ran on copies
+
+
+def test_profiles_of_one_device_kind_combine_layer_by_layer_as_medians():
+    from hetero_comm.pipeline.profile import _median_profile
+    profiles = [make_profile([f, 2 * f], recompute=[f / 2, f]) for f in (1.0, 3.0, 2.0)]
+    combined = _median_profile(profiles)
+    assert combined.forward_s == (2.0, 4.0) and combined.recompute_s == (1.0, 2.0)
+    assert combined.backward_s == (4.0, 8.0)
+
+
+class _FakeClock:
+    """Seconds that pass only when a layer says so: timings that cannot flake."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _SlowTail(nn.Module):
+    """A linear layer (saves its input) taking 1 s, then 9 s of work that saves nothing."""
+
+    def __init__(self, clock: _FakeClock) -> None:
+        super().__init__()
+        self.clock, self.linear = clock, nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.clock.now += 1.0
+        h = self.linear(x)
+        self.clock.now += 9.0
+        return h * 2.0  # a product by a constant saves no tensor
+
+
+def test_profile_layers_times_the_recomputation_checkpointing_runs(monkeypatch):
+    """Non-reentrant checkpointing stops recomputing at the last saved tensor: the profile
+    charges the layer's head (1 s), not its whole forward (10 s)."""
+    import hetero_comm.pipeline.profile as profile_module
+    clock = _FakeClock()
+    monkeypatch.setattr(profile_module, "time", clock)
+    profile = profile_layers([_SlowTail(clock), nn.ReLU(), _SlowTail(clock)], torch.randn(3, 4),
+                             repeats=3, warmup=1, min_sample_s=0.0)
+    assert profile.forward_s == (10.0, 0.0, 10.0)
+    assert profile.recompute_s == (1.0, 0.0, 1.0)  # the ReLU takes no time on this clock
+    assert profile.backward_s == (0.0, 0.0, 0.0)
 
 
 # ------------------------------------------------------------------ bad input

@@ -7,8 +7,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
+from .._recompute import recompute_in_backward
 from .plan import MemoryPlan
 from .profile import chain_blocks
 from .swap import SwapSpace, make_swap_space, storage_bytes
@@ -107,7 +107,7 @@ def _prefetch(space: SwapSpace, storages: List[_SwappedStorage], gradient) -> No
 
 
 def _recomputed_forward(original, *args, **kwargs):
-    return checkpoint(original, *args, use_reentrant=False, **kwargs)
+    return recompute_in_backward(original.__self__, original, *args, **kwargs)
 
 
 class AppliedMemoryPlan:
@@ -140,7 +140,8 @@ def apply_memory_plan(blocks, plan: MemoryPlan, *, swap_directory: Optional[str]
     The blocks are the ones the plan was made for (same names, see
     :func:`~hetero_comm.memory.chain_blocks`); the model is used as before (any caller of the
     blocks, DDP included). Recomputed blocks run under ``torch.utils.checkpoint``
-    (non-reentrant, random state preserved); swapped blocks send what autograd saves, except
+    (non-reentrant, random state preserved, buffers such as BatchNorm's running statistics
+    updated once); swapped blocks send what autograd saves, except
     parameters, buffers and the block's input, to the swap space (pinned host memory on CUDA,
     a file in ``swap_directory`` on the CPU) and fetch it back one block ahead of the
     backward. Values are unchanged: gradients are bitwise those of the unplanned model.

@@ -14,7 +14,9 @@ parameters ``p_l``, forward peaks ``f_l`` and backward peaks ``b_l`` from the pr
   output if it saves it: the next block's backward, done, released it), the output's gradient ``o_l``, the parameter gradients of blocks ``> l``, block
   ``l - 1``'s swapped bytes (prefetched one block ahead), plus ``b_l`` of the block's mode
   (fetching, recomputing and the backward itself, measured alone);
-* time: the profile's forward and backward, one more forward per recomputed block, and per
+* time: the profile's forward and backward, per recomputed block its measured recomputation
+  (``recompute_s``: the forward up to the block's last saved tensor, as the pipeline planner
+  prices a recomputing stage that ends at that block), and per
   swapped block what its transfer (each way) does not hide behind the next block's forward
   (offload) or backward (prefetch); all of it where the transfer runs on the cores that
   compute (the CPU).
@@ -31,6 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .._checks import check_choice, check_int
 from ..pipeline._milp import Expression, _combine, _const, _Program, _var
+from ..pipeline.profile import recompute_seconds
 from .profile import CHOICES, MemoryProfile
 
 __all__ = ["MemoryPlan", "predict", "plan_memory", "candidate_plans", "seed_choices",
@@ -134,7 +137,7 @@ class _CostModel:
         p, layers = self.profile, self.profile.layers
         terms = [(1, _const(sum(layers.forward_s) + sum(layers.backward_s)))]
         for l in range(p.num_blocks):
-            terms.append((layers.forward_s[l], _var(self.recompute[l])))
+            terms.append((recompute_seconds(layers, [l]), _var(self.recompute[l])))
             terms.append((self.exposed_swap_s(l), _var(self.swap[l])))
         return _combine(*terms)
 
@@ -188,7 +191,7 @@ def _make_plan(profile: MemoryProfile, choices: Sequence[str]) -> MemoryPlan:
 def seed_choices(profile: MemoryProfile) -> Tuple[str, ...]:
     """The seed's classification of every block: swap where computing the block again costs
     more than moving its saved bytes out and back, recompute where it costs less."""
-    return tuple("swap" if profile.layers.forward_s[l] > 2 * profile.swap_bytes(l) / profile.swap_bytes_per_s
+    return tuple("swap" if recompute_seconds(profile.layers, [l]) > 2 * profile.swap_bytes(l) / profile.swap_bytes_per_s
                  else "recompute" for l in range(profile.num_blocks))
 
 
@@ -199,7 +202,7 @@ def _seed_plan(profile: MemoryProfile, budget_bytes: float, allow_swap: bool) ->
     choices = ["keep"] * profile.num_blocks
 
     def seconds_per_byte(l):
-        cost = profile.layers.forward_s[l] if classes[l] == "recompute" else \
+        cost = recompute_seconds(profile.layers, [l]) if classes[l] == "recompute" else \
             2 * profile.swap_bytes(l) / profile.swap_bytes_per_s
         return cost / max(profile.internal_bytes[l] + profile.layers.output_bytes[l], 1)
 

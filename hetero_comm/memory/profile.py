@@ -1,7 +1,8 @@
 """What each block of a model costs in time and memory, and what swapping costs.
 
 The times and byte counts are the pipeline planner's (:func:`~hetero_comm.pipeline.profile_layers`),
-so both planners price a recomputed layer the same way: one more forward.
+so both planners price a recomputed layer the same way: its measured recomputation, which
+early stopping often makes shorter than its forward.
 """
 
 import functools

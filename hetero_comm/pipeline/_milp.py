@@ -158,12 +158,14 @@ def _stage_terms(program: _Program, cluster: Cluster, order, s: int, k: int, sch
         kept_input = program.variable()  # = flag * stage input, from below; memory pushes it down
         program.constrain(_combine((1, _var(kept_input)), (-1, stage_input), (-largest_input, _var(flag))),
                           lower=-largest_input)
-        # Recomputing adds the stage's forward to its backward and frees all but one
+        # Recomputing adds the stage's recomputation to its backward and frees all but one
         # micro-batch's saved activations: bilinear in (placement, flag), so bounded by big-M
         # rows; the objective keeps the time at its least, the memory row the freed bytes at most.
         recomputed_forward = program.variable()
-        largest_forward = sum(device.profile.forward_s) / time_unit
-        program.constrain(_combine((1, _var(recomputed_forward)), (-1, forward),
+        largest_forward = (sum(device.profile.forward_s) + max(
+            0.0, *(r - f for f, r in zip(device.profile.forward_s, device.profile.recompute_s)))) / time_unit
+        program.constrain(_combine((1, _var(recomputed_forward)), (-1, _recomputation(device.profile, s,
+                                   num_stages, ends_at, forward, time_unit)),
                                    (-largest_forward, _var(flag))), lower=-largest_forward)
         freed = program.variable()
         program.constrain(_combine((1, _var(freed)), (-1, saved)), upper=0)
@@ -177,6 +179,20 @@ def _stage_terms(program: _Program, cluster: Cluster, order, s: int, k: int, sch
     sync = _combine((cluster.sync_seconds_per_byte(device) / time_unit, params), (1, update))
     return {"forward": forward, "backward": backward, "transfer": transfer, "sync": sync,
             "recompute": flag}
+
+
+def _recomputation(profile, s: int, num_stages: int, ends_at, forward: Expression,
+                   time_unit: float) -> Expression:
+    """Stage ``s``'s recomputation (:func:`~hetero_comm.pipeline.profile.recompute_seconds`):
+    its forward, less what early stopping saves in the layer it ends at."""
+    num_layers = profile.num_layers
+
+    def saving(l):
+        return (profile.forward_s[l] - profile.recompute_s[l]) / time_unit
+
+    if s == num_stages - 1:  # the last stage ends at the last layer
+        return _combine((1, forward), (-saving(num_layers - 1), _const(1)))
+    return _combine((1, forward), *((-saving(l), ends_at(l, s)) for l in range(num_layers - 1)))
 
 
 def _step_terms(program: _Program, stages: List[dict], k: int, schedule: str) -> int:

@@ -4,8 +4,9 @@ One step, per machine: ``k`` micro-batches go through ``S`` stages (one device e
 then each stage's parameters are averaged with the same stage on the other machines. The
 model (the same formulas in :func:`estimate_step` and in the integer program):
 
-* stage ``s`` spends ``F_s`` (forward) and ``B_s`` (backward, plus one more forward when it
-  recomputes) seconds per micro-batch; the link to the next stage takes ``t_s`` per
+* stage ``s`` spends ``F_s`` (forward) and ``B_s`` (backward, plus its recomputation when it
+  recomputes: every layer's forward but the last one's, whose rerun stops at its last saved
+  tensor, the profile's ``recompute_s``) seconds per micro-batch; the link to the next stage takes ``t_s`` per
   micro-batch each way (the boundary layer's output, then its gradient);
 * GPipe is two flow shops, all forwards then all backwards, so with identical micro-batches
   ``pipe = sum(F) + sum(B) + 2 sum(t) + (k - 1) (max(F, t) + max(B, t))``, exact for the
@@ -25,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from .._checks import check_choice, check_float, check_int
 from .plan import SCHEDULES
-from .profile import LayerProfile
+from .profile import LayerProfile, recompute_seconds
 
 __all__ = ["DeviceKind", "Cluster", "StageEstimate", "estimate_step"]
 
@@ -149,7 +150,8 @@ def stage_estimates(cluster: Cluster, order: Sequence[DeviceKind], boundaries: S
     for s, device in enumerate(order):
         layers = range(boundaries[s], boundaries[s + 1])
         forward = sum(device.profile.forward_s[l] for l in layers)
-        backward = sum(device.profile.backward_s[l] for l in layers) + (forward if recompute[s] else 0.0)
+        backward = sum(device.profile.backward_s[l] for l in layers) + \
+            (recompute_seconds(device.profile, layers) if recompute[s] else 0.0)
         last = s == num_stages - 1
         transfer = 0.0 if last else profile.output_bytes[layers[-1]] / cluster.stage_bytes_per_s
         params = sum(profile.param_bytes[l] for l in layers)

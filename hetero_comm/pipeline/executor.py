@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import checkpoint
 
 from .._checks import check_int
+from .._recompute import recompute_in_backward
 from .plan import PipelinePlan, StagePlan
 
 __all__ = ["PipelineGroups", "PipelineRunner", "build_pipeline"]
@@ -110,7 +110,7 @@ class _RecomputedSequential(nn.Sequential):
     def forward(self, input):  # noqa: A002 - the name nn.Sequential.forward uses
         # Non-reentrant: works when the input needs no gradient (stage 0) and with DDP's
         # reducer, whose hooks sit on the parameters of the original graph.
-        return checkpoint(super().forward, input, use_reentrant=False)
+        return recompute_in_backward(self, super().forward, input)
 
 
 class PipelineRunner:

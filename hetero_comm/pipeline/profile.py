@@ -11,9 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._checks import check_float, check_int
 
-__all__ = ["LayerProfile", "profile_layers", "gather_profiles"]
+from .._checks import check_float, check_int
+from .._recompute import recompute_in_backward
+
+__all__ = ["LayerProfile", "profile_layers", "gather_profiles", "recompute_seconds"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,12 @@ class LayerProfile:
         input_bytes: the model's input per micro-batch (a scalar; what stage 0 receives).
         update_s: seconds of the optimizer's step on the layer's parameters, once per step
             (empty: not measured, taken as 0).
+        recompute_s: seconds that recomputing the layer adds to its backward when it is the
+            last layer of a checkpointed segment. Non-reentrant checkpointing stops once the
+            last tensor the backward needs is rebuilt, so this is often less than
+            ``forward_s`` (a transformer block skips its last matrix product); a layer
+            followed by others in the segment runs whole (see :func:`recompute_seconds`).
+            Empty: not measured, taken as ``forward_s``.
     """
 
     forward_s: Tuple[float, ...]
@@ -39,10 +47,13 @@ class LayerProfile:
     param_bytes: Tuple[int, ...]
     input_bytes: int = 0
     update_s: Tuple[float, ...] = ()
+    recompute_s: Tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.update_s:
             object.__setattr__(self, "update_s", (0.0,) * len(self.forward_s))
+        if not self.recompute_s:
+            object.__setattr__(self, "recompute_s", tuple(self.forward_s))
         lengths = {f.name: len(getattr(self, f.name)) for f in fields(self) if f.name != "input_bytes"}
         if len(set(lengths.values())) != 1:
             raise ValueError(f"a LayerProfile needs one entry per layer in every field; got lengths "
@@ -64,7 +75,17 @@ class LayerProfile:
         return LayerProfile(tuple(t * time_factor for t in self.forward_s),
                             tuple(t * time_factor for t in self.backward_s), self.output_bytes,
                             self.saved_bytes, self.param_bytes, self.input_bytes,
-                            tuple(t * time_factor for t in self.update_s))
+                            tuple(t * time_factor for t in self.update_s),
+                            tuple(t * time_factor for t in self.recompute_s))
+
+
+def recompute_seconds(profile: LayerProfile, layers: Sequence[int]) -> float:
+    """What recomputing the contiguous ``layers`` as one checkpointed segment adds to their
+    backward: every layer's forward but the last, whose run stops at its last saved tensor."""
+    layers = list(layers)
+    if not layers:
+        return 0.0
+    return sum(profile.forward_s[l] for l in layers[:-1]) + profile.recompute_s[layers[-1]]
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:
@@ -165,12 +186,72 @@ def _profile_layer(layer: nn.Module, current: torch.Tensor, optimizer, timing: d
             out.backward(gradient)
 
     both = _median_seconds(forward_backward, **timing)
+    recompute_s = 0.0
+    if saved and gradient is not None and output.requires_grad:
+        recompute_s = _median_recompute_seconds(layer, inputs, gradient, both, **timing)
     layer.zero_grad(set_to_none=True)
     row = dict(forward_s=forward_s, backward_s=max(both - forward_s, 0.0),
                output_bytes=_tensor_bytes(output), saved_bytes=saved,
                param_bytes=sum(_tensor_bytes(p) for p in layer.parameters()),
-               update_s=_update_seconds(layer, optimizer, **timing))
+               update_s=_update_seconds(layer, optimizer, **timing), recompute_s=recompute_s)
     return row, output
+
+
+class _RecomputeTimer:
+    """Checkpoint's recompute context: adds up how long each recomputation ran (CUDA: between
+    events on the stream it ran on), from its start to where early stopping ends it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.spans: List[tuple] = []
+
+    def _mark(self):
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def __enter__(self) -> None:
+        self.spans.append([self._mark(), None])
+
+    def __exit__(self, *exc) -> bool:
+        self.spans[-1][1] = self._mark()
+        return False  # early stopping ends the recomputation with an exception checkpoint catches
+
+    def take_seconds(self) -> float:
+        """The spans' total since the last call."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            total = sum(start.elapsed_time(end) for start, end in self.spans) / 1e3
+        else:
+            total = sum(end - start for start, end in self.spans)
+        self.spans = []
+        return total
+
+
+def _median_recompute_seconds(layer: nn.Module, inputs: torch.Tensor, gradient: torch.Tensor,
+                              call_s: float, repeats: int, warmup: int, min_sample_s: float,
+                              device: torch.device) -> float:
+    """Median seconds of the recomputation when ``layer`` alone is checkpointed (non-reentrant,
+    as the memory planner and the pipeline's recomputing stages run it), timed from inside:
+    a difference of two timed steps would drown it in their noise."""
+    timer = _RecomputeTimer(device)
+
+    def checkpointed_step():
+        output = recompute_in_backward(layer, layer, inputs, recompute_context=timer)
+        output.backward(gradient)
+
+    for _ in range(max(warmup, 1)):
+        checkpointed_step()
+    timer.take_seconds()
+    calls = max(1, math.ceil(min_sample_s / max(call_s, 1e-9)))
+    samples = []
+    for _ in range(repeats):
+        for _ in range(calls):
+            checkpointed_step()
+        samples.append(timer.take_seconds() / calls)
+    return statistics.median(samples)
 
 
 def _update_seconds(layer: nn.Module, optimizer, repeats: int, warmup: int, min_sample_s: float,
@@ -210,4 +291,4 @@ def _median_profile(profiles: Sequence[LayerProfile]) -> LayerProfile:
     first = profiles[0]
     return LayerProfile(median_column("forward_s"), median_column("backward_s"), first.output_bytes,
                         first.saved_bytes, first.param_bytes, first.input_bytes,
-                        median_column("update_s"))
+                        median_column("update_s"), median_column("recompute_s"))

@@ -1,0 +1,78 @@
+"""Recomputing a module in the backward (non-reentrant ``torch.utils.checkpoint``) without
+changing its buffers twice.
+
+Checkpointing runs a module's forward a second time in the backward. A forward that updates
+buffers (BatchNorm's running statistics and batch count) would update them again there: the
+running mean would move two steps per batch. Here the forward notes which modules changed a
+buffer, and the recomputation puts those modules' buffers back as they were when it began.
+"""
+
+import contextlib
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["recompute_in_backward"]
+
+
+def _modules_with_buffers(module: nn.Module) -> List[nn.Module]:
+    return [m for m in module.modules() if next(m.buffers(recurse=False), None) is not None]
+
+
+def _versions(module: nn.Module) -> tuple:
+    return tuple(buffer._version for buffer in module.buffers(recurse=False))
+
+
+class _ForwardNotes:
+    """Checkpoint's forward context: which modules' buffer versions move during the forward
+    (BatchNorm's in-place batch count does; its running statistics, written by the kernel, do
+    not move theirs, so every buffer of such a module is kept)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.changed: List[nn.Module] = []
+
+    def __enter__(self) -> None:
+        self.candidates = _modules_with_buffers(self.module)
+        self.before = [_versions(m) for m in self.candidates]
+
+    def __exit__(self, *exc) -> bool:
+        self.changed = [m for m, versions in zip(self.candidates, self.before) if _versions(m) != versions]
+        return False
+
+
+class _BuffersKept:
+    """Checkpoint's recompute context (entered once per recomputation, so any number of
+    backward passes): the changing modules' buffers as they were when it began."""
+
+    def __init__(self, notes: _ForwardNotes, inner: Optional[contextlib.AbstractContextManager]) -> None:
+        self.notes, self.inner = notes, inner or contextlib.nullcontext()
+        self.kept: List[tuple] = []
+
+    def __enter__(self) -> None:
+        self.kept = [(buffer, buffer.clone()) for m in self.notes.changed for buffer in m.buffers(recurse=False)]
+        self.inner.__enter__()
+
+    def __exit__(self, *exc) -> bool:
+        # Early stopping ends a recomputation with an exception that checkpoint catches.
+        try:
+            self.inner.__exit__(*exc)
+        finally:
+            with torch.no_grad():
+                for buffer, value in self.kept:
+                    buffer.copy_(value)
+            self.kept = []
+        return False
+
+
+def recompute_in_backward(module: nn.Module, function, *args,
+                          recompute_context: Optional[contextlib.AbstractContextManager] = None, **kwargs):
+    """``function(*args, **kwargs)``, a forward of ``module``, under non-reentrant checkpointing
+    (random state preserved): what it saves for the backward is dropped and rebuilt when the
+    backward needs it. Buffers the forward changes are changed once, as without checkpointing.
+    ``recompute_context`` (optional) is entered around each recomputation."""
+    notes = _ForwardNotes(module)
+    contexts = (notes, _BuffersKept(notes, recompute_context))
+    return checkpoint(function, *args, use_reentrant=False, context_fn=lambda: contexts, **kwargs)
