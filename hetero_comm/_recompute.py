@@ -73,6 +73,10 @@ def recompute_in_backward(module: nn.Module, function, *args,
     (random state preserved): what it saves for the backward is dropped and rebuilt when the
     backward needs it. Buffers the forward changes are changed once, as without checkpointing.
     ``recompute_context`` (optional) is entered around each recomputation."""
+    if torch.compiler.is_compiling():
+        # Compiled, checkpoint becomes part of the graph and accepts no Python contexts; the
+        # compiler's recomputation replays no buffer update.
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
     notes = _ForwardNotes(module)
     contexts = (notes, _BuffersKept(notes, recompute_context))
     return checkpoint(function, *args, use_reentrant=False, context_fn=lambda: contexts, **kwargs)

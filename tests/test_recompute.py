@@ -94,3 +94,20 @@ def test_a_module_without_buffers_recomputes_as_checkpoint_does():
     recompute_in_backward(model, model, inputs).sum().backward()
     got = [p.grad for p in model.parameters()] + [inputs.grad]
     assert all(torch.equal(g, w) for g, w in zip(got, expected))
+
+
+def test_a_compiled_model_with_a_recomputed_block_trains_as_the_plain_one():
+    """Compiled, checkpoint takes no Python contexts: recomputation falls back to plain
+    checkpointing inside the graph, whose recomputation updates no buffer."""
+    from hetero_comm.memory import MemoryPlan, apply_memory_plan
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU()), nn.Linear(16, 4))
+    plain = copy.deepcopy(model)
+    inputs = torch.randn(5, 8)
+    plain(inputs).square().sum().backward()
+    with apply_memory_plan(model, MemoryPlan(("0", "1"), ("recompute", "keep"), 0, 0, 0, 0)):
+        torch.compile(model, backend="aot_eager")(inputs).square().sum().backward()
+    for got, want in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(got.grad, want.grad)
+    for got, want in zip(model.buffers(), plain.buffers()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
