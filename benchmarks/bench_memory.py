@@ -271,7 +271,7 @@ def _median_step_seconds(model, inputs, targets, steps, warmup) -> float:
 
 def print_table(rows, swap_bytes_per_s):
     print(f"{'workload':<12}{'configuration':<24}{'peak MiB':>9}{'/ none':>8}{'predicted':>10}"
-          f"{'error':>7}{'step ms':>9}{'/ none':>8}  plan (k/s/r per block)")
+          f"{'error':>7}{'step ms':>9}{'/ none':>8}  plan (k/s/r/p per block)")
     for row in rows:
         if "error" in row:
             print(f"{row['workload']:<12}{row['config']:<24}  {row['error']}")

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P leav
 from bench_memory import WORKLOADS  # noqa: E402
 from hetero_comm.memory import MemoryPlan, apply_memory_plan, chain_blocks  # noqa: E402
 
-CHOICE_LETTERS = {"k": "keep", "s": "swap", "r": "recompute"}
+CHOICE_LETTERS = {"k": "keep", "s": "swap", "r": "recompute", "p": "partial"}
 
 
 def _union_ms(intervals) -> float:
@@ -71,7 +71,7 @@ def summarize_trace(events, gap_floor_us: float = 200.0, top: int = 8) -> dict:
 def parse_plan(text: str, count: int):
     letters = text.split()
     if len(letters) != count or any(letter not in CHOICE_LETTERS for letter in letters):
-        raise SystemExit(f"plan {text!r}: give one of k/s/r per block ({count} blocks)")
+        raise SystemExit(f"plan {text!r}: give one of k/s/r/p per block ({count} blocks)")
     return tuple(CHOICE_LETTERS[letter] for letter in letters)
 
 
@@ -123,7 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--workload", default="wide_transformer", choices=sorted(WORKLOADS))
-    parser.add_argument("--plans", required=True, help="comma-separated plans, a k/s/r per block")
+    parser.add_argument("--plans", required=True, help="comma-separated plans, a k/s/r/p per block")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json-trace", default=None, help="keep the Chrome traces in this folder")
     args = parser.parse_args()

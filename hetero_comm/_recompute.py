@@ -8,13 +8,33 @@ buffer, and the recomputation puts those modules' buffers back as they were when
 """
 
 import contextlib
-from typing import List, Optional
+import functools
+from typing import FrozenSet, List, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["recompute_in_backward"]
+__all__ = ["recompute_in_backward", "PRODUCT_OPS"]
+
+
+def _aten_ops(*names: str) -> FrozenSet:
+    """The default overloads of those of ``names`` this torch has."""
+    found = []
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None and hasattr(packet, "default"):
+            found.append(packet.default)
+    return frozenset(found)
+
+
+# The costly operators (matrix products, convolutions, attention): a partial recomputation keeps
+# their outputs and reruns the rest (normalisations, activations, reshapes, sums), which costs
+# little time for much of the memory.
+PRODUCT_OPS = _aten_ops("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+                        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                        "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
+                        "_efficient_attention_forward")
 
 
 def _modules_with_buffers(module: nn.Module) -> List[nn.Module]:
@@ -67,16 +87,47 @@ class _BuffersKept:
         return False
 
 
-def recompute_in_backward(module: nn.Module, function, *args,
+class _Nested:
+    """Several contexts entered as one (in order), any number of times."""
+
+    def __init__(self, *contexts) -> None:
+        self.contexts = [context for context in contexts if context is not None]
+        self.stacks: List[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        for context in self.contexts:
+            stack.enter_context(context)
+        self.stacks.append(stack)
+
+    def __exit__(self, *exc) -> bool:
+        return self.stacks.pop().__exit__(*exc)
+
+
+def _keep_outputs_of(ops: FrozenSet):
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def recompute_in_backward(module: nn.Module, function, *args, keep_outputs_of: Optional[FrozenSet] = None,
                           recompute_context: Optional[contextlib.AbstractContextManager] = None, **kwargs):
     """``function(*args, **kwargs)``, a forward of ``module``, under non-reentrant checkpointing
     (random state preserved): what it saves for the backward is dropped and rebuilt when the
     backward needs it. Buffers the forward changes are changed once, as without checkpointing.
+
+    ``keep_outputs_of``: aten operators whose outputs are kept from the forward instead
+    (torch's selective checkpointing), so the recomputation runs only the others.
     ``recompute_context`` (optional) is entered around each recomputation."""
     if torch.compiler.is_compiling():
         # Compiled, checkpoint becomes part of the graph and accepts no Python contexts; the
         # compiler's recomputation replays no buffer update.
-        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+        if keep_outputs_of is None:
+            return checkpoint(function, *args, use_reentrant=False, **kwargs)
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_outputs_of(keep_outputs_of))
+        return checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    selective = (None, None) if keep_outputs_of is None else \
+        create_selective_checkpoint_contexts(_keep_outputs_of(keep_outputs_of))
     notes = _ForwardNotes(module)
-    contexts = (notes, _BuffersKept(notes, recompute_context))
+    contexts = (_Nested(notes, selective[0]), _BuffersKept(notes, _Nested(selective[1], recompute_context)))
     return checkpoint(function, *args, use_reentrant=False, context_fn=lambda: contexts, **kwargs)

@@ -105,7 +105,7 @@ def plan_of(model, choices):
 
 @pytest.mark.parametrize("model_name", ["cnn", "transformer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("pattern", ["all_swap", "all_recompute", "mixed", "alternate"])
+@pytest.mark.parametrize("pattern", ["all_swap", "all_recompute", "all_partial", "mixed", "alternate"])
 def test_planned_steps_are_bitwise_the_unplanned(model_name, dtype, pattern, tmp_path):
     make = cnn if model_name == "cnn" else transformer
     inputs, targets = batch(model_name, dtype)
@@ -113,7 +113,7 @@ def test_planned_steps_are_bitwise_the_unplanned(model_name, dtype, pattern, tmp
     model = make(dtype)
     count = len(model)
     choices = {"all_swap": ["swap"] * count, "all_recompute": ["recompute"] * count,
-               "mixed": [CHOICES[i % 3] for i in range(count)],
+               "all_partial": ["partial"] * count, "mixed": [CHOICES[i % len(CHOICES)] for i in range(count)],
                "alternate": [("swap", "recompute")[i % 2] for i in range(count)]}[pattern]
     with apply_memory_plan(model, plan_of(model, choices), swap_directory=str(tmp_path)):
         got = gradients_after_steps(model, inputs, targets)
@@ -191,7 +191,20 @@ def test_profile_counts_what_each_block_saves():
     assert profile.layers.output_bytes == (32 * 128 * 4, 32 * 128 * 4, 32 * 8 * 4)
     assert profile.swap_bytes(1) == 32 * 128 * 4
     for peaks in profile.forward_peak_bytes + profile.backward_peak_bytes:
-        assert len(peaks) == 3 and all(peak >= 0 for peak in peaks)
+        assert len(peaks) == len(CHOICES) and all(peak >= 0 for peak in peaks)
+    assert profile.partial_kept_bytes == (0, 0, 0) and profile.partial_recompute_s == (0.0, 0.0, 0.0)
+
+
+def test_a_partial_recomputation_keeps_the_products_and_frees_the_rest():
+    """A linear, GELU, linear block saves the first product's output (for the GELU) and the
+    GELU's (for the second product): partially recomputed it keeps the first and reruns the GELU."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
+    profile = profile_memory([block], torch.randn(512, 256), swap_bytes_per_s=1e9, repeats=1, min_sample_s=0)
+    product_bytes = 512 * 512 * 4
+    assert profile.internal_bytes == (2 * product_bytes,)
+    assert profile.partial_kept_bytes[0] == pytest.approx(product_bytes, rel=0.05)
+    assert profile.partial_recompute_s[0] > 0
 
 
 def test_profile_refuses_blocks_that_are_not_a_chain_of_modules():
@@ -226,10 +239,11 @@ def small_profiles(draw):
     layers = LayerProfile(column(st.floats(0.01, 1.0)), column(st.floats(0.01, 2.0)),
                           column(st.integers(1, 50)), column(sizes), column(st.integers(0, 20)), 8,
                           recompute_s=column(st.floats(0.005, 1.2)))
-    triples = st.tuples(sizes, sizes, sizes)
+    per_mode = st.tuples(*[sizes] * len(CHOICES))
     return MemoryProfile(tuple(f"b{i}" for i in range(count)), layers, column(sizes),
-                         column(st.booleans()), column(st.booleans()), column(triples),
-                         column(triples), draw(st.floats(10.0, 1000.0)), draw(st.booleans()))
+                         column(st.booleans()), column(st.booleans()), column(per_mode),
+                         column(per_mode), column(sizes), column(st.floats(0.0, 0.5)),
+                         draw(st.floats(10.0, 1000.0)), draw(st.booleans()))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -338,9 +352,12 @@ def make_profile(count=3, internal=100, output=10, forward_s=0.01, swap_bytes_pe
     layers = LayerProfile((forward_s,) * count, (2 * forward_s,) * count, (output,) * count,
                           (internal,) * count, (0,) * count, 8,
                           recompute_s=() if recompute_s is None else (recompute_s,) * count)
+    # A partial recomputation here frees nothing and costs a forward: never worth choosing.
     return MemoryProfile(tuple(f"b{i}" for i in range(count)), layers, (internal,) * count,
-                         (True,) * count, (False,) * count, ((internal + output, internal + output, output),) * count,
-                         ((2 * output, 2 * output + internal, 2 * output + internal),) * count, swap_bytes_per_s)
+                         (True,) * count, (False,) * count,
+                         ((internal + output, internal + output, output, internal + output),) * count,
+                         ((2 * output, 2 * output + internal, 2 * output + internal, 2 * output),) * count,
+                         (internal,) * count, (forward_s,) * count, swap_bytes_per_s)
 
 
 def test_the_seed_rule_swaps_what_is_slow_to_compute_and_recomputes_the_rest():
@@ -394,7 +411,8 @@ def test_recompute_is_priced_as_the_pipeline_planner_prices_it(recompute_s):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host swap, side stream)")
-@pytest.mark.parametrize("pattern", [("swap", "swap", "keep", "swap"), ("recompute", "swap", "swap", "keep")])
+@pytest.mark.parametrize("pattern", [("swap", "swap", "keep", "swap"), ("recompute", "swap", "swap", "keep"),
+                                     ("partial", "swap", "partial", "recompute")])
 def test_cuda_plans_are_bitwise_the_unplanned(pattern):
     inputs, targets = batch("cnn", torch.float32)
     inputs, targets = inputs.cuda(), targets.cuda()

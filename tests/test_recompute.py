@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hetero_comm._recompute import recompute_in_backward
+from hetero_comm._recompute import PRODUCT_OPS, recompute_in_backward
 from hetero_comm.pipeline.executor import _RecomputedSequential
 
 
@@ -44,13 +44,19 @@ def assert_equal_runs(got, expected):
         assert all(torch.equal(b, w) for b, w in zip(buffers, want_buffers))
 
 
+@pytest.mark.parametrize("keep_outputs_of", [None, PRODUCT_OPS], ids=["whole", "partial"])
 @pytest.mark.parametrize("backward_passes", [1, 2])
-def test_recomputing_changes_no_value_and_updates_running_statistics_once(backward_passes):
+def test_recomputing_changes_no_value_and_updates_running_statistics_once(backward_passes, keep_outputs_of):
     """Plain torch.utils.checkpoint would move BatchNorm's running mean twice per batch (and
     count the batch twice); a second backward over the same graph recomputes again."""
     model = conv_block()
     expected = run(copy.deepcopy(model), lambda m, x: m(x), backward_passes=backward_passes)
-    got = run(model, lambda m, x: recompute_in_backward(m, m, x), backward_passes=backward_passes)
+    recomputed = lambda m, x: recompute_in_backward(m, m, x, keep_outputs_of=keep_outputs_of)  # noqa: E731
+    if keep_outputs_of is not None and backward_passes > 1:  # a limit of torch's selective checkpointing
+        with pytest.raises(RuntimeError, match="backward an extra time"):
+            run(model, recomputed, backward_passes=backward_passes)
+        return
+    got = run(model, recomputed, backward_passes=backward_passes)
     assert_equal_runs(got, expected)
     assert got[-1][3][2].item() == 3  # the first BatchNorm counted three batches
 
@@ -73,14 +79,17 @@ class _CountingContext:
         return False
 
 
-def test_the_recompute_context_wraps_each_recomputation_and_nothing_else():
+@pytest.mark.parametrize("keep_outputs_of", [None, PRODUCT_OPS], ids=["whole", "partial"])
+def test_the_recompute_context_wraps_each_recomputation_and_nothing_else(keep_outputs_of):
     model, counter = conv_block(), _CountingContext()
-    output = recompute_in_backward(model, model, torch.randn(2, 3, 9, 9), recompute_context=counter)
+    output = recompute_in_backward(model, model, torch.randn(2, 3, 9, 9), keep_outputs_of=keep_outputs_of,
+                                   recompute_context=counter)
     assert (counter.entered, counter.exited) == (0, 0)  # the forward runs outside it
-    output.sum().backward(retain_graph=True)
+    output.sum().backward(retain_graph=keep_outputs_of is None)
     assert (counter.entered, counter.exited) == (1, 1)  # ended by early stopping, still exited
-    output.sum().backward()
-    assert (counter.entered, counter.exited) == (2, 2)
+    if keep_outputs_of is None:  # selective checkpointing allows one backward only
+        output.sum().backward()
+        assert (counter.entered, counter.exited) == (2, 2)
 
 
 def test_a_module_without_buffers_recomputes_as_checkpoint_does():
@@ -96,16 +105,17 @@ def test_a_module_without_buffers_recomputes_as_checkpoint_does():
     assert all(torch.equal(g, w) for g, w in zip(got, expected))
 
 
-def test_a_compiled_model_with_a_recomputed_block_trains_as_the_plain_one():
-    """Compiled, checkpoint takes no Python contexts: recomputation falls back to plain
-    checkpointing inside the graph, whose recomputation updates no buffer."""
+@pytest.mark.parametrize("choice", ["recompute", "partial"])
+def test_a_compiled_model_with_a_recomputed_block_trains_as_the_plain_one(choice):
+    """Compiled, checkpoint takes no Python contexts: recomputation falls back to plain (or
+    selective) checkpointing inside the graph, whose recomputation updates no buffer."""
     from hetero_comm.memory import MemoryPlan, apply_memory_plan
     torch.manual_seed(0)
     model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU()), nn.Linear(16, 4))
     plain = copy.deepcopy(model)
     inputs = torch.randn(5, 8)
     plain(inputs).square().sum().backward()
-    with apply_memory_plan(model, MemoryPlan(("0", "1"), ("recompute", "keep"), 0, 0, 0, 0)):
+    with apply_memory_plan(model, MemoryPlan(("0", "1"), (choice, "keep"), 0, 0, 0, 0)):
         torch.compile(model, backend="aot_eager")(inputs).square().sum().backward()
     for got, want in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(got.grad, want.grad)

@@ -1,12 +1,13 @@
-"""Fit a model's training step in less memory: keep, swap or recompute each block's activations.
+"""Fit a model's training step in less memory: keep, swap or (partly) recompute each block's activations.
 
 1. Profile: :func:`profile_memory` times each block and measures what it saves and adds at
    its peak (:class:`MemoryMeter`), and the swap space's bandwidth.
-2. Plan: :func:`plan_memory` picks keep, swap or recompute per block for a memory budget, by
+2. Plan: :func:`plan_memory` picks one of :data:`CHOICES` per block for a memory budget, by
    the seed's rule (:func:`seed_choices`) or exactly (integer program); :func:`predict` gives
    the cost model's peak and step time for any choice.
    :func:`tune_memory_plan` runs the model's best few plans and keeps the fastest measured.
 3. Apply: :func:`apply_memory_plan` wraps the blocks (``torch.utils.checkpoint`` to recompute,
+   selectively for a partial recomputation,
    ``saved_tensors_hooks`` to swap); the model trains as before, bit for bit.
 """
 

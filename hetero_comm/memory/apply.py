@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .._recompute import recompute_in_backward
+from .._recompute import PRODUCT_OPS, recompute_in_backward
 from .plan import MemoryPlan
 from .profile import chain_blocks
 from .swap import SwapSpace, make_swap_space, storage_bytes
@@ -110,6 +110,10 @@ def _recomputed_forward(original, *args, **kwargs):
     return recompute_in_backward(original.__self__, original, *args, **kwargs)
 
 
+def _partial_forward(original, *args, **kwargs):
+    return recompute_in_backward(original.__self__, original, *args, keep_outputs_of=PRODUCT_OPS, **kwargs)
+
+
 class AppliedMemoryPlan:
     """A plan in effect on a model's blocks; :meth:`remove` restores their ``forward``."""
 
@@ -135,13 +139,15 @@ class AppliedMemoryPlan:
 
 
 def apply_memory_plan(blocks, plan: MemoryPlan, *, swap_directory: Optional[str] = None) -> AppliedMemoryPlan:
-    """Make each block of ``blocks`` keep, swap or recompute its activations as ``plan`` says.
+    """Make each block of ``blocks`` keep, swap or (partly) recompute its activations as ``plan`` says.
 
     The blocks are the ones the plan was made for (same names, see
     :func:`~hetero_comm.memory.chain_blocks`); the model is used as before (any caller of the
     blocks, DDP included). Recomputed blocks run under ``torch.utils.checkpoint``
     (non-reentrant, random state preserved, buffers such as BatchNorm's running statistics
-    updated once); swapped blocks send what autograd saves, except
+    updated once); partially recomputed blocks too, keeping the outputs of their matrix
+    products, convolutions and attention (torch's selective checkpointing, so only the cheap
+    operators run again; it allows one backward per forward); swapped blocks send what autograd saves, except
     parameters, buffers and the block's input, to the swap space (pinned host memory on CUDA,
     a file in ``swap_directory`` on the CPU) and fetch it back one block ahead of the
     backward. Values are unchanged: gradients are bitwise those of the unplanned model.
@@ -164,6 +170,8 @@ def apply_memory_plan(blocks, plan: MemoryPlan, *, swap_directory: Optional[str]
         original = type(module).forward.__get__(module)
         if choice == "recompute":
             module.forward = functools.partial(_recomputed_forward, original)
+        elif choice == "partial":
+            module.forward = functools.partial(_partial_forward, original)
         elif choice == "swap":
             block = _SwapBlock(module, space)
             module.forward = functools.partial(block.forward, original)

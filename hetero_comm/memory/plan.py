@@ -5,9 +5,10 @@ memory before it). For block ``l`` with output ``o_l``, internal saved bytes ``i
 parameters ``p_l``, forward peaks ``f_l`` and backward peaks ``b_l`` from the profile:
 
 * after the forward, block ``l`` holds ``i_l`` if kept (swapped: in the swap space;
-  recomputed: freed) and its output ``o_l`` if anything still needs it: the block itself
-  (kept, saving its output), the next block (saving its input, unless recomputed: a
-  recomputed block keeps its input instead) or the loss (the last block's output);
+  recomputed: freed; partially recomputed: the measured ``partial_kept_bytes``) and its output
+  ``o_l`` if anything still needs it: the block itself (kept, saving its output), the next
+  block (saving its input, unless recomputed: a wholly or partially recomputed block keeps its
+  input instead) or the loss (the last block's output);
 * forward phase ``l``: what blocks ``< l`` hold, plus the input if nothing holds it, plus
   ``f_l`` of the block's mode (measured with the block run alone in that mode);
 * backward phase ``l``: what blocks ``< l`` hold, plus what block ``l`` kept (its internals, its
@@ -16,7 +17,8 @@ parameters ``p_l``, forward peaks ``f_l`` and backward peaks ``b_l`` from the pr
   (fetching, recomputing and the backward itself, measured alone);
 * time: the profile's forward and backward, per recomputed block its measured recomputation
   (``recompute_s``: the forward up to the block's last saved tensor, as the pipeline planner
-  prices a recomputing stage that ends at that block), and per
+  prices a recomputing stage that ends at that block), per partially recomputed block its
+  measured ``partial_recompute_s``, and per
   swapped block what its transfer (each way) does not hide behind the next block's forward
   (offload) or backward (prefetch); all of it where the transfer runs on the cores that
   compute (the CPU).
@@ -45,7 +47,8 @@ class MemoryPlan:
 
     Attributes:
         names: the blocks, in order.
-        choices: ``"keep"``, ``"swap"`` or ``"recompute"`` per block.
+        choices: ``"keep"``, ``"swap"``, ``"recompute"`` or ``"partial"`` per block
+            (:data:`~hetero_comm.memory.CHOICES`).
         predicted_peak_bytes / predicted_step_s: the model's step under this plan.
         unplanned_peak_bytes / unplanned_step_s: the model's step keeping everything.
     """
@@ -75,21 +78,23 @@ class MemoryPlan:
 
 class _CostModel:
     """The module docstring's expressions over 0/1 variables ``keep[l]``, ``swap[l]``,
-    ``recompute[l]`` and ``held[l]`` (block ``l``'s output stays in memory)."""
+    ``recompute[l]``, ``partial[l]`` and ``held[l]`` (block ``l``'s output stays in memory)."""
 
     def __init__(self, profile: MemoryProfile, program: _Program) -> None:
         self.profile, count = profile, profile.num_blocks
         self.keep = [program.variable(0, 1, integer=True) for _ in range(count)]
         self.swap = [program.variable(0, 1, integer=True) for _ in range(count)]
         self.recompute = [program.variable(0, 1, integer=True) for _ in range(count)]
+        self.partial = [program.variable(0, 1, integer=True) for _ in range(count)]
         self.held = [program.variable(0, 1) for _ in range(count)]
+        self.flags = dict(zip(CHOICES, (self.keep, self.swap, self.recompute, self.partial)))
 
     def held_reasons(self, block: int) -> List[Expression]:
         """Each reason for block ``block``'s output to stay in memory (``held`` is their OR)."""
         p = self.profile
         if block == p.num_blocks - 1:
             return [_const(1.0)]  # the loss holds the model's output
-        reasons = [_var(self.recompute[block + 1])]
+        reasons = [_combine((1, _var(self.recompute[block + 1])), (1, _var(self.partial[block + 1])))]
         if p.saves_output[block]:
             reasons.append(_var(self.keep[block]))
         if p.saves_input[block + 1]:
@@ -99,8 +104,7 @@ class _CostModel:
     def constrain(self, program: _Program, allow_swap: bool) -> None:
         """One choice per block; ``held`` at least each of its reasons."""
         for l in range(self.profile.num_blocks):
-            program.constrain(_combine((1, _var(self.keep[l])), (1, _var(self.swap[l])),
-                                       (1, _var(self.recompute[l]))), 1, 1)
+            program.constrain(_combine(*[(1, _var(flag[l])) for flag in self.flags.values()]), 1, 1)
             if not allow_swap:
                 program.constrain(_var(self.swap[l]), 0, 0)
             for reason in self.held_reasons(l):
@@ -109,12 +113,12 @@ class _CostModel:
     def _held_before(self, block: int) -> Expression:
         p = self.profile
         return _combine(*[(p.internal_bytes[j], _var(self.keep[j])) for j in range(block)],
+                        *[(p.partial_kept_bytes[j], _var(self.partial[j])) for j in range(block)],
                         *[(p.layers.output_bytes[j], _var(self.held[j])) for j in range(block)])
 
-    def _by_mode(self, block: int, peaks: Tuple[int, int, int]) -> Expression:
-        """``peaks`` (keep, swap, recompute) of the mode ``block`` is in."""
-        flags = (self.keep, self.swap, self.recompute)
-        return _combine(*[(peak, _var(flag[block])) for peak, flag in zip(peaks, flags)])
+    def _by_mode(self, block: int, peaks: Tuple[int, ...]) -> Expression:
+        """``peaks`` (one per mode, in :data:`CHOICES` order) of the mode ``block`` is in."""
+        return _combine(*[(peak, _var(flag[block])) for peak, flag in zip(peaks, self.flags.values())])
 
     def phases(self) -> List[Tuple[str, Expression]]:
         """Bytes in use at each phase of the step (name, expression)."""
@@ -130,6 +134,7 @@ class _CostModel:
             phases.append((f"backward {p.names[l]}", _combine(
                 (1, held), (1, _const(out[l] + sum(p.layers.param_bytes[l + 1:]))),
                 (p.internal_bytes[l] + (out[l] if p.saves_output[l] else 0), _var(self.keep[l])),
+                (p.partial_kept_bytes[l], _var(self.partial[l])),
                 (1, self._by_mode(l, p.backward_peak_bytes[l])), prefetch)))
         return phases
 
@@ -138,6 +143,7 @@ class _CostModel:
         terms = [(1, _const(sum(layers.forward_s) + sum(layers.backward_s)))]
         for l in range(p.num_blocks):
             terms.append((recompute_seconds(layers, [l]), _var(self.recompute[l])))
+            terms.append((p.partial_recompute_s[l], _var(self.partial[l])))
             terms.append((self.exposed_swap_s(l), _var(self.swap[l])))
         return _combine(*terms)
 
@@ -160,9 +166,8 @@ def _assignment(model: _CostModel, choices: Sequence[str]) -> Dict[int, float]:
     """Variable values for ``choices``: the choice flags, and ``held`` as the OR of its reasons."""
     values: Dict[int, float] = {}
     for l, choice in enumerate(choices):
-        values[model.keep[l]] = float(choice == "keep")
-        values[model.swap[l]] = float(choice == "swap")
-        values[model.recompute[l]] = float(choice == "recompute")
+        for mode, flag in model.flags.items():
+            values[flag[l]] = float(choice == mode)
     for l in range(len(choices)):
         values[model.held[l]] = max(_evaluate(reason, values) for reason in model.held_reasons(l))
     return values
@@ -221,22 +226,20 @@ def _optimal_plan(profile: MemoryProfile, budget_bytes: float, allow_swap: bool,
     model.constrain(program, allow_swap)
     for _, expression in model.phases():
         program.constrain(expression, upper=budget_bytes)
-    flags = dict(zip(CHOICES, (model.keep, model.swap, model.recompute)))
     for choices in excluded:  # at least one block chooses differently
-        program.constrain(_combine(*[(1, _var(flags[choice][l])) for l, choice in enumerate(choices)]),
+        program.constrain(_combine(*[(1, _var(model.flags[choice][l])) for l, choice in enumerate(choices)]),
                           upper=profile.num_blocks - 1)
     coefficients, _ = model.seconds()
     result = program.solve(coefficients, time_limit_s)
     if result.x is None:
         return None
-    return tuple(CHOICES[max(range(3), key=lambda c: result.x[(model.keep, model.swap, model.recompute)[c][l]])]
-                 for l in range(profile.num_blocks))
+    return tuple(max(CHOICES, key=lambda mode: result.x[model.flags[mode][l]]) for l in range(profile.num_blocks))
 
 
 def plan_memory(profile: MemoryProfile, budget_bytes: Optional[float] = None, *,
                 method: str = "optimal", allow_swap: bool = True,
                 time_limit_s: float = 10.0) -> MemoryPlan:
-    """Choose keep, swap or recompute for each block so the step's predicted peak fits.
+    """Choose keep, swap, recompute or partial for each block so the step's predicted peak fits.
 
     Args:
         profile: from :func:`~hetero_comm.memory.profile_memory`.
@@ -244,7 +247,7 @@ def plan_memory(profile: MemoryProfile, budget_bytes: Optional[float] = None, *,
             optimizer state, the batch). ``None``: the seed's rule on every block.
         method: ``"optimal"`` (the least predicted step time, by ``scipy.optimize.milp``) or
             ``"seed"`` (the seed's class, one block at a time, see :func:`seed_choices`).
-        allow_swap: ``False`` plans with keep and recompute only.
+        allow_swap: ``False`` plans without swapping (keep, recompute, partial).
 
     Returns:
         a :class:`MemoryPlan`. Raises ``ValueError`` when no plan fits, naming the least

@@ -15,11 +15,15 @@ import torch
 import torch.nn as nn
 
 from .._checks import check_int
-from ..pipeline.profile import LayerProfile, profile_layers, saved_storages
+from .._recompute import PRODUCT_OPS
+from ..pipeline.profile import LayerProfile, _median_recompute_seconds, profile_layers, saved_storages
 from .meter import MemoryMeter
 from .swap import make_swap_space
 
-CHOICES = ("keep", "swap", "recompute")
+# keep: autograd keeps what the block saves; swap: it goes to the swap space and comes back;
+# recompute: the block's forward runs again in the backward; partial: only its cheap operators
+# run again (the outputs of matrix products, convolutions and attention are kept).
+CHOICES = ("keep", "swap", "recompute", "partial")
 
 __all__ = ["MemoryProfile", "profile_memory", "measure_swap_bandwidth", "chain_blocks"]
 
@@ -36,9 +40,12 @@ class MemoryProfile:
             nor its output (nor a parameter): freed by recomputing, moved by swapping.
         saves_input / saves_output: whether autograd saves the block's input / output.
         forward_peak_bytes: per block, per mode in :data:`CHOICES` order (keep, swap,
-            recompute): the most the block's forward adds above its input, run alone.
+            recompute, partial): the most the block's forward adds above its input, run alone.
         backward_peak_bytes: the same for its backward, above what is in memory when it starts
             (what the forward left, the output's gradient).
+        partial_kept_bytes: what the block holds from its forward to its backward when it
+            recomputes partially (the kept products' outputs; its input and output aside).
+        partial_recompute_s: the seconds a partial recomputation adds to the block's backward.
         swap_bytes_per_s: the swap space's bandwidth, one way (:func:`measure_swap_bandwidth`).
         swap_overlaps_compute: whether a transfer runs beside the compute (CUDA's copy engines)
             rather than on the cores that compute (the CPU): then the next block's forward and
@@ -50,8 +57,10 @@ class MemoryProfile:
     internal_bytes: Tuple[int, ...]
     saves_input: Tuple[bool, ...]
     saves_output: Tuple[bool, ...]
-    forward_peak_bytes: Tuple[int, ...]
-    backward_peak_bytes: Tuple[int, ...]
+    forward_peak_bytes: Tuple[Tuple[int, ...], ...]
+    backward_peak_bytes: Tuple[Tuple[int, ...], ...]
+    partial_kept_bytes: Tuple[int, ...]
+    partial_recompute_s: Tuple[float, ...]
     swap_bytes_per_s: float
     swap_overlaps_compute: bool = True
 
@@ -62,6 +71,9 @@ class MemoryProfile:
             if isinstance(value, tuple) and field.name != "layers" and len(value) != count:
                 raise ValueError(f"MemoryProfile.{field.name} has {len(value)} entries for "
                                  f"{count} blocks")
+        for name in ("forward_peak_bytes", "backward_peak_bytes"):
+            if any(len(peaks) != len(CHOICES) for peaks in getattr(self, name)):
+                raise ValueError(f"MemoryProfile.{name} needs one peak per mode {CHOICES} for each block")
         if not (isinstance(self.swap_bytes_per_s, (int, float)) and self.swap_bytes_per_s > 0):
             raise ValueError(f"swap_bytes_per_s must be > 0 (math.inf: free); got "
                              f"{self.swap_bytes_per_s!r}")
@@ -153,13 +165,17 @@ def _saved_storages(block: nn.Module, inputs: torch.Tensor, parameters: set):
 
 
 def _peaks_in_mode(forward, block: nn.Module, inputs: torch.Tensor, meter: MemoryMeter,
-                   settle) -> Tuple[int, int]:
-    """The most a forward (``forward(inputs)``) adds above its input, and the most its backward
-    adds above what is in memory when it starts (what the forward left, the output's gradient)."""
+                   settle) -> Tuple[int, int, int]:
+    """The most a forward (``forward(inputs)``) adds above its input, what it leaves besides its
+    output, and the most its backward adds above what is in memory when it starts (what the
+    forward left, the output's gradient)."""
     meter.reset()
     output = forward(inputs)
     settle()
     forward_peak = meter.added_peak_bytes()
+    new_output = output.untyped_storage().data_ptr() != inputs.untyped_storage().data_ptr()
+    left = max(0, meter.current_bytes() - meter.start_bytes
+               - (output.untyped_storage().nbytes() if new_output else 0))
     backward_peak = 0
     if output.requires_grad:
         gradient = torch.randn_like(output)
@@ -167,33 +183,43 @@ def _peaks_in_mode(forward, block: nn.Module, inputs: torch.Tensor, meter: Memor
         output.backward(gradient)
         backward_peak = meter.added_peak_bytes()
     block.zero_grad(set_to_none=True)
-    return forward_peak, backward_peak
+    return forward_peak, left, backward_peak
 
 
 def _block_memory(block: nn.Module, inputs: torch.Tensor, meter: MemoryMeter, parameters: set,
-                  space) -> Tuple[Dict, torch.Tensor]:
-    """One block's memory row, run alone on ``inputs`` in each mode; and its output."""
-    from .apply import _SwapBlock, _recomputed_forward  # apply imports this module
+                  space, timing: Optional[dict]) -> Tuple[Dict, torch.Tensor]:
+    """One block's memory row, run alone on ``inputs`` in each mode; and its output. With
+    ``timing`` (the arguments of the pipeline profiler's timing), the partial recomputation's
+    seconds too."""
+    from .apply import _SwapBlock, _partial_forward, _recomputed_forward  # apply imports this module
 
     output, saved = _saved_storages(block, inputs, parameters)
     input_pointer = inputs.untyped_storage().data_ptr()
     output_pointer = output.untyped_storage().data_ptr()
     row = dict(internal_bytes=sum(n for p, n in saved.items() if p not in (input_pointer, output_pointer)),
                saves_input=input_pointer in saved, saves_output=output_pointer in saved)
-    del saved, output
+    del saved
     original = type(block).forward.__get__(block)
     modes = {"keep": block, "swap": functools.partial(_SwapBlock(block, space).forward, original),
-             "recompute": functools.partial(_recomputed_forward, original)}
+             "recompute": functools.partial(_recomputed_forward, original),
+             "partial": functools.partial(_partial_forward, original)}
     peaks = {mode: _peaks_in_mode(forward, block, inputs, meter, space.drain)
              for mode, forward in modes.items()}
     row["forward_peak_bytes"] = tuple(peaks[mode][0] for mode in CHOICES)
-    row["backward_peak_bytes"] = tuple(peaks[mode][1] for mode in CHOICES)
+    row["backward_peak_bytes"] = tuple(peaks[mode][2] for mode in CHOICES)
+    row["partial_kept_bytes"] = min(peaks["partial"][1], row["internal_bytes"])
+    row["partial_recompute_s"] = 0.0
+    if timing is not None and row["internal_bytes"] and output.requires_grad:
+        row["partial_recompute_s"] = _median_recompute_seconds(
+            block, inputs, torch.randn_like(output), None, keep_outputs_of=PRODUCT_OPS, **timing)
+    block.zero_grad(set_to_none=True)
+    del output
     with torch.no_grad():
         output = block(inputs)
     return row, output
 
 
-def _memory_rows(names, modules, sample, meter, parameters, space) -> List[Dict]:
+def _memory_rows(names, modules, sample, meter, parameters, space, timing: dict) -> List[Dict]:
     rows, current = [], sample.detach()
     for index, (name, module) in enumerate(zip(names, modules)):
         # The model's input needs no gradient in training; every later block's input does.
@@ -201,8 +227,8 @@ def _memory_rows(names, modules, sample, meter, parameters, space) -> List[Dict]
         try:
             # The first run pays for one-time set-up (the autograd engine's threads, their
             # allocator arenas); the second is what every step costs.
-            _block_memory(module, inputs, meter, parameters, space)
-            row, current = _block_memory(module, inputs, meter, parameters, space)
+            _block_memory(module, inputs, meter, parameters, space, None)
+            row, current = _block_memory(module, inputs, meter, parameters, space, timing)
         except TypeError as error:
             raise TypeError(f"block {name!r}: {error}") from None
         rows.append(row)
@@ -229,8 +255,9 @@ def profile_memory(blocks, sample: torch.Tensor, *, swap_directory: Optional[str
     meter = MemoryMeter(sample.device)
     parameters = _parameter_pointers(modules)
     space = make_swap_space(sample.device, swap_directory)
+    timing = dict(repeats=repeats, warmup=1, min_sample_s=min_sample_s, device=sample.device)
     try:
-        rows = _memory_rows(names, modules, sample, meter, parameters, space)
+        rows = _memory_rows(names, modules, sample, meter, parameters, space, timing)
     finally:
         space.close()
     layers = profile_layers(modules, sample, repeats=repeats, min_sample_s=min_sample_s)

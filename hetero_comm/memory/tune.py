@@ -45,7 +45,7 @@ class TunedMemoryPlan:
 
     def format(self) -> str:
         """One line per trial: its choices, predicted and measured peak and step time."""
-        lines = [f"budget {self.budget_bytes / 2**20:.1f} MiB; plan (k/s/r per block), "
+        lines = [f"budget {self.budget_bytes / 2**20:.1f} MiB; plan (k/s/r/p per block), "
                  "peak MiB predicted/measured, step ms predicted/measured"]
         for trial in self.trials:
             plan = trial.plan

@@ -231,19 +231,25 @@ class _RecomputeTimer:
 
 
 def _median_recompute_seconds(layer: nn.Module, inputs: torch.Tensor, gradient: torch.Tensor,
-                              call_s: float, repeats: int, warmup: int, min_sample_s: float,
-                              device: torch.device) -> float:
+                              call_s: Optional[float], repeats: int, warmup: int, min_sample_s: float,
+                              device: torch.device, keep_outputs_of=None) -> float:
     """Median seconds of the recomputation when ``layer`` alone is checkpointed (non-reentrant,
-    as the memory planner and the pipeline's recomputing stages run it), timed from inside:
-    a difference of two timed steps would drown it in their noise."""
+    as the memory planner and the pipeline's recomputing stages run it; ``keep_outputs_of``:
+    selectively), timed from inside: a difference of two timed steps would drown it in their
+    noise. ``call_s``: how long a checkpointed forward and backward take (``None``: timed here)."""
     timer = _RecomputeTimer(device)
 
     def checkpointed_step():
-        output = recompute_in_backward(layer, layer, inputs, recompute_context=timer)
+        output = recompute_in_backward(layer, layer, inputs, keep_outputs_of=keep_outputs_of,
+                                       recompute_context=timer)
         output.backward(gradient)
 
     for _ in range(max(warmup, 1)):
+        start = time.perf_counter()
         checkpointed_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    call_s = time.perf_counter() - start if call_s is None else call_s
     timer.take_seconds()
     calls = max(1, math.ceil(min_sample_s / max(call_s, 1e-9)))
     samples = []
