@@ -307,8 +307,8 @@ def test_tune_runs_the_candidates_and_keeps_the_fastest_that_fits(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     calls = []
 
-    def step():
-        calls.append(1)
+    def step():  # notes how each block runs in this call: the plan in effect
+        calls.append(tuple(getattr(block.__dict__.get("forward"), "func", step).__name__ for block in model))
         optimizer.zero_grad(set_to_none=True)
         F.mse_loss(model(inputs), targets).backward()
         optimizer.step()
@@ -320,7 +320,11 @@ def test_tune_runs_the_candidates_and_keeps_the_fastest_that_fits(tmp_path):
                              swap_directory=str(tmp_path))
     expected = candidate_plans(profile, budget, 2)
     assert [trial.plan.choices for trial in tuned.trials] == [plan.choices for plan in expected]
-    assert len(calls) == 3 * len(expected)
+    # Two rounds; in each, every plan in turn for a warm-up and a timed step.
+    assert len(calls) == 2 * 2 * len(expected)
+    turns = calls[::2]
+    assert turns == calls[1::2] and turns[:len(expected)] == turns[len(expected):]
+    assert len(set(turns)) == len(expected)  # distinct plans, each its own turn
     fitting = [trial for trial in tuned.trials if trial.peak_bytes <= budget]
     assert fitting and tuned.plan is min(fitting, key=lambda trial: trial.step_s).plan
     assert all(trial.step_s > 0 and trial.peak_bytes > 0 for trial in tuned.trials)

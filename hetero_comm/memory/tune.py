@@ -2,10 +2,10 @@
 
 The cost model predicts peaks closely (the blocks' peaks are measured), but its step time
 assumes what it cannot see: that a swapped block's copies hide behind the next block's
-compute, and that recomputing costs one forward. Where that is wrong (an H200 ran the
+compute, and that a recomputation costs what it cost alone. Where that is wrong (an H200 ran the
 predicted-fastest plan at half a wide transformer's peak 5% slower than the plan without
 swapping) the fastest plan is the one that runs fastest, so :func:`tune_memory_plan` runs a
-handful of candidates for a few steps each and keeps the fastest whose measured peak fits.
+handful of candidates, in turns for a few rounds, and keeps the fastest whose measured peak fits.
 """
 
 import statistics
@@ -56,20 +56,28 @@ class TunedMemoryPlan:
         return "\n".join(lines)
 
 
-def _run_trial(blocks, plan: MemoryPlan, step: Callable[[], object], meter: MemoryMeter,
-               steps: int, warmup: int, swap_directory: Optional[str]) -> PlanTrial:
-    seconds, peaks = [], []
-    with apply_memory_plan(blocks, plan, swap_directory=swap_directory):
-        for index in range(warmup + steps):
-            meter.reset()  # waits for the device too
-            start = time.perf_counter()
-            step()
-            if meter.device.type == "cuda":
-                torch.cuda.synchronize(meter.device)
-            if index >= warmup:
-                seconds.append(time.perf_counter() - start)
-                peaks.append(meter.added_peak_bytes())
-    return PlanTrial(plan, statistics.median(seconds), statistics.median(peaks))
+def _run_in_turns(blocks, plans, step: Callable[[], object], meter: MemoryMeter, steps: int,
+                  warmup: int, swap_directory: Optional[str]) -> Tuple[PlanTrial, ...]:
+    """``steps`` rounds; in each, every plan in turn is applied, runs ``warmup`` steps and one
+    timed step, and is removed. Run back to back instead, a plan's steps would share whatever
+    load the machine had then: on a loaded 2-core machine one plan measured 1.16x and 1.31x
+    in two such runs minutes apart."""
+    seconds = [[] for _ in plans]
+    peaks = [[] for _ in plans]
+    for _ in range(steps):
+        for index, plan in enumerate(plans):
+            with apply_memory_plan(blocks, plan, swap_directory=swap_directory):
+                for _ in range(warmup):
+                    step()
+                meter.reset()  # waits for the device too
+                start = time.perf_counter()
+                step()
+                if meter.device.type == "cuda":
+                    torch.cuda.synchronize(meter.device)
+                seconds[index].append(time.perf_counter() - start)
+                peaks[index].append(meter.added_peak_bytes())
+    return tuple(PlanTrial(plan, statistics.median(s), statistics.median(p))
+                 for plan, s, p in zip(plans, seconds, peaks))
 
 
 def tune_memory_plan(blocks, profile: MemoryProfile, budget_bytes: float, step: Callable[[], object], *,
@@ -82,9 +90,13 @@ def tune_memory_plan(blocks, profile: MemoryProfile, budget_bytes: float, step: 
             :func:`~hetero_comm.memory.plan_memory` (the profile of these blocks).
         budget_bytes: what one step may add above the memory in use when it begins.
         step: runs one training step of the model the blocks belong to (forward, backward,
-            optimizer update), with no arguments. It runs ``warmup + steps`` times per
+            optimizer update), with no arguments. It runs ``steps * (warmup + 1)`` times per
             candidate plan (up to ``candidates + 2`` plans), so it trains the model: tune on a
             copy, or accept those updates.
+        steps: timed steps per plan, one per round; the plans take turns in each round, so
+            a machine whose speed drifts slows them alike.
+        warmup: untimed steps before each timed one (a plan's first step after it is
+            applied may pay for its set-up).
         candidates: how many of the integer program's best plans to run, besides the best
             plan without swapping and the seed's rule (see :func:`~hetero_comm.memory.candidate_plans`).
 
@@ -97,7 +109,7 @@ def tune_memory_plan(blocks, profile: MemoryProfile, budget_bytes: float, step: 
     check_int("warmup", warmup, 0)
     meter = MemoryMeter(parameter_device(chain_blocks(blocks)[1]))
     plans = candidate_plans(profile, budget_bytes, candidates)
-    trials = tuple(_run_trial(blocks, plan, step, meter, steps, warmup, swap_directory) for plan in plans)
+    trials = _run_in_turns(blocks, plans, step, meter, steps, warmup, swap_directory)
     fitting = [trial for trial in trials if trial.peak_bytes <= budget_bytes]
     if not fitting:
         least = min(trial.peak_bytes for trial in trials)
