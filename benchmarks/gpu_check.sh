@@ -98,9 +98,10 @@ for step in "$@"; do
       --workloads ${MEMORY_WORKLOADS:-transformer,wide_transformer} \
       --json "$OUT/bench_memory_cuda.json" 2>&1 | tee "$OUT/bench_memory_cuda.txt" | tail -24
     ;;
-  memorytrace)  # issue 37: where the sixth run's swapping plans at half the wide transformer's peak lost time
+  memorytrace)  # issue 37: where the sixth run's swapping plans at half the wide transformer's peak lost time,
+    # and what partial recomputation costs there (every block partial; four swaps and three partial)
     timeout ${MEMORY_SECONDS:-180} $PY benchmarks/trace_memory_plan.py --device cuda --workload wide_transformer \
-      --plans "${MEMORY_PLANS:-k s s s k s s k k k,k k s s k s s k k k,k r r k r r r k k k}" \
+      --plans "${MEMORY_PLANS:-k s s s k s s k k k,k k s s k s s k k k,k r r k r r r k k k,k p p p p p p p p k,k s s p k s s p p k}" \
       2>&1 | tee "$OUT/trace_memory_plan_cuda.txt" | tail -60
     ;;
   *) echo "unknown step $step"; exit 2 ;;
