@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from .._checks import check_int
 from .._recompute import PRODUCT_OPS
-from ..pipeline.profile import LayerProfile, _median_recompute_seconds, profile_layers, saved_storages
+from ..pipeline.profile import LayerProfile, median_recompute_seconds, profile_layers, saved_storages
 from .meter import MemoryMeter
 from .swap import make_swap_space
 
@@ -198,7 +198,8 @@ def _block_memory(block: nn.Module, inputs: torch.Tensor, meter: MemoryMeter, pa
     output_pointer = output.untyped_storage().data_ptr()
     row = dict(internal_bytes=sum(n for p, n in saved.items() if p not in (input_pointer, output_pointer)),
                saves_input=input_pointer in saved, saves_output=output_pointer in saved)
-    del saved
+    gradient = torch.randn_like(output) if output.requires_grad else None
+    del saved, output  # and the graph that holds what the block saved
     original = type(block).forward.__get__(block)
     modes = {"keep": block, "swap": functools.partial(_SwapBlock(block, space).forward, original),
              "recompute": functools.partial(_recomputed_forward, original),
@@ -209,11 +210,11 @@ def _block_memory(block: nn.Module, inputs: torch.Tensor, meter: MemoryMeter, pa
     row["backward_peak_bytes"] = tuple(peaks[mode][2] for mode in CHOICES)
     row["partial_kept_bytes"] = min(peaks["partial"][1], row["internal_bytes"])
     row["partial_recompute_s"] = 0.0
-    if timing is not None and row["internal_bytes"] and output.requires_grad:
-        row["partial_recompute_s"] = _median_recompute_seconds(
-            block, inputs, torch.randn_like(output), None, keep_outputs_of=PRODUCT_OPS, **timing)
-    block.zero_grad(set_to_none=True)
-    del output
+    if timing is not None and row["internal_bytes"] and gradient is not None:
+        row["partial_recompute_s"] = median_recompute_seconds(
+            block, inputs, gradient, None, keep_outputs_of=PRODUCT_OPS, **timing)
+        block.zero_grad(set_to_none=True)
+    del gradient
     with torch.no_grad():
         output = block(inputs)
     return row, output

@@ -188,7 +188,7 @@ def _profile_layer(layer: nn.Module, current: torch.Tensor, optimizer, timing: d
     both = _median_seconds(forward_backward, **timing)
     recompute_s = 0.0
     if saved and gradient is not None and output.requires_grad:
-        recompute_s = _median_recompute_seconds(layer, inputs, gradient, both, **timing)
+        recompute_s = median_recompute_seconds(layer, inputs, gradient, both, **timing)
     layer.zero_grad(set_to_none=True)
     row = dict(forward_s=forward_s, backward_s=max(both - forward_s, 0.0),
                output_bytes=_tensor_bytes(output), saved_bytes=saved,
@@ -230,7 +230,7 @@ class _RecomputeTimer:
         return total
 
 
-def _median_recompute_seconds(layer: nn.Module, inputs: torch.Tensor, gradient: torch.Tensor,
+def median_recompute_seconds(layer: nn.Module, inputs: torch.Tensor, gradient: torch.Tensor,
                               call_s: Optional[float], repeats: int, warmup: int, min_sample_s: float,
                               device: torch.device, keep_outputs_of=None) -> float:
     """Median seconds of the recomputation when ``layer`` alone is checkpointed (non-reentrant,
