@@ -2,6 +2,7 @@
 keep, swap and recompute on a CNN and a transformer), the swap spaces return every byte, the
 integer program finds the exhaustive optimum of the cost model, and bad input is refused."""
 
+import copy
 import itertools
 import weakref
 
@@ -451,3 +452,70 @@ def test_pooled_cpu_allocator_reuses_freed_storages_and_changes_no_value():
     fresh = torch.empty(1 << 20)  # after the context: from torch's own allocator again
     assert pooled_cpu_allocator_stats()["bytes_in_use"] == released
     del fresh
+
+
+class _LastHidden(nn.Module):
+    """An LSTM as a block: one tensor in, its hidden states out."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(width, width, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(x)[0]
+
+
+class _Residual(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels),
+                                  nn.ReLU(), nn.Conv2d(channels, channels, 3, padding=1),
+                                  nn.BatchNorm2d(channels))
+
+    def forward(self, x):
+        return torch.relu(x + self.body(x))
+
+
+def other_families():
+    """Models unlike the benchmark's: torch's own encoder layers, residual BatchNorm blocks, an LSTM."""
+    torch.manual_seed(0)
+    encoder = nn.Sequential(*[nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+                              for _ in range(3)], nn.Flatten(), nn.Linear(16 * 6, 5))
+    resnet = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), _Residual(8), _Residual(8),
+                           nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)))
+    recurrent = nn.Sequential(_LastHidden(8), _LastHidden(8), nn.Sequential(nn.Flatten(), nn.Linear(8 * 6, 5)))
+    generator = torch.Generator().manual_seed(3)
+    return {"encoder": (encoder, torch.randn(4, 6, 16, generator=generator)),
+            "resnet": (resnet, torch.randn(4, 3, 8, 8, generator=generator)),
+            "lstm": (recurrent, torch.randn(4, 6, 8, generator=generator))}
+
+
+@pytest.mark.parametrize("family", ["encoder", "resnet", "lstm"])
+@pytest.mark.parametrize("choice", CHOICES)
+def test_every_choice_trains_other_model_families_bit_for_bit(family, choice, tmp_path):
+    model, inputs = other_families()[family]
+    targets = torch.arange(inputs.shape[0]) % 5
+    expected = gradients_after_steps(copy.deepcopy(model), inputs, targets)
+    with apply_memory_plan(model, plan_of(model, [choice] * len(model)), swap_directory=str(tmp_path)):
+        got = gradients_after_steps(model, inputs, targets)
+    assert_same_steps(got, expected)
+
+
+@pytest.mark.parametrize("family", ["encoder", "resnet", "lstm"])
+def test_other_model_families_profile_plan_and_train_the_same(family, tmp_path):
+    model, inputs = other_families()[family]
+    targets = torch.arange(inputs.shape[0]) % 5
+    before = copy.deepcopy(model)
+    profile = profile_memory(model, inputs, swap_directory=str(tmp_path), swap_bytes_per_s=1e9,
+                             repeats=1, min_sample_s=0)
+    # Profiling trains nothing: weights, BatchNorm's statistics and gradients as they were.
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), before.state_dict().values()))
+    assert all(p.grad is None for p in model.parameters())
+    assert all(0 <= kept <= internal for kept, internal in zip(profile.partial_kept_bytes, profile.internal_bytes))
+    assert all(seconds >= 0 for seconds in profile.partial_recompute_s + profile.layers.recompute_s)
+    plan = plan_memory(profile, halfway_budget(profile))
+    assert plan.predicted_peak_bytes <= halfway_budget(profile)
+    expected = gradients_after_steps(copy.deepcopy(model), inputs, targets)
+    with apply_memory_plan(model, plan, swap_directory=str(tmp_path)):
+        got = gradients_after_steps(model, inputs, targets)
+    assert_same_steps(got, expected)

@@ -16,7 +16,8 @@ import torch.nn as nn
 
 from .._checks import check_int
 from .._recompute import PRODUCT_OPS
-from ..pipeline.profile import LayerProfile, median_recompute_seconds, profile_layers, saved_storages
+from ..pipeline.profile import (LayerProfile, buffers_kept, median_recompute_seconds, profile_layers,
+                                saved_storages)
 from .meter import MemoryMeter
 from .swap import make_swap_space
 
@@ -258,7 +259,8 @@ def profile_memory(blocks, sample: torch.Tensor, *, swap_directory: Optional[str
     space = make_swap_space(sample.device, swap_directory)
     timing = dict(repeats=repeats, warmup=1, min_sample_s=min_sample_s, device=sample.device)
     try:
-        rows = _memory_rows(names, modules, sample, meter, parameters, space, timing)
+        with buffers_kept(modules):
+            rows = _memory_rows(names, modules, sample, meter, parameters, space, timing)
     finally:
         space.close()
     layers = profile_layers(modules, sample, repeats=repeats, min_sample_s=min_sample_s)

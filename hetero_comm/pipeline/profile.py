@@ -1,6 +1,7 @@
 """Per-layer costs for the planner: time each layer's forward and backward on
 the device that will run it, and count the bytes it keeps, sends and holds as parameters."""
 
+import contextlib
 import math
 import statistics
 import time
@@ -88,6 +89,19 @@ def recompute_seconds(profile: LayerProfile, layers: Sequence[int]) -> float:
     return sum(profile.forward_s[l] for l in layers[:-1]) + profile.recompute_s[layers[-1]]
 
 
+@contextlib.contextmanager
+def buffers_kept(modules: Sequence[nn.Module]):
+    """Put the modules' buffers back as they were on entry: profiling runs each layer's forward
+    in training mode many times, which would move BatchNorm's running statistics."""
+    kept = [(buffer, buffer.clone()) for module in modules for buffer in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)
+
+
 def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -164,9 +178,10 @@ def profile_layers(layers: Sequence[nn.Module], sample: torch.Tensor, *, repeats
     check_float("min_sample_s", min_sample_s, 0, 60)
     timing = dict(repeats=repeats, warmup=warmup, min_sample_s=min_sample_s, device=sample.device)
     rows, current = [], sample.detach()
-    for layer in layers:
-        row, current = _profile_layer(layer, current, optimizer, timing)
-        rows.append(row)
+    with buffers_kept(layers):
+        for layer in layers:
+            row, current = _profile_layer(layer, current, optimizer, timing)
+            rows.append(row)
     columns = {name: tuple(row[name] for row in rows) for name in rows[0]}
     return LayerProfile(**columns, input_bytes=_tensor_bytes(sample))
 
