@@ -196,16 +196,19 @@ def test_profile_counts_what_each_block_saves():
     assert profile.partial_kept_bytes == (0, 0, 0) and profile.partial_recompute_s == (0.0, 0.0, 0.0)
 
 
-def test_a_partial_recomputation_keeps_the_products_and_frees_the_rest():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the allocator's counts, CUDA events)"))])
+def test_a_partial_recomputation_keeps_the_products_and_frees_the_rest(device):
     """A linear, GELU, linear block saves the first product's output (for the GELU) and the
     GELU's (for the second product): partially recomputed it keeps the first and reruns the GELU."""
     torch.manual_seed(0)
-    block = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
-    profile = profile_memory([block], torch.randn(512, 256), swap_bytes_per_s=1e9, repeats=1, min_sample_s=0)
+    block = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).to(device)
+    profile = profile_memory([block], torch.randn(512, 256, device=device), swap_bytes_per_s=1e9,
+                             repeats=1, min_sample_s=0)
     product_bytes = 512 * 512 * 4
     assert profile.internal_bytes == (2 * product_bytes,)
     assert profile.partial_kept_bytes[0] == pytest.approx(product_bytes, rel=0.05)
-    assert profile.partial_recompute_s[0] > 0
+    assert profile.partial_recompute_s[0] > 0 and profile.layers.recompute_s[0] > 0
 
 
 def test_profile_refuses_blocks_that_are_not_a_chain_of_modules():
