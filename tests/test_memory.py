@@ -4,6 +4,7 @@ integer program finds the exhaustive optimum of the cost model, and bad input is
 
 import copy
 import itertools
+import re
 import weakref
 
 import pytest
@@ -522,3 +523,17 @@ def test_other_model_families_profile_plan_and_train_the_same(family, tmp_path):
     with apply_memory_plan(model, plan, swap_directory=str(tmp_path)):
         got = gradients_after_steps(model, inputs, targets)
     assert_same_steps(got, expected)
+
+
+def test_the_memory_plan_example_runs_as_written():
+    """The example, briefly: profile, tune in turns on a copy, train with the plan, and the
+    trained weights and statistics equal the unplanned run's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    example = Path(__file__).resolve().parents[1] / "examples" / "memory_plan_example.py"
+    result = subprocess.run([sys.executable, str(example), "--steps", "2", "--width", "8", "--batch", "8"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "weights and BatchNorm statistics equal to the unplanned run's: True" in result.stdout, result.stdout
+    assert re.search(r"planned: +peak [\d.]+ MiB \((0\.\d\d)x\)", result.stdout), result.stdout
