@@ -114,7 +114,8 @@ def recompute_in_backward(module: nn.Module, function, *args, keep_outputs_of: O
                           recompute_context: Optional[contextlib.AbstractContextManager] = None, **kwargs):
     """``function(*args, **kwargs)``, a forward of ``module``, under non-reentrant checkpointing
     (random state preserved): what it saves for the backward is dropped and rebuilt when the
-    backward needs it. Buffers the forward changes are changed once, as without checkpointing.
+    backward needs it. Buffers the forward changes in place (BatchNorm's statistics) are changed
+    once, as without checkpointing; a buffer the forward replaces by a new tensor is not tracked.
 
     ``keep_outputs_of``: aten operators whose outputs are kept from the forward instead
     (torch's selective checkpointing), so the recomputation runs only the others.

@@ -208,7 +208,10 @@ def test_a_partial_recomputation_keeps_the_products_and_frees_the_rest(device):
                              repeats=1, min_sample_s=0)
     product_bytes = 512 * 512 * 4
     assert profile.internal_bytes == (2 * product_bytes,)
-    assert profile.partial_kept_bytes[0] == pytest.approx(product_bytes, rel=0.05)
+    if device == "cuda":  # the allocator's count is exact
+        assert profile.partial_kept_bytes[0] == pytest.approx(product_bytes, rel=0.05)
+    else:  # the resident set can keep freed heap pages after a long process: bounds only
+        assert 0 < profile.partial_kept_bytes[0] <= 2 * product_bytes
     assert profile.partial_recompute_s[0] > 0 and profile.layers.recompute_s[0] > 0
 
 
@@ -537,3 +540,17 @@ def test_the_memory_plan_example_runs_as_written():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "weights and BatchNorm statistics equal to the unplanned run's: True" in result.stdout, result.stdout
     assert re.search(r"planned: +peak [\d.]+ MiB \((0\.\d\d)x\)", result.stdout), result.stdout
+
+
+def test_a_block_that_changes_a_product_in_place_profiles_and_plans_without_partial(tmp_path):
+    """torch refuses a partial recomputation when a kept product's output is changed in place
+    (a ReLU(inplace=True) after a Linear): such a block gets keep's figures, and no plan picks it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU(inplace=True)) for _ in range(3)])
+    inputs = torch.randn(32, 64)
+    profile = profile_memory(model, inputs, swap_directory=str(tmp_path), swap_bytes_per_s=1e9,
+                             repeats=1, min_sample_s=0)
+    assert profile.partial_kept_bytes == profile.internal_bytes
+    assert profile.partial_recompute_s == profile.layers.forward_s
+    for budget in (halfway_budget(profile), predict(profile, ("keep",) * 3)[0]):
+        assert "partial" not in plan_memory(profile, budget).choices

@@ -298,7 +298,7 @@ def candidate_plans(profile: MemoryProfile, budget_bytes: float, count: int = 4,
 
 
 def exhaustive_memory_plan(profile: MemoryProfile, budget_bytes: float) -> Optional[Tuple[str, ...]]:
-    """The fastest choices under the budget by trying all ``3 ** blocks``: the check of
+    """The fastest choices under the budget by trying all ``4 ** blocks``: the check of
     :func:`plan_memory` on small models. ``None`` when nothing fits."""
     best = None
     for choices in itertools.product(CHOICES, repeat=profile.num_blocks):

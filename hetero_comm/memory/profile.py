@@ -205,13 +205,28 @@ def _block_memory(block: nn.Module, inputs: torch.Tensor, meter: MemoryMeter, pa
     modes = {"keep": block, "swap": functools.partial(_SwapBlock(block, space).forward, original),
              "recompute": functools.partial(_recomputed_forward, original),
              "partial": functools.partial(_partial_forward, original)}
-    peaks = {mode: _peaks_in_mode(forward, block, inputs, meter, space.drain)
-             for mode, forward in modes.items()}
+    peaks = {}
+    for mode, forward in modes.items():
+        try:
+            peaks[mode] = _peaks_in_mode(forward, block, inputs, meter, space.drain)
+        except RuntimeError as error:
+            # torch refuses a partial recomputation when the block changes a kept product's
+            # output in place (a ReLU(inplace=True) after a Linear): give the block keep's
+            # figures and a forward's cost, so that no plan chooses it.
+            if mode != "partial" or "mutated" not in str(error):
+                raise
+            block.zero_grad(set_to_none=True)
+            peaks[mode] = None
+    refused = peaks["partial"] is None
+    if refused:
+        peaks["partial"] = peaks["keep"]
     row["forward_peak_bytes"] = tuple(peaks[mode][0] for mode in CHOICES)
     row["backward_peak_bytes"] = tuple(peaks[mode][2] for mode in CHOICES)
-    row["partial_kept_bytes"] = min(peaks["partial"][1], row["internal_bytes"])
+    row["partial_kept_bytes"] = row["internal_bytes"] if refused else min(peaks["partial"][1], row["internal_bytes"])
     row["partial_recompute_s"] = 0.0
-    if timing is not None and row["internal_bytes"] and gradient is not None:
+    if refused:
+        row["partial_recompute_s"] = math.inf  # replaced by the block's forward time below
+    elif timing is not None and row["internal_bytes"] and gradient is not None:
         row["partial_recompute_s"] = median_recompute_seconds(
             block, inputs, gradient, None, keep_outputs_of=PRODUCT_OPS, **timing)
         block.zero_grad(set_to_none=True)
@@ -267,5 +282,8 @@ def profile_memory(blocks, sample: torch.Tensor, *, swap_directory: Optional[str
     if swap_bytes_per_s is None:
         swap_bytes_per_s = measure_swap_bandwidth(sample.device, swap_directory)
     columns = {key: tuple(row[key] for row in rows) for key in rows[0]}
+    columns["partial_recompute_s"] = tuple(
+        forward if math.isinf(seconds) else seconds
+        for seconds, forward in zip(columns["partial_recompute_s"], layers.forward_s))
     return MemoryProfile(names=names, layers=layers, swap_bytes_per_s=swap_bytes_per_s,
                          swap_overlaps_compute=sample.device.type == "cuda", **columns)
