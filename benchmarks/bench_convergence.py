@@ -36,7 +36,7 @@ import time
 from statistics import mean
 from typing import Optional
 
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.training import TrainConfig, run_training
 
 WORKLOADS = {
     "gpt_adamw": dict(model="gpt", hidden=128, optimizer="adamw", lr=3e-3, weight_decay=0.01,

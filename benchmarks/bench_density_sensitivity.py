@@ -40,7 +40,7 @@ def scheduled_density(row: str, proposal_index: int, ceiling: float) -> float:
 
 def train_row(rank: int, world_size: int, row: str, seed: int, max_steps, workload: dict) -> dict:
     from hetero_comm.hooks import _auto_density
-    from hetero_comm.lab.training import TrainConfig, train_rank
+    from lab.training import TrainConfig, train_rank
 
     if not row.startswith("fixed"):
         measured_propose = _auto_density.AutoDensity.propose
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         if not (row == "pinned" or row.startswith("fixed") or row.startswith("dips")):
             parser.error(f"unknown row {row!r}: fixed<ratio>, pinned or dips<factor>")
     from bench_two_level import WORKLOADS  # the same training as bench_two_level's rows
-    from hetero_comm.lab.launch import run_ranks
+    from lab.launch import run_ranks
 
     print("python " + " ".join(sys.argv))
     print(f"gpt_adamw, seed {args.seed}, 2 machines x 2 ranks over loopback; final test loss")

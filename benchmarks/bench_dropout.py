@@ -33,9 +33,9 @@ import time
 
 import torch
 
-from hetero_comm.lab.data import make_model
-from hetero_comm.lab.netlab import netlab_unavailable
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.data import make_model
+from lab.netlab import netlab_unavailable
+from lab.training import TrainConfig, run_training
 from hetero_comm.nn import convert_dropout
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

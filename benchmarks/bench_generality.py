@@ -39,7 +39,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.training import TrainConfig, run_training
 
 OPTIMIZERS = {  # the dense optimizer's settings, as the user has them
     "adamw": dict(optimizer="adamw", weight_decay=0.01),

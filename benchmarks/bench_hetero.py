@@ -32,8 +32,8 @@ import signal
 import statistics
 import sys
 
-from hetero_comm.lab.throttle import PERIOD_US, cpu_quota_unavailable
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.throttle import PERIOD_US, cpu_quota_unavailable
+from lab.training import TrainConfig, run_training
 
 
 def steady(values):

@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 import hetero_comm
-from hetero_comm.lab.launch import run_ranks
+from lab.launch import run_ranks
 
 CONFIGS = ("allreduce", "no communication", "AdamW recipe", "SGD recipe")
 

@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hetero_comm.lab.launch import free_port
-from hetero_comm.lab.registry import make_hook
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.launch import free_port
+from lab.registry import make_hook
+from lab.training import TrainConfig, run_training
 
 CONFIGS = [
     ("dense allreduce", dict(hook="dense")),

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hetero_comm.lab.launch import run_ranks
-from hetero_comm.lab.throttle import CpuQuota, cpu_quota_unavailable
+from lab.launch import run_ranks
+from lab.throttle import CpuQuota, cpu_quota_unavailable
 from hetero_comm.pipeline import (Cluster, DeviceKind, LayerProfile, build_pipeline, even_plan,
                                   evaluate_plan, format_plan, gather_profiles, plan_pipeline,
                                   plot_timeline, profile_layers, simulate)

@@ -2,7 +2,7 @@
 accuracy, final accuracy and bytes between sites, for every way of synchronising.
 
 Set-up (root only; elsewhere this says why and exits): 4 gloo ranks, each in its own network
-namespace (:class:`hetero_comm.lab.netlab.RateLimitedNetwork` with sites): ranks 0 and 1 at
+namespace (:class:`lab.netlab.RateLimitedNetwork` with sites): ranks 0 and 1 at
 site a, ranks 2 and 3 at site b, unshaped inside a site, ``--inter-site-rate`` (default
 100 Mbit/s) between them; site b's two ranks share ``--slow-site-cores`` CPUs (a real cgroup
 quota). Every method trains for the same wall-clock budget (``--seconds``); rank 0 (site a)
@@ -30,7 +30,7 @@ Methods (``--methods``):
   between the groups, or ``_dPbB``: sparse contributions (:class:`hetero_comm.sync.SparseWire`,
   P percent of the segments of 64 values at B bits, e.g. ``group_sync_16_d1b2``);
 * ``sparseloco_H`` or ``sparseloco_H_dP``: SparseLoCo's scheme written from the paper
-  (:class:`hetero_comm.lab.baselines.SparseLoCo`, a baseline: no package provides it): DDP
+  (:class:`lab.baselines.SparseLoCo`, a baseline: no package provides it): DDP
   inside each site, synchronous rounds every H steps between the sites' leaders, top-k of each
   chunk of 4096 values (P percent, default 1.5625, the paper's k=64) at 2 bits, error feedback
   with beta 0.95, outer rate 1.
@@ -101,8 +101,8 @@ class Trainer:
 
     def __init__(self, rank, world_size, run):
         import torch
-        from hetero_comm.lab.data import load_digits_split, make_model
-        from hetero_comm.lab.text import TinyGPT, load_text_split
+        from lab.data import load_digits_split, make_model
+        from lab.text import TinyGPT, load_text_split
 
         self.rank, self.world_size, self.run = rank, world_size, run
         self.workload = WORKLOADS[run["workload"]]
@@ -300,7 +300,7 @@ class Trainer:
 
     def train_sparseloco(self):
         from torch.nn.parallel import DistributedDataParallel as DDP
-        from hetero_comm.lab.baselines import SparseLoCo
+        from lab.baselines import SparseLoCo
         sites = [[r for r, s in enumerate(SITES) if s == site] for site in dict.fromkeys(SITES)]
         baseline = SparseLoCo(self.model, sites, period=int(self.options[0]),
                               density=self.density or 1 / 64)
@@ -357,8 +357,8 @@ def density_of(tokens):
 def run_method(run: dict, args) -> dict:
     """Start the 4 ranks in their namespaces, site b under the CPU quota; rank 0's record plus
     the bytes that left each site."""
-    from hetero_comm.lab.netlab import RateLimitedNetwork
-    from hetero_comm.lab.throttle import CpuQuota
+    from lab.netlab import RateLimitedNetwork
+    from lab.throttle import CpuQuota
 
     argv = [sys.executable, os.path.abspath(__file__), "--worker"]
     with tempfile.TemporaryFile("w+") as output, \
@@ -502,8 +502,8 @@ def main() -> int:
     if args.worker:
         worker()
         return 0
-    from hetero_comm.lab.netlab import netlab_unavailable
-    from hetero_comm.lab.throttle import cpu_quota_unavailable
+    from lab.netlab import netlab_unavailable
+    from lab.throttle import cpu_quota_unavailable
     reason = netlab_unavailable() or cpu_quota_unavailable()
     if reason is not None:
         print(f"bench_sync needs rate-limited links and a CPU quota: {reason}")

@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hetero_comm.lab.launch import run_ranks
-from hetero_comm.lab.throttle import CpuQuota, cpu_quota_unavailable
+from lab.launch import run_ranks
+from lab.throttle import CpuQuota, cpu_quota_unavailable
 from hetero_comm.tensor_parallel import (measure_speeds, parallelize_mlps,
                                          shard_range, shard_sizes, tune_chunks)
 
@@ -244,7 +244,7 @@ def worker() -> None:
 
 def run_over_link(args, cores) -> dict:
     """Both ranks in namespaces joined by links shaped to ``args.link``; rank 0's results."""
-    from hetero_comm.lab.netlab import RateLimitedNetwork
+    from lab.netlab import RateLimitedNetwork
     argv = [sys.executable, os.path.abspath(__file__), "--worker"]
     env = dict(HC_ARGS=json.dumps(vars(args)), PYTHONPATH=os.pathsep.join(sys.path))
     with tempfile.TemporaryFile("w+") as output, contextlib.ExitStack() as stack:

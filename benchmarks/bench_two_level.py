@@ -2,7 +2,7 @@
 dense, the flat recipe, the two-level sync (the recipe fixed, at other fixed ratios, and
 automatic) and ZeRO++'s int4 scheme (issue 36).
 
-The network (:class:`hetero_comm.lab.netlab.RateLimitedNetwork` with sites): each machine's two
+The network (:class:`lab.netlab.RateLimitedNetwork` with sites): each machine's two
 ranks on an unshaped bridge of their own, the machines joined by uplinks shaped to the link's
 rate in both directions. Links: ``100mbit``, ``1gbit``, and ``100mbit>1gbit`` (each run starts
 on the first rate and the uplinks change to the second when it reaches half its steps).
@@ -82,7 +82,7 @@ def worker() -> None:
     import torch
     import torch.distributed as dist
 
-    from hetero_comm.lab.training import TrainConfig, train_rank
+    from lab.training import TrainConfig, train_rank
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -120,7 +120,7 @@ def follow_progress(net, progress_file: str, rates, done: threading.Event) -> No
 
 def run_link(link: str, entries: list) -> dict:
     """Run ``entries`` on the four ranks over ``link``; rank 0's records by key."""
-    from hetero_comm.lab.netlab import RateLimitedNetwork
+    from lab.netlab import RateLimitedNetwork
 
     rates = link.split(">")
     argv = [sys.executable, os.path.abspath(__file__), "--worker"]
@@ -269,7 +269,7 @@ def main() -> int:
     if args.worker:
         worker()
         return 0
-    from hetero_comm.lab.netlab import netlab_unavailable
+    from lab.netlab import netlab_unavailable
     reason = netlab_unavailable()
     if reason is not None:
         print(f"bench_two_level needs rate-limited links: {reason}")

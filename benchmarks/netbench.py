@@ -2,7 +2,7 @@
 
 Every rank runs in its own network namespace; the ranks are joined by veth links (through a
 bridge namespace for more than two), each shaped by a token-bucket qdisc to the link's rate
-(:class:`hetero_comm.lab.netlab.RateLimitedNetwork`), and gloo talks over them. "loopback" is the
+(:class:`lab.netlab.RateLimitedNetwork`), and gloo talks over them. "loopback" is the
 unshaped case: the same workers on 127.0.0.1. Root only: elsewhere this says why and exits.
 Everything it creates is deleted on exit, also on Ctrl-C, SIGTERM or a failing rank.
 
@@ -73,7 +73,7 @@ def worker() -> None:
     import torch
     import torch.distributed as dist
 
-    from hetero_comm.lab.training import TrainConfig, train_rank
+    from lab.training import TrainConfig, train_rank
 
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -95,7 +95,7 @@ def worker() -> None:
 
 def run_workers(num_ranks: int, link: str, entries: list) -> dict:
     """Run ``entries`` on ``num_ranks`` workers over ``link``; rank 0's records by key."""
-    from hetero_comm.lab.netlab import RateLimitedNetwork
+    from lab.netlab import RateLimitedNetwork
 
     argv = [sys.executable, os.path.abspath(__file__), "--worker"]
     env = dict(WORLD_SIZE=num_ranks, HC_CONFIGS=json.dumps(entries))
@@ -145,7 +145,7 @@ def _wait_all(processes) -> None:
 
 # ----------------------------------------------------------------------------- analysis
 def rate_mbit(link: str) -> float:
-    from hetero_comm.lab.netlab import parse_rate
+    from lab.netlab import parse_rate
     return float("inf") if link == "loopback" else parse_rate(link) / 1e6
 
 
@@ -221,7 +221,7 @@ def main() -> int:
     if args.worker:
         worker()
         return 0
-    from hetero_comm.lab.netlab import netlab_unavailable
+    from lab.netlab import netlab_unavailable
     reason = netlab_unavailable()
     if reason is not None:
         print(f"netbench: skipped: real rate-limited links are not possible here ({reason}); "

@@ -1,5 +1,5 @@
 """Rank functions for tests/test_compress.py, run on real gloo ranks by
-:func:`hetero_comm.lab.launch.run_ranks` (spawned processes import them from here)."""
+:func:`lab.launch.run_ranks` (spawned processes import them from here)."""
 
 import copy
 import warnings

@@ -1,5 +1,5 @@
 """Rank functions for the unit-dropout sync tests (:mod:`hetero_comm.nn` with a hook state's
-``skip_dropped_units``), run on real gloo ranks by :func:`hetero_comm.lab.launch.run_ranks`."""
+``skip_dropped_units``), run on real gloo ranks by :func:`lab.launch.run_ranks`."""
 
 import copy
 
@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hetero_comm.lab.registry import HOOKS
+from lab.registry import HOOKS
 from hetero_comm.nn import UnitDropoutSet, convert_dropout
 from hook_workers import batch, flat
 

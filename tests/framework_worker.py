@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hetero_comm.hooks.segment_sparse import momentum_correction_lr_scale
-from hetero_comm.lab.registry import HOOKS
+from lab.registry import HOOKS
 
 CASES = {"sparse": ("sparse", dict(density=0.05, segment_size=16, warmup_steps=2)),
          "dct": ("dct", dict(block_size=16, keep_ratio=0.25, bits=8, warmup_steps=2)),

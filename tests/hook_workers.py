@@ -1,5 +1,5 @@
 """Rank functions for the hook and heterogeneity tests, run on real gloo ranks by
-:func:`hetero_comm.lab.launch.run_ranks`. They live here (not in a test module) so spawned
+:func:`lab.launch.run_ranks`. They live here (not in a test module) so spawned
 processes can import them.
 """
 
@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hetero_comm.hetero import DynamicBatchController, HeteroSampler
-from hetero_comm.lab.registry import HOOKS, make_hook
+from lab.registry import HOOKS, make_hook
 
 
 # The optimizers the workers build by name, as a user has them.

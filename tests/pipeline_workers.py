@@ -1,5 +1,5 @@
 """Rank functions for the pipeline executor tests (:mod:`hetero_comm.pipeline.executor`), run on
-real gloo ranks by :func:`hetero_comm.lab.launch.run_ranks`: each rank trains its stage of the
+real gloo ranks by :func:`lab.launch.run_ranks`: each rank trains its stage of the
 pipeline and compares it with single-process training of the whole model, in the same process."""
 
 import numpy as np

@@ -1,5 +1,5 @@
 """Rank functions for the group synchronisation tests (:mod:`hetero_comm.sync`), run on real
-gloo ranks by :func:`hetero_comm.lab.launch.run_ranks`."""
+gloo ranks by :func:`lab.launch.run_ranks`."""
 
 import dataclasses
 import os
@@ -310,7 +310,7 @@ def link_exchange(rank, world_size):
 def sparseloco_run(rank, world_size, sites, steps):
     """The SparseLoCo baseline: DDP inside each site, a round every 2 steps. Returns this rank's
     parameters at the end, the initial ones, and the bytes its leader sent."""
-    from hetero_comm.lab.baselines import SparseLoCo
+    from lab.baselines import SparseLoCo
     model = make_model()
     baseline = SparseLoCo(model, sites, period=2, density=0.25, chunk=16)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)

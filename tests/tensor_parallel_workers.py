@@ -1,5 +1,5 @@
 """Rank functions for the tensor-parallel tests (:mod:`hetero_comm.tensor_parallel`), run on real
-gloo ranks by :func:`hetero_comm.lab.launch.run_ranks`: each rank runs the split model and the
+gloo ranks by :func:`lab.launch.run_ranks`: each rank runs the split model and the
 whole model on the same batch, in the same process, and reports the largest differences."""
 
 import copy

@@ -94,7 +94,7 @@ def test_training_with_the_compiled_kernels_never_loads_the_reference(tmp_path):
     script = textwrap.dedent("""
         import sys
         import hetero_comm, hetero_comm.hooks, hetero_comm.recipes, hetero_comm.sync
-        import hetero_comm.pipeline, hetero_comm.lab.training
+        import hetero_comm.pipeline, lab.training
         assert hetero_comm.extension_load_error() is None
         assert "hetero_comm.reference" not in sys.modules, "imported"
         from hetero_comm import reference  # on first use

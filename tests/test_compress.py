@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import compress_workers
-from hetero_comm.lab.launch import run_ranks
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.launch import run_ranks
+from lab.training import TrainConfig, run_training
 from hetero_comm.recipes import AUTO_RATIOS, MAX_RATIO, MIN_RATIO, Recipe, density_for_ratio, recipe_for
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import compress_workers
-from hetero_comm.lab.launch import run_ranks
+from lab.launch import run_ranks
 from hook_workers import recipe_step_host_syncs, steady_step_host_syncs, train_on_cuda
 from kernel_cases import cuda_skip_reason
 

@@ -14,8 +14,8 @@ from hypothesis import given, settings, strategies as st
 
 from hetero_comm.hetero import DynamicBatchController, HeteroSampler, plan_batch_sizes
 from hetero_comm.hooks import AllreduceState
-from hetero_comm.lab.launch import run_ranks
-from hetero_comm.lab.throttle import CpuQuota, cpu_quota_unavailable
+from lab.launch import run_ranks
+from lab.throttle import CpuQuota, cpu_quota_unavailable
 from hook_workers import controlled_training, flat, global_batch, make_model, weighted_step
 
 speeds = st.lists(st.floats(0.01, 1e4, allow_nan=False), min_size=1, max_size=12)

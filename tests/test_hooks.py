@@ -16,7 +16,7 @@ from hetero_comm import reference
 from hetero_comm.hooks._sparse_parts import DctSegments
 from hetero_comm.hooks.segment_sparse import int8_levels
 from hetero_comm.hooks.dct_quant import pack_int16_pairs, quantization_levels, unpack_int16_pair_sums
-from hetero_comm.lab.launch import run_ranks
+from lab.launch import run_ranks
 from hook_workers import (hook_warnings, load_into_another_model, loaded, loaded_residual_total,
                           share_one_state, train, train_recording_warnings)
 

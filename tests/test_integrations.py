@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from hetero_comm.hooks import SegmentSparseState, segment_sparse_hook
-from hetero_comm.lab.launch import free_port
+from lab.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

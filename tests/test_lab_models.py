@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from hetero_comm.lab.data import DIGITS_MODELS, MODELS, make_model, make_workload
-from hetero_comm.lab.text import GRULanguageModel
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.data import DIGITS_MODELS, MODELS, make_model, make_workload
+from lab.text import GRULanguageModel
+from lab.training import TrainConfig, run_training
 
 
 def parameters(module: torch.nn.Module) -> int:

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from hetero_comm.lab.launch import run_ranks
+from lab.launch import run_ranks
 from launch_workers import (environment_value, exit_on_rank_one, imported_package, parent_and_test,
                             raise_on_rank_one, summed_rank)
 

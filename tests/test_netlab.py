@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hetero_comm.lab.netlab import RateLimitedNetwork, netlab_unavailable, parse_rate
+from lab.netlab import RateLimitedNetwork, netlab_unavailable, parse_rate
 
 needs_root = pytest.mark.skipif(netlab_unavailable() is not None,
                                 reason=f"no rate-limited links here: {netlab_unavailable()}")

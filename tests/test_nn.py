@@ -9,7 +9,7 @@ import torch.nn as nn
 from hetero_comm.hooks import AllreduceState, SegmentSparseState
 from hetero_comm.hooks._dropped import KeptPart, kept_layout
 from hetero_comm.hooks._plan import PlanBucket
-from hetero_comm.lab.launch import run_ranks
+from lab.launch import run_ranks
 from hetero_comm.nn import SlicedLinear, UnitDropout, UnitDropoutSet, convert_dropout
 from dropout_workers import agree_on_seed, make_dropout_model, train_unit_dropout
 

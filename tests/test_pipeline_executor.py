@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hetero_comm.lab.launch import run_ranks
+from lab.launch import run_ranks
 from hetero_comm.pipeline import PipelineGroups, PipelinePlan, StagePlan, build_pipeline
 from pipeline_workers import make_pipeline_model, make_plan, train_pipeline
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from hetero_comm.lab.baselines import decode_top_k_2bit, encode_top_k_2bit
-from hetero_comm.lab.launch import run_ranks
+from lab.baselines import decode_top_k_2bit, encode_top_k_2bit
+from lab.launch import run_ranks
 from hetero_comm.sync import (Contribution, Grouping, SparseWire, VersionBook, groups_from_sites,
                               groups_from_speeds, inverse_staleness, periods_for_speeds)
 from hetero_comm.sync.parts import ForwardClock, split_into_parts

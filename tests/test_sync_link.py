@@ -5,7 +5,7 @@ gloo ranks."""
 import pytest
 import torch
 
-from hetero_comm.lab.launch import run_ranks
+from lab.launch import run_ranks
 from hetero_comm.sync.link import Framing, MalformedFrameError, Message, MessageKind
 
 import sync_workers

@@ -8,7 +8,7 @@ import torch.nn as nn
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetero_comm.lab.launch import run_ranks
+from lab.launch import run_ranks
 from hetero_comm.tensor_parallel import find_mlps, shard_range, shard_sizes
 from tensor_parallel_workers import (bad_input_messages, single_layers_match_whole, split_mlps_match_whole,
                                      tune_chunks_agrees, two_dimensional_matches_whole)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from hetero_comm.cli import main
-from hetero_comm.lab.throttle import cpu_quota_unavailable
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.throttle import cpu_quota_unavailable
+from lab.training import TrainConfig, run_training
 
 
 @pytest.fixture(scope="module")

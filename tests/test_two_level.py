@@ -13,9 +13,9 @@ from hetero_comm.hooks import MachineLayout
 from hetero_comm.hooks._auto_density import (AGREE_EVERY, FIT_STEPS, MAX_BANDWIDTH, AutoDensity,
                                              bandwidth_bounds)
 from hetero_comm.hooks.two_level import Shares
-from hetero_comm.lab.baselines import dequantize_int4, quantize_int4
-from hetero_comm.lab.launch import run_ranks
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.baselines import dequantize_int4, quantize_int4
+from lab.launch import run_ranks
+from lab.training import TrainConfig, run_training
 from hook_workers import (auto_density_agreement, integer_gradient_steps, prepared_by_two_level, train,
                           train_recording_warnings, two_level_construction_error)
 

@@ -26,9 +26,9 @@ from torch.nn.parallel import DistributedDataParallel
 from hetero_comm import ops
 from hetero_comm.hetero import HeteroSampler
 from hetero_comm.hooks import SegmentSparseState, segment_sparse_hook
-from hetero_comm.lab.data import make_workload
-from hetero_comm.lab.launch import run_ranks
-from hetero_comm.lab.training import TrainConfig
+from lab.data import make_workload
+from lab.launch import run_ranks
+from lab.training import TrainConfig
 
 LR, SEGMENT = 3e-3, 256
 

@@ -17,8 +17,8 @@ import statistics
 import sys
 import warnings
 
-from hetero_comm.lab.launch import run_ranks
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.launch import run_ranks
+from lab.training import TrainConfig, run_training
 from teacher_regression import run_steps, set_up
 
 RATES = {"adamw": (3e-3, 1e-2), "sgd": (0.02, 0.05)}

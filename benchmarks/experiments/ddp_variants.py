@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 import hetero_comm
-from hetero_comm.lab.launch import run_ranks
+from lab.launch import run_ranks
 
 STEPS = 30
 

@@ -6,7 +6,7 @@ Results: benchmarks/results/dropout_regularisation.txt.
 Usage: python benchmarks/experiments/dropout_regularisation.py
 """
 
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.training import TrainConfig, run_training
 
 SETTINGS = [  # (optimizer, lr, epochs)
     ("sgd", 0.05, 16), ("sgd", 0.02, 16), ("sgd", 0.1, 8), ("adamw", 1e-3, 16),

@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hetero_comm.lab.data import load_digits_split, make_model
-from hetero_comm.lab.launch import run_ranks
+from lab.data import load_digits_split, make_model
+from lab.launch import run_ranks
 from hetero_comm.sync import GroupSync, SparseWire, groups_from_sites
 
 ROWS, EPOCHS = 16, 8

@@ -9,7 +9,7 @@ Results: benchmarks/results/lagged_int8.txt.
 Usage: python benchmarks/experiments/lagged_int8.py
 """
 
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.training import TrainConfig, run_training
 
 SGD_RECIPE = dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150,
                   momentum=0.9)

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.training import TrainConfig, run_training
 
 GPT = dict(model="gpt", hidden=128, optimizer="adamw", weight_decay=0.01, lr_warmup_steps=30,
            lr_schedule="cosine", clip_norm=1.0, epochs=4, global_batch=32)

@@ -30,7 +30,7 @@ import statistics
 import sys
 from typing import Optional
 
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.training import TrainConfig, run_training
 
 SPARSE = dict(density=0.08, momentum=0.9, wire_dtype="int8", segment_size=512)
 DIGITS = dict(model="mlp", optimizer="sgd", momentum=0.9, epochs=8)

@@ -3,7 +3,7 @@
 Usage: python benchmarks/experiments/nesterov_accelerate.py
 """
 import torch, torch.nn as nn, warnings
-from hetero_comm.lab.launch import run_ranks
+from lab.launch import run_ranks
 
 def worker(rank, world_size, nesterov, compressed, lr):
     from accelerate import Accelerator

@@ -39,9 +39,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_convergence import WORKLOADS  # noqa: E402
 
-from hetero_comm.lab import training  # noqa: E402
-from hetero_comm.lab.launch import run_ranks  # noqa: E402
-from hetero_comm.lab.training import TrainConfig  # noqa: E402
+from lab import training  # noqa: E402
+from lab.launch import run_ranks  # noqa: E402
+from lab.training import TrainConfig  # noqa: E402
 
 SEGMENT = 256
 

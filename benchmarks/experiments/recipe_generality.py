@@ -16,7 +16,7 @@ model at these learning rates instead of its cases' own.)
 import argparse
 import sys
 
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.training import TrainConfig, run_training
 
 RECIPE = dict(density=0.055, segment_size=512, wire_dtype="bfloat16", basis="dct", output="sign")
 INT8_RECIPE = dict(RECIPE, density=0.10, wire_dtype="int8")

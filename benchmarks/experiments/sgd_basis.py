@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.training import TrainConfig, run_training
 
 BENCHMARKS = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("bench_generality", BENCHMARKS / "bench_generality.py")

@@ -30,7 +30,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from hetero_comm.hooks import SegmentSparseState, segment_sparse
-from hetero_comm.lab.launch import run_ranks
+from lab.launch import run_ranks
 from hetero_comm.recipes import recipe_for
 from teacher_regression import STEPS, model_and_teacher, run_steps
 

@@ -29,7 +29,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.training import TrainConfig, run_training
 from sgd_step_limit import hold_norm, regression_row
 from teacher_regression import run_steps, set_up
 

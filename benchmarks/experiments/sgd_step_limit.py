@@ -25,8 +25,8 @@ import warnings
 
 import torch
 
-from hetero_comm.lab.launch import run_ranks
-from hetero_comm.lab.training import TrainConfig, run_training
+from lab.launch import run_ranks
+from lab.training import TrainConfig, run_training
 from teacher_regression import run_steps, set_up
 
 _LIMIT_ENV = "HETERO_COMM_STEP_LIMIT"  # "K,WINDOW"; read by every rank (spawned: inherited)

@@ -20,7 +20,7 @@ import warnings
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import bench_generality  # noqa: E402  (the workload's settings)
 from hetero_comm.hooks.segment_sparse import momentum_correction_lr_scale  # noqa: E402
-from hetero_comm.lab.training import TrainConfig, run_training  # noqa: E402
+from lab.training import TrainConfig, run_training  # noqa: E402
 from hetero_comm.recipes import SGD_DENSITY  # noqa: E402
 
 MOMENTUM = 0.9

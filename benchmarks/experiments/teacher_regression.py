@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 import hetero_comm
-from hetero_comm.lab.launch import run_ranks
+from lab.launch import run_ranks
 
 STEPS = 80
 RATES = {"adamw": (1e-3, 3e-3, 1e-2), "sgd": (0.02, 0.05)}

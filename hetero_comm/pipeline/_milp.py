@@ -16,9 +16,8 @@ Variables, for layers ``l < L`` and stages ``s < S`` in a fixed device order:
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
+from .._optional import import_optional
 from .cost import Cluster, DeviceKind
 
 Expression = Tuple[Dict[int, float], float]  # coefficients by variable, and a constant
@@ -44,6 +43,8 @@ class _Program:
         self.rows.append((coefficients, lower - constant, upper - constant))
 
     def solve(self, objective: Dict[int, float], time_limit_s: float):
+        optimize = import_optional("scipy.optimize", "planner", "Planning by integer program")
+        sparse = import_optional("scipy.sparse", "planner", "Planning by integer program")
         cost = np.zeros(len(self.lower))
         for index, value in objective.items():
             cost[index] = value
@@ -54,10 +55,10 @@ class _Program:
                     data.append(value)
                     row_index.append(row)
                     column_index.append(column)
-        matrix = coo_matrix((data, (row_index, column_index)), shape=(len(self.rows), len(cost)))
-        constraint = LinearConstraint(matrix.tocsr(), [r[1] for r in self.rows], [r[2] for r in self.rows])
-        return milp(cost, constraints=constraint, integrality=np.array(self.integer),
-                    bounds=Bounds(self.lower, self.upper),
+        matrix = sparse.coo_matrix((data, (row_index, column_index)), shape=(len(self.rows), len(cost)))
+        constraint = optimize.LinearConstraint(matrix.tocsr(), [r[1] for r in self.rows], [r[2] for r in self.rows])
+        return optimize.milp(cost, constraints=constraint, integrality=np.array(self.integer),
+                    bounds=optimize.Bounds(self.lower, self.upper),
                     options={"time_limit": time_limit_s, "mip_rel_gap": 1e-7})
 
 

@@ -219,7 +219,7 @@ def plan_pipeline(cluster: Cluster, micro_batches: int, schedule: str = "gpipe",
     _check_request(cluster, micro_batches, schedule)
     check_float("time_limit_s", time_limit_s, 0, math.inf, low_open=True)
     order = _resolve_order(cluster, order)
-    from ._milp import solve_partition  # scipy is imported only when a plan is asked for
+    from ._milp import solve_partition
     # The best plan with no memory limit and no recomputation is a lower bound on the step;
     # when it fits anyway it is the answer, and that program is several times easier.
     boundaries, recompute, message = solve_partition(cluster, order, micro_batches, schedule, False,

@@ -9,6 +9,7 @@ formulas the integer program minimises; :func:`format_plan` prints the table and
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .._optional import import_optional
 from .cost import Cluster, StageEstimate
 from .plan import PipelinePlan
 
@@ -143,8 +144,7 @@ def format_plan(plan: PipelinePlan, simulation: Optional[Simulation] = None) -> 
 
 def plot_timeline(plan: PipelinePlan, simulation: Simulation, path: str, title: str = "") -> None:
     """Save a PNG of the simulated step: one row per stage, forwards, backwards and syncs."""
-    import matplotlib
-
+    matplotlib = import_optional("matplotlib", "planner", "plot_timeline")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

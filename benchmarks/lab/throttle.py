@@ -12,7 +12,7 @@ import math
 import os
 from typing import Optional
 
-from .._checks import check_float, check_int
+from hetero_comm._checks import check_float, check_int
 
 __all__ = ["CpuQuota", "cpu_quota_unavailable"]
 

@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from hetero_comm.lab.launch import run_ranks
-from hetero_comm.lab.training import TrainConfig, train_rank
+from lab.launch import run_ranks
+from lab.training import TrainConfig, train_rank
 
 SPARSE = dict(density=0.1, segment_size=16)
 

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
-from .._checks import check_float, check_int
-from .._collectives import all_gather_single
-from ..hooks.two_level import Shares, TwoLevelState, two_level_hook
-from ..sync.wire import pack_codes, unpack_codes
+from hetero_comm._checks import check_float, check_int
+from hetero_comm._collectives import all_gather_single
+from hetero_comm.hooks.two_level import Shares, TwoLevelState, two_level_hook
+from hetero_comm.sync.wire import pack_codes, unpack_codes
 
 __all__ = ["Int4BetweenMachinesState", "int4_between_machines_hook", "quantize_int4",
            "dequantize_int4", "SparseLoCo", "encode_top_k_2bit", "decode_top_k_2bit"]

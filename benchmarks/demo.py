@@ -1,11 +1,11 @@
-"""``hetero-comm`` command line (also ``python -m hetero_comm``).
-
-``hetero-comm demo`` trains each workload (by default the digits MLP with SGD and a small
-transformer with AdamW) with N local worker processes (gloo on 127.0.0.1) once per hook (by
-default dense allreduce, ``hetero_comm.compress``'s recipe and torch's PowerSGD) and reports
+"""The demo: trains each workload (by default the digits MLP with SGD and a small transformer
+with AdamW) with N local worker processes (gloo on 127.0.0.1) once per hook (by default dense
+allreduce, ``hetero_comm.compress``'s recipe and torch's PowerSGD) and reports
 validation loss, accuracy, bytes and time per step, as a table, a JSON file and a PNG.
 ``--slow-worker-cores`` makes the last worker slow for real (a cgroup CPU quota, root only) and
 ``--batching dynamic`` gives each worker a batch proportional to its measured speed.
+
+Run ``make demo``, or ``.venv/bin/python benchmarks/demo.py --help`` after it.
 """
 
 import argparse
@@ -19,9 +19,9 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from .lab.registry import HOOKS, WEIGHTED_HOOKS, make_hook
-from .lab.throttle import cpu_quota_unavailable
-from .lab.training import BATCHING, TrainConfig, run_training
+from lab.registry import HOOKS, WEIGHTED_HOOKS, make_hook
+from lab.throttle import cpu_quota_unavailable
+from lab.training import BATCHING, TrainConfig, run_training
 
 # The demo's flags that set each hook's state (flag name = the state's argument).
 HOOK_FLAGS = {"sparse": ("density", "segment_size", "selection"), "dct": ("keep_ratio", "bits"),
@@ -67,10 +67,8 @@ def _number(kind):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hetero-comm", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="train once per hook on local workers and compare",
-                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    demo = argparse.ArgumentParser(prog="benchmarks/demo.py", description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     demo.add_argument("--workers", type=_number(int), default=2, help="local worker processes")
     demo.add_argument("--workloads", type=_names("workload", WORKLOADS),
                       default=list(DEFAULT_WORKLOADS),
@@ -108,14 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default="hetero_comm_demo", help="output directory")
     demo.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    return parser
+    return demo
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command != "demo":
-        return 2
     try:
         runs = demo_runs(args)
     except ValueError as error:
@@ -170,7 +166,7 @@ def demo(args, runs: Dict[str, TrainConfig]) -> int:
         tqdm = None
     slow = (f", last worker limited to {args.slow_worker_cores} cores"
             if args.slow_worker_cores else "")
-    print(f"hetero-comm demo: {args.workers} workers (gloo, 127.0.0.1){slow}; "
+    print(f"demo: {args.workers} workers (gloo, 127.0.0.1){slow}; "
           f"workloads {', '.join(args.workloads)}; runs: {', '.join(runs)}")
     records = {}
     for name, config in runs.items():

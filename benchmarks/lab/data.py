@@ -1,6 +1,6 @@
 """The workloads the demo, benchmarks and tests train: the digits data set (scikit-learn's:
 1,797 8x8 images, 10 classes, shipped with the package) with small MLPs, CNNs and a residual
-CNN, and bytes of real text with a small transformer or a GRU (:mod:`~hetero_comm.lab.text`).
+CNN, and bytes of real text with a small transformer or a GRU (:mod:`~lab.text`).
 Nothing is downloaded."""
 
 from typing import Tuple

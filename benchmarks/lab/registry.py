@@ -7,10 +7,10 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch.distributed as dist
 
-from .._checks import check_choice, check_int
-from ..recipes import density_for_ratio
+from hetero_comm._checks import check_choice, check_int
+from hetero_comm.recipes import density_for_ratio
 from .baselines import Int4BetweenMachinesState, int4_between_machines_hook
-from ..hooks import (AllreduceState, DCTQuantState, HookState, SegmentSparseState, TwoLevelState,
+from hetero_comm.hooks import (AllreduceState, DCTQuantState, HookState, SegmentSparseState, TwoLevelState,
                      allreduce_hook, dct_quant_hook, segment_sparse_hook, two_level_hook)
 
 __all__ = ["HookSpec", "HOOKS", "WEIGHTED_HOOKS", "make_hook"]

@@ -5,7 +5,7 @@ convergence tests all use these).
 Each rank takes its share of every global batch (:class:`~hetero_comm.hetero.HeteroSampler`:
 equal shares, or shares re-planned from measured speed by
 :class:`~hetero_comm.hetero.DynamicBatchController`). One worker can be made slower for real
-with a cgroup CPU quota (:class:`~hetero_comm.lab.throttle.CpuQuota`, root only).
+with a cgroup CPU quota (:class:`~lab.throttle.CpuQuota`, root only).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .._checks import check_choice, check_float, check_int, check_optional
-from ..hetero import DynamicBatchController, HeteroSampler
-from ..nn import convert_dropout
-from ..recipes import compress
+from hetero_comm._checks import check_choice, check_float, check_int, check_optional
+from hetero_comm.hetero import DynamicBatchController, HeteroSampler
+from hetero_comm.nn import convert_dropout
+from hetero_comm.recipes import compress
 from .byte_count import count_collective_bytes
 from .data import MODELS, make_workload
 from .launch import report_progress, run_ranks
@@ -43,9 +43,9 @@ DROPOUT_KINDS = ("standard", "unit", "sliced")
 
 @dataclasses.dataclass
 class TrainConfig:
-    """One training run of ``model`` (:data:`~hetero_comm.lab.data.MODELS`: the digit models,
+    """One training run of ``model`` (:data:`~lab.data.MODELS`: the digit models,
     or ``"gpt"`` on text, ``hidden`` its width) with ``hook`` (a name of
-    :data:`~hetero_comm.lab.registry.HOOKS`), whose state is built from ``hook_settings``
+    :data:`~lab.registry.HOOKS`), whose state is built from ``hook_settings``
     (passed straight to its constructor, which validates them).
 
     ``optimizer``: ``"sgd"`` (with ``momentum``, Nesterov's with ``nesterov``) or ``"adamw"``
