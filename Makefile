@@ -1,39 +1,45 @@
 # Entry points, each self-contained on a fresh machine (Python 3.11 + a C++ compiler):
-#   make demo    the main job: build, then `hetero-comm demo` (every hook on 2 local workers)
-#   make test    build, then build the docs (mkdocs --strict) and run the full test suite
+#   make demo    the main job: build, then benchmarks/demo.py (dense, the recipe, PowerSGD on 2 local workers)
+#   make test    build, then the documentation (mkdocs --strict) and every test tier
+#   make quick   the default test tier only (kernels, the hooks' laws, the one call, bad input)
 #   make bench   the kernel, hook and heterogeneous-rank benchmarks
-# Both create .venv, install torch 2.13.0 (CPU) and build hetero_comm from source into it.
+# Each creates .venv, installs torch 2.13.0 (CPU) and builds hetero_comm into it as an editable
+# install: the compiled hetero_comm/_C*.so lands next to the sources, so `import hetero_comm`
+# finds the compiled kernels from the repository root as from anywhere else.
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-SOURCES := pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*.cpp csrc/*.h csrc/kernels/*.h cuda/*.cu cuda/*.cuh hetero_comm/*.py hetero_comm/*/*.py)
+SOURCES := pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*.cpp csrc/*.h csrc/kernels/*.h cuda/*.cu cuda/*.cuh)
 
-.PHONY: demo test bench clean
+.PHONY: demo test quick bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # torch first and pinned: an unpinned torch>=2.13 could resolve to a multi-GB CUDA build.
-$(VENV)/.installed: $(BIN)/python $(SOURCES)
+# One stamp per extra; Python sources need no reinstall (the install is editable).
+$(VENV)/.installed-%: $(BIN)/python $(SOURCES)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet ".[test]"
+	$(BIN)/pip install --quiet -e ".[$*]"
 	touch $@
 
-# pytest (not `python -m pytest`) from the repo root keeps the source tree off sys.path, so the
-# installed package with its compiled _C is the one under test.
 # The documentation first: mkdocs --strict fails on a stale link or a page missing from the nav.
-test: $(VENV)/.installed
+# -m "": every tier (pyproject.toml's default leaves out the slow and build tiers).
+test: $(VENV)/.installed-test
 	$(BIN)/mkdocs build --strict --quiet
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest tests
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m "" tests
 
-demo: $(VENV)/.installed
-	$(BIN)/hetero-comm demo
+quick: $(VENV)/.installed-test
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest tests
 
-bench: $(VENV)/.installed
+demo: $(VENV)/.installed-demo
+	$(BIN)/python benchmarks/demo.py
+
+bench: $(VENV)/.installed-bench
 	$(BIN)/python benchmarks/bench_kernels.py
 	$(BIN)/python benchmarks/bench_hooks.py
 	$(BIN)/python benchmarks/bench_hetero.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info hetero_comm/_C*.so

@@ -142,7 +142,7 @@ def demo_runs(args) -> Dict[str, TrainConfig]:
         config = TrainConfig(hook=hook, workers=args.workers, global_batch=batch_per_worker * args.workers,
                              seed=args.seed, batching=batching,
                              slow_worker_cores=args.slow_worker_cores,
-                             # torch's PowerSGD on gloo: one bucket (benchmarks/NOTES.md)
+                             # torch's PowerSGD on gloo: one bucket (docs/design/hooks.md)
                              bucket_cap_mb=64 if hook == "powersgd" else None,
                              hook_settings=_hook_settings(args, hook),
                              **settings)

@@ -2,7 +2,7 @@
 
 The cost model takes a swapped block's copies as hidden behind the next block's compute; on an
 H200 the plan that swapped five blocks of the wide transformer ran 20% slower than unplanned
-where the model predicted 3% (`benchmarks/NOTES.md`, "Sixth GPU run"). This profiles one step
+where the model predicted 3% (`docs/design/memory.md`, "Swapping"). This profiles one step
 of each plan given (after warm-up) with ``torch.profiler`` and prints, per plan: the step's
 time, each stream's busy time, the copies (direction, start, length) and the longest gaps of the
 compute stream (the stream with the most kernel time) with the copy in flight during each: a

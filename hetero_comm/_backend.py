@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional, Union
 
 import torch
@@ -13,13 +14,33 @@ logger = logging.getLogger("hetero_comm")
 
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
+
+
+def why_not_loaded(error: BaseException, package_dir: str) -> str:
+    """What a user can do about ``error``, raised importing ``_C`` from ``package_dir``."""
+    built = any(name.startswith("_C.") and name.endswith((".so", ".pyd"))
+                for name in os.listdir(package_dir))
+    source_tree = os.path.exists(os.path.join(os.path.dirname(package_dir), "setup.py"))
+    if not built and source_tree:
+        return (f"hetero_comm was imported from its source tree ({package_dir}), which holds no "
+                f"compiled extension; build it there with `pip install -e .` (what `make quick` "
+                f"does), or run from outside the source tree to use an installed hetero_comm")
+    if not built:
+        return ("this installation has no compiled extension (built with "
+                "HETERO_COMM_NO_EXTENSION=1, or without a C++ compiler); reinstall with a "
+                "compiler to get the compiled kernels")
+    return (f"the compiled extension in {package_dir} did not load ({error}); it was probably "
+            f"built against another torch than the {torch.__version__} running now: rebuild it "
+            f"with `pip install --no-build-isolation -e .` (or `pip install --no-build-isolation .`)")
+
+
 load_error: Optional[BaseException] = None
 try:
     from . import _C  # noqa: F401  (importing runs the TORCH_LIBRARY registrations)
 except (ImportError, OSError) as error:  # missing build, or built against another torch
     load_error = error
-    logger.warning("compiled kernels unavailable (%s); falling back to the "
-                   "pure-PyTorch reference kernels", error)
+    logger.warning("hetero_comm runs on its pure-PyTorch reference kernels (slower, same "
+                   "results): %s", why_not_loaded(error, os.path.dirname(os.path.abspath(__file__))))
 
 _backend_by_type: dict = {}
 

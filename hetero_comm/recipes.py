@@ -148,7 +148,7 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *,
     the hook, about 2.1x; :func:`recipe_for`), with the weight decay scaled so that parameters
     decay as under dense training. With AdamW, let the rate decay towards the end:
     the recipe's sign step moves every coordinate by the full rate, and at a constant rate it
-    ended up to 2 points under dense on a small ResNet (docs/recipes.md, "Not yet"). Call it on
+    falls behind dense (docs/design/recipes-adamw.md, "Where it holds less well"). Call it on
     every rank before the first step. Nothing is registered or changed when it raises.
 
     Args:
@@ -268,13 +268,10 @@ def _warn_where_unmeasured(ddp_model: DistributedDataParallel, recipe: Recipe,
                       UserWarning, stacklevel=3)
     if recipe.name == "sgd" and _has_layers_the_sgd_recipe_failed_on(ddp_model.module):
         warnings.warn("hetero_comm.compress: the SGD recipe fell behind dense training on every "
-                      "measured model with normalization, attention or recurrent layers (a "
-                      "transformer: +6.4% validation loss, one ten times larger +7 to +21% at two "
-                      "of three rates; a residual CNN with GroupNorm: 7.4 to 8.1 points of "
-                      "accuracy in runs of 220 steps, 0.7 in 440; a GRU: +2 to +7% loss at two of "
-                      "three rates and at 4 ranks; docs/recipes.md, 'Not yet'), and held on an MLP "
-                      "and a CNN without them: with such layers prefer AdamW, or compare with a "
-                      "dense run", UserWarning, stacklevel=3)
+                      "measured model with normalization, attention or recurrent layers, and held "
+                      "on an MLP and a CNN without them (docs/design/recipes-sgd.md, 'Where the "
+                      "call warns'): with such layers prefer AdamW, or compare with a dense run",
+                      UserWarning, stacklevel=3)
 
 
 def _has_layers_the_sgd_recipe_failed_on(module: torch.nn.Module) -> bool:

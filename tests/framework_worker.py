@@ -190,7 +190,7 @@ def main():
 if __name__ == "__main__":
     main()
     # torch 2.13's gloo DDP processes abort at interpreter exit in some runs ("terminate called
-    # without an active exception"), with or without hetero_comm (benchmarks/NOTES.md): leave
+    # without an active exception"), with or without hetero_comm (docs/design/hooks.md): leave
     # without the interpreter's teardown once the results are written.
     sys.stdout.flush()
     os._exit(0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 
 import pytest
@@ -33,18 +34,30 @@ def cuda_skip_reason() -> str:
     return ""
 
 
-# Every kernel test runs on CPU, and on CUDA wherever the CUDA kernels are built.
-DEVICES = pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(bool(cuda_skip_reason()),
-                                                         reason=cuda_skip_reason() or "runs"))])
+@pytest.fixture
+def device() -> str:
+    """The device a kernel test runs on: the CPU; tests/test_cuda_kernel_cases.py reruns every
+    test that takes it with ``"cuda"``."""
+    return "cpu"
+
+
+def tests_taking_device(*modules) -> dict:
+    """The test functions of ``modules`` that take the ``device`` fixture, by name, for a module
+    that reruns them on another device (names must not repeat across ``modules``)."""
+    tests = {}
+    for module in modules:
+        for name, test in vars(module).items():
+            if name.startswith("test_") and "device" in inspect.signature(test).parameters:
+                assert name not in tests, f"{name} is defined in two of the modules"
+                tests[name] = test
+    return tests
 
 
 @pytest.fixture(autouse=True)
 def compiled_with_strict_checks(request):
     """For kernel tests: fail unless the compiled kernels serve the test's device, and turn
     strict checks on (so CUDA rejects bad values like CPU; see ops.set_strict_checks)."""
-    callspec = getattr(request.node, "callspec", None)
-    require_compiled(callspec.params.get("device", "cpu") if callspec else "cpu")
+    require_compiled(request.getfixturevalue("device") if "device" in request.fixturenames else "cpu")
     previous = ops.set_strict_checks(True)
     yield
     ops.set_strict_checks(previous)

@@ -15,7 +15,7 @@ import torch
 import hetero_comm
 from hetero_comm import ops, reference
 from hetero_comm._kernels import KERNEL_OPS, KERNELS
-from kernel_cases import DEVICES, require_compiled
+from kernel_cases import device, require_compiled  # noqa: F401  (device: a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,13 +83,32 @@ def test_import_falls_back_to_references_with_one_warning():
                             env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "fallback ok" in result.stdout
-    assert result.stderr.count("falling back to the pure-PyTorch reference kernels") == 1, result.stderr
+    assert result.stderr.count("runs on its pure-PyTorch reference kernels") == 1, result.stderr
 
 
-def test_training_with_the_compiled_kernels_never_loads_the_reference(tmp_path):
+@pytest.mark.parametrize("layout, advice", [
+    ({"setup.py": "", "hetero_comm/__init__.py": ""}, "build it there with `pip install -e .`"),
+    ({"hetero_comm/__init__.py": ""}, "has no compiled extension (built with HETERO_COMM_NO_EXTENSION=1"),
+    ({"hetero_comm/__init__.py": "", "hetero_comm/_C.cpython-311-x86_64-linux-gnu.so": ""},
+     "probably built against another torch"),
+])
+def test_the_fallback_warning_says_what_to_do(tmp_path, layout, advice):
+    """A source tree without a build, an installation without the extension, and an extension
+    that does not load each get their own advice."""
+    from hetero_comm._backend import why_not_loaded
+    for name, text in layout.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    message = why_not_loaded(ImportError("undefined symbol: _ZN3c10"), str(tmp_path / "hetero_comm"))
+    assert advice in message
+
+
+def test_training_with_the_compiled_kernels_never_loads_the_reference():
     """The references are the kernels' specification and fallback: with the compiled kernels,
     importing the hooks (and the package, the one call, the lab) must not import them, so no
-    hook can reach a reference by accident."""
+    hook can reach a reference by accident. Run from the repository's root, where `python` puts
+    the source tree first on sys.path: the set-up's editable build serves the compiled kernels
+    there too."""
     require_compiled("cpu")
     script = textwrap.dedent("""
         import sys
@@ -101,10 +120,8 @@ def test_training_with_the_compiled_kernels_never_loads_the_reference(tmp_path):
         assert "hetero_comm.reference" in sys.modules and reference.__all__
         print("lazy ok")
     """)
-    # Run outside the repository: from its root, the source tree (without _C) would shadow the
-    # installed package.
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=120, cwd=tmp_path)
+                            timeout=120, cwd=REPO)
     assert result.returncode == 0 and "lazy ok" in result.stdout, result.stderr
 
 
@@ -142,7 +159,6 @@ def test_the_extension_links_libstdcxx_dynamically():
     assert private_libstdcxx_symbols(_C.__file__) == []
 
 
-@DEVICES
 def test_an_error_message_with_a_number_raises_instead_of_crashing(device):
     # Issue 12's bug 2, still seen on an H100 after the link fix: every CUDA op's rejection
     # whose message formats an integer killed the process. In a subprocess, so that a crash

@@ -17,7 +17,9 @@ from lab.launch import run_ranks
 from hook_workers import recipe_step_host_syncs, steady_step_host_syncs, train_on_cuda
 from kernel_cases import cuda_skip_reason
 
-pytestmark = pytest.mark.skipif(bool(cuda_skip_reason()), reason=cuda_skip_reason() or "runs")
+if cuda_skip_reason():
+    pytest.skip(cuda_skip_reason(), allow_module_level=True)
+pytestmark = [pytest.mark.cuda, pytest.mark.multirank]
 
 CASES = [
     ("dct", dict(block_size=256, keep_ratio=0.125, bits=8, warmup_steps=2)),

@@ -3,9 +3,9 @@ the atomics, the float64 accuracy of the CUDA DCT, device mismatches, no host sy
 what the kernels do with bad values when nothing syncs), and the pool's CUDA device keys.
 
 Every kernel test of test_segments.py, test_dct.py and test_quantize.py also runs on CUDA
-(their ``device`` parameter); this file holds only what is CUDA-specific. Runs only on a
-machine with a GPU and an extension built with its CUDA kernels; elsewhere every test is
-skipped with the reason (a build asked to include CUDA fails instead).
+(test_cuda_kernel_cases.py); this file holds only what is CUDA-specific. Runs only on a
+machine with a GPU and an extension built with its CUDA kernels; elsewhere the module is
+skipped once, with the reason (a build asked to include CUDA fails instead).
 """
 
 import pytest
@@ -16,7 +16,11 @@ from hetero_comm import ops, reference
 from hetero_comm._python_pool import PythonBufferPool, pool_device
 from kernel_cases import cuda_skip_reason, random_tensor, untouched
 
-pytestmark = pytest.mark.skipif(bool(cuda_skip_reason()), reason=cuda_skip_reason() or "runs")
+if cuda_skip_reason():
+    pytest.skip(cuda_skip_reason(), allow_module_level=True)
+pytestmark = pytest.mark.cuda
+
+from test_dct import dct_tolerance  # noqa: E402  (after the skip: imports the CPU module's helpers)
 
 
 def cuda(t: torch.Tensor) -> torch.Tensor:
@@ -264,3 +268,19 @@ def test_pool_shares_buffers_between_cuda_and_cuda_with_the_current_index(make_p
         pool.release(buffer)
     assert pool.stats()["allocations"] == 1 and pool.stats()["reuses"] == 4
     assert pool_device("cuda") == torch.device(current)
+
+
+@pytest.mark.parametrize("block_size, group", [(1, None), (8, None), (8, 512), (64, 3)])
+def test_cuda_dct_loops_over_more_blocks_than_one_launch_has_threads(block_size, group):
+    # For blocks of at most 64 values the CUDA kernels run one thread per block, at most
+    # 8,192 x 128 threads a launch, and loop over the rest: 2M + 3 blocks take a second
+    # round (64-value blocks: one round, a tenth of that). Compared with the CPU kernels.
+    blocks = 2 * 8192 * 128 + 3 if block_size < 64 else 100_003
+    numel = blocks * block_size - block_size // 2  # the last block partial (B > 1)
+    x = random_tensor(numel, torch.float32, seed=11)
+    expected = ops.dct_encode(x, block_size, block_size, group)
+    coeffs = ops.dct_encode(x.cuda(), block_size, block_size, group)
+    torch.testing.assert_close(coeffs.cpu(), expected, rtol=0, atol=dct_tolerance(block_size))
+    torch.testing.assert_close(ops.dct_decode(coeffs, block_size, numel).cpu(),
+                               ops.dct_decode(expected, block_size, numel), rtol=0,
+                               atol=2 * dct_tolerance(block_size))

@@ -6,8 +6,8 @@ import scipy.fft
 import torch
 
 from hetero_comm import ops, reference
-from kernel_cases import (BACKENDS, DEVICES, GRAD_DTYPES, compiled_with_strict_checks,  # noqa: F401
-                          cuda_skip_reason, non_contiguous, random_tensor, to_device, untouched)
+from kernel_cases import (BACKENDS, device, GRAD_DTYPES, compiled_with_strict_checks,  # noqa: F401
+                          non_contiguous, random_tensor, to_device, untouched)
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 SIZES = (0, 1, 5, 8, 1000, 4099, 70_001)
@@ -25,7 +25,6 @@ def dct_tolerance(block_size: int) -> float:
     return 3e-7 * block_size + 2e-6
 
 
-@DEVICES
 @pytest.mark.parametrize("dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -40,7 +39,6 @@ def test_dct_encode_matches_scipy_and_reference(numel, block_size, dtype, device
                                    rtol=0, atol=2 * dct_tolerance(block_size))
 
 
-@DEVICES
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_dct_decode_matches_scipy_and_reference(numel, block_size, device):
@@ -57,7 +55,6 @@ def test_dct_decode_matches_scipy_and_reference(numel, block_size, device):
                                    rtol=0, atol=2 * dct_tolerance(block_size))
 
 
-@DEVICES
 @pytest.mark.parametrize("block_size", (8, 256, 1024))
 def test_dct_round_trip_with_all_coefficients_is_lossless(block_size, device):
     x = random_tensor(10_007, torch.float32, seed=5)
@@ -65,24 +62,6 @@ def test_dct_round_trip_with_all_coefficients_is_lossless(block_size, device):
     torch.testing.assert_close(back.cpu(), x, rtol=0, atol=4 * dct_tolerance(block_size))
 
 
-@pytest.mark.skipif(bool(cuda_skip_reason()), reason=cuda_skip_reason() or "runs")
-@pytest.mark.parametrize("block_size, group", [(1, None), (8, None), (8, 512), (64, 3)])
-def test_cuda_dct_loops_over_more_blocks_than_one_launch_has_threads(block_size, group):
-    # For blocks of at most 64 values the CUDA kernels run one thread per block, at most
-    # 8,192 x 128 threads a launch, and loop over the rest: 2M + 3 blocks take a second
-    # round (64-value blocks: one round, a tenth of that). Compared with the CPU kernels.
-    blocks = 2 * 8192 * 128 + 3 if block_size < 64 else 100_003
-    numel = blocks * block_size - block_size // 2  # the last block partial (B > 1)
-    x = random_tensor(numel, torch.float32, seed=11)
-    expected = ops.dct_encode(x, block_size, block_size, group)
-    coeffs = ops.dct_encode(x.cuda(), block_size, block_size, group)
-    torch.testing.assert_close(coeffs.cpu(), expected, rtol=0, atol=dct_tolerance(block_size))
-    torch.testing.assert_close(ops.dct_decode(coeffs, block_size, numel).cpu(),
-                               ops.dct_decode(expected, block_size, numel), rtol=0,
-                               atol=2 * dct_tolerance(block_size))
-
-
-@DEVICES
 def test_dct_keeps_smooth_signals_in_few_coefficients(device):
     # A slowly varying signal lives in the low frequencies: 1/8 of the coefficients suffice.
     x = torch.sin(torch.linspace(0, 20, 64 * 100))
@@ -90,7 +69,6 @@ def test_dct_keeps_smooth_signals_in_few_coefficients(device):
     assert float((back - x).norm() / x.norm()) < 0.01
 
 
-@DEVICES
 @pytest.mark.parametrize("dtype", GRAD_DTYPES)
 def test_dct_reads_non_contiguous_input(dtype, device):
     x = random_tensor(1000, dtype, seed=6)
@@ -105,7 +83,6 @@ def test_dct_reads_non_contiguous_input(dtype, device):
     assert torch.equal(ops.dct_decode(strided, 64, 1000), ops.dct_decode(grouped, 64, 1000))
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("case, match", [
     (dict(block_size=0), "block_size must be a power of two"),
@@ -123,7 +100,6 @@ def test_dct_encode_rejects_bad_input(backend, case, match, device):
         backend.dct_encode(**args)
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("case, match", [
     (dict(block_size=48), "block_size must be a power of two"),
@@ -140,14 +116,12 @@ def test_dct_decode_rejects_bad_input(backend, case, match, device):
         backend.dct_decode(**args)
 
 
-@DEVICES
 def test_dct_ops_pass_opcheck(device):
     x = random_tensor(1000, torch.float32, seed=8).to(device)
     torch.library.opcheck(torch.ops.hetero_comm.dct_encode.default, (x, 64, 8))
     torch.library.opcheck(torch.ops.hetero_comm.dct_decode.default, (torch.rand(16, 8, device=device), 64, 1000))
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("block_size, keep", [(1, 1), (8, 8), (64, 2), (64, 8), (256, 32), (1024, 16)])
@@ -167,7 +141,6 @@ def test_dct_out_forms_write_the_given_buffers(backend, block_size, keep, dtype,
     assert torch.equal(decoded, backend.dct_decode(out, block_size, x.numel()))
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("op, out, match", [
     ("encode", torch.zeros(2, 7), "out must have"),
@@ -187,7 +160,6 @@ def test_dct_out_forms_reject_bad_buffers(backend, op, out, match, device):
             backend.dct_decode(coeffs, 64, 100, out=out)
 
 
-@DEVICES
 def test_dct_out_ops_pass_opcheck(device):
     x = random_tensor(1000, torch.float32, seed=8).to(device)
     torch.library.opcheck(torch.ops.hetero_comm.dct_encode_into_.default,
@@ -196,7 +168,6 @@ def test_dct_out_ops_pass_opcheck(device):
                           (torch.rand(16, 8, device=device), 64, torch.empty(1000, device=device)))
 
 
-@DEVICES
 @BACKENDS
 def test_dct_out_overlapping_the_input_is_rejected(backend, device):
     buffer = torch.zeros(200, device=device)
@@ -214,7 +185,6 @@ def plain_of_grouped(grouped: torch.Tensor, blocks: int) -> torch.Tensor:
     return grouped.transpose(1, 2).reshape(groups * group, keep)[:blocks]
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("numel", SIZES)
@@ -251,7 +221,6 @@ def test_dct_grouped_layout_is_the_plain_one_rearranged(backend, numel, block_si
                                rtol=0, atol=2 * dct_tolerance(block_size))
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("keep", (64, 1))  # the fast transform and (on the CPU) the direct product
 def test_dct_decode_ignores_the_grouped_padding(backend, keep, device):
@@ -262,7 +231,6 @@ def test_dct_decode_ignores_the_grouped_padding(backend, keep, device):
     assert torch.equal(backend.dct_decode(grouped, 64, 1000), expected)
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("group, out_shape, match", [
     (0, (1, 8, 3), "group must be an integer >= 1"),
@@ -280,7 +248,6 @@ def test_dct_grouped_encode_rejects_bad_input(backend, group, out_shape, match, 
             backend.dct_encode(x, 64, 8, group)
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("shape, match", [
     ((1, 8, 1), r"grouped coeffs must have shape \[.* = 2"),
@@ -294,7 +261,6 @@ def test_dct_grouped_decode_rejects_bad_input(backend, shape, match, device):
         backend.dct_decode(coeffs, 64, 100, out=out)
 
 
-@DEVICES
 def test_dct_grouped_ops_pass_opcheck(device):
     x = random_tensor(1000, torch.float32, seed=8).to(device)
     torch.library.opcheck(torch.ops.hetero_comm.dct_encode.default, (x, 64, 8, 3))

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # torch 2.13's gloo DDP processes abort in some runs at interpreter exit, after the script's
-# last line, with or without hetero_comm (4 and 5 of 30 plain-DDP runs here; benchmarks/NOTES.md).
+# last line, with or without hetero_comm (4 and 5 of 30 plain-DDP runs here; docs/design/hooks.md).
 EXIT_ABORT = "terminate called without an active exception"
 
 

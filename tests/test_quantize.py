@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hetero_comm import ops, reference
-from kernel_cases import (BACKENDS, DEVICES, compiled_with_strict_checks,  # noqa: F401
+from kernel_cases import (BACKENDS, device, compiled_with_strict_checks,  # noqa: F401
                           non_contiguous, random_tensor, to_device, untouched)
 
 QUANT_DTYPES = {torch.int8: 127, torch.int16: 32767, torch.int32: 2**31 - 1}
@@ -20,7 +20,6 @@ def blocks_with_scales(shape, seed):
     return x, scale
 
 
-@DEVICES
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
 def test_quantize_and_dequantize_match_reference(shape, dtype, device):
@@ -36,7 +35,6 @@ def test_quantize_and_dequantize_match_reference(shape, dtype, device):
         assert not bool(torch.isnan(x_hat).any())
 
 
-@DEVICES
 def test_quantize_rounds_half_to_even_and_clamps(device):
     x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.49, 200.0, -200.0]])
     scale = torch.tensor([127.0])   # factor 1: q = round(x)
@@ -45,7 +43,6 @@ def test_quantize_rounds_half_to_even_and_clamps(device):
     assert reference.quantize(x, scale, 127, torch.int8).tolist() == [expected]
 
 
-@DEVICES
 def test_quantize_error_is_at_most_half_a_step(device):
     x, scale = blocks_with_scales((200, 64), seed=3)
     scale = x.abs().amax(dim=1)
@@ -56,7 +53,6 @@ def test_quantize_error_is_at_most_half_a_step(device):
         assert bool(((x_hat - x).abs() <= step * 0.5 + 1e-6 * scale.unsqueeze(1)).all())
 
 
-@DEVICES
 def test_large_levels_stay_within_int32(device):
     x = torch.tensor([[1.0, -1.0, 0.999999]])
     q = ops.quantize(x.to(device), torch.tensor([1.0], device=device), 2**31 - 1, torch.int32).cpu()
@@ -64,7 +60,6 @@ def test_large_levels_stay_within_int32(device):
     assert torch.equal(q, reference.quantize(x, torch.tensor([1.0]), 2**31 - 1, torch.int32))
 
 
-@DEVICES
 def test_quantize_reads_non_contiguous_input(device):
     x, scale = blocks_with_scales((50, 16), seed=9)
     strided = x.to(device).t().contiguous().t()
@@ -75,7 +70,6 @@ def test_quantize_reads_non_contiguous_input(device):
     assert torch.equal(x_hat.cpu(), reference.dequantize(q.cpu(), scale, 127))
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("case, match", [
     (dict(levels=0), r"levels must be an integer in \[1, 127\]"),
@@ -97,7 +91,6 @@ def test_quantize_rejects_bad_input(backend, case, match, device):
         backend.quantize(**args)
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("case, match", [
     (dict(levels=0), "levels must be an integer >= 1"),
@@ -112,7 +105,6 @@ def test_dequantize_rejects_bad_input(backend, case, match, device):
         backend.dequantize(**args)
 
 
-@DEVICES
 def test_quantize_ops_pass_opcheck(device):
     x, scale = blocks_with_scales((10, 16), seed=1)
     x, scale = x.to(device), scale.to(device)
@@ -121,7 +113,6 @@ def test_quantize_ops_pass_opcheck(device):
     torch.library.opcheck(torch.ops.hetero_comm.dequantize.default, (q, scale, 127))
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
 @pytest.mark.parametrize("shape", [(0, 5), (3, 0), (1, 1), (300, 64)])
@@ -137,7 +128,6 @@ def test_quantize_out_forms_write_the_given_buffers(backend, dtype, shape, devic
     assert torch.equal(x_hat.cpu(), reference.dequantize(q.cpu(), scale, levels))
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("op, case, match", [
     ("quantize", dict(out=torch.zeros(4, 8, dtype=torch.int16)), "out must have dtype"),
@@ -162,7 +152,6 @@ def test_quantize_out_forms_reject_bad_buffers(backend, op, case, match, device)
         getattr(backend, op)(**args)
 
 
-@DEVICES
 def test_quantize_out_ops_pass_opcheck(device):
     x, scale = blocks_with_scales((10, 16), seed=1)
     x, scale = x.to(device), scale.to(device)
@@ -172,7 +161,6 @@ def test_quantize_out_ops_pass_opcheck(device):
                           (ops.quantize(x, scale, 127, torch.int8), scale, 127, torch.empty(10, 16, device=device)))
 
 
-@DEVICES
 @BACKENDS
 def test_a_scale_too_small_for_a_finite_factor_still_maps_zero_to_zero(backend, device):
     # levels / scale overflows float32 to inf; 0 * inf must quantize to 0, not to +levels.
@@ -181,7 +169,6 @@ def test_a_scale_too_small_for_a_finite_factor_still_maps_zero_to_zero(backend, 
     assert q.tolist() == [[0, 127, -127, 127]]
 
 
-@DEVICES
 @BACKENDS
 def test_out_overlapping_x_is_rejected(backend, device):
     x = torch.ones(4, 8, device=device)
@@ -190,7 +177,6 @@ def test_out_overlapping_x_is_rejected(backend, device):
         backend.quantize(x, torch.ones(4, device=device), 127, torch.int8, out=aliased)
 
 
-@DEVICES
 @pytest.mark.parametrize("offset", [0, 1, 2, 4])
 def test_quantize_and_dequantize_views_at_any_alignment(offset, device):
     # The CUDA kernels take four values per access where the rows and pointers allow; views

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetero_comm import ops, reference
-from kernel_cases import (BACKENDS, DEVICES, GRAD_DTYPES, SIZES, compiled_with_strict_checks,  # noqa: F401
+from kernel_cases import (BACKENDS, device, GRAD_DTYPES, SIZES, compiled_with_strict_checks,  # noqa: F401
                           non_contiguous, random_tensor, to_device, untouched)
 
 # Around the CUDA accumulate kernels' regimes: a group of 1, 8 or 32 lanes, or a whole block,
@@ -16,7 +16,6 @@ SEGMENT_SIZES = (1, 3, 8, 64, 65, 256, 1000, 2049, 5000)
 
 
 # ---------------------------------------------------------------------- segment_accumulate_
-@DEVICES
 @pytest.mark.parametrize("dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("segment_size", SEGMENT_SIZES)
@@ -33,7 +32,6 @@ def test_segment_accumulate_matches_reference(numel, segment_size, dtype, device
     torch.testing.assert_close(compiled.cpu(), expected, rtol=1e-5, atol=1e-6)
 
 
-@DEVICES
 def test_segment_accumulate_reads_non_contiguous_grad(device):
     grad = random_tensor(5000, torch.bfloat16, seed=3)
     a, b = torch.zeros(5000, device=device), torch.zeros(5000, device=device)
@@ -42,7 +40,6 @@ def test_segment_accumulate_reads_non_contiguous_grad(device):
     assert torch.equal(a, b)
 
 
-@DEVICES
 def test_segment_accumulate_accumulates_over_steps(device):
     residual = torch.zeros(1000, device=device)
     grads = [random_tensor(1000, torch.float32, seed=s) for s in range(5)]
@@ -53,7 +50,6 @@ def test_segment_accumulate_accumulates_over_steps(device):
     torch.testing.assert_close(importance.cpu(), total.view(10, 100).norm(dim=1))
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("case, match", [
     (dict(residual=torch.zeros(10, dtype=torch.float16)), "residual must have dtype float"),
@@ -86,7 +82,6 @@ def _importance_cases():
     yield "huge_range", torch.tensor([1e38, -1e38, 1e-38, -1e-45, 3.0e-41, 0.0, 7.0])
 
 
-@DEVICES
 @pytest.mark.parametrize("name, importance", list(_importance_cases()), ids=lambda v: v if isinstance(v, str) else "")
 def test_select_segments_matches_reference(name, importance, device):
     count = importance.numel()
@@ -97,7 +92,6 @@ def test_select_segments_matches_reference(name, importance, device):
         assert torch.equal(compiled.cpu(), reference.select_segments(importance, k)), f"{name}, k={k}"
 
 
-@DEVICES
 def test_select_segments_ties_go_to_lower_index(device):
     importance = torch.tensor([1.0, 5.0, 3.0, 5.0, 3.0, 3.0, 0.0], device=device)
     assert ops.select_segments(importance, 3).tolist() == [1, 2, 3]
@@ -105,7 +99,6 @@ def test_select_segments_ties_go_to_lower_index(device):
     assert ops.select_segments(torch.tensor([0.0, -0.0, -0.0, 0.0], device=device), 2).tolist() == [0, 1]
 
 
-@DEVICES
 def test_select_segments_result_is_the_top_k(device):
     importance = torch.rand(50_000, generator=torch.Generator().manual_seed(1))
     picked = ops.select_segments(importance.to(device), 500).cpu()
@@ -113,14 +106,12 @@ def test_select_segments_result_is_the_top_k(device):
     assert set(picked.tolist()) == set(torch.topk(importance, 500).indices.tolist())
 
 
-@DEVICES
 def test_select_segments_reads_non_contiguous_input(device):
     importance = torch.rand(5001, generator=torch.Generator().manual_seed(2))
     assert torch.equal(ops.select_segments(non_contiguous(importance, device), 50).cpu(),
                        reference.select_segments(importance, 50))
 
 
-@DEVICES
 @settings(max_examples=60, deadline=None)
 @given(values=st.lists(st.sampled_from([0.0, -0.0, 1.0, 2.0, 2.5, -3.0, 1e30, 7e-42]), max_size=300),
        k_fraction=st.floats(0, 1))
@@ -131,7 +122,6 @@ def test_select_segments_agrees_with_reference_on_tie_heavy_inputs(values, k_fra
                        reference.select_segments(importance, k))
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("importance, k, match", [
     (torch.rand(10), -1, r"k must be an integer in \[0, 10\]"),
@@ -161,7 +151,6 @@ def _selections(segments: int):
         yield torch.sort(chosen).values
 
 
-@DEVICES
 @pytest.mark.parametrize("out_dtype", [None, *GRAD_DTYPES])
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("segment_size", SEGMENT_SIZES)
@@ -196,7 +185,6 @@ def test_pack_and_unpack_match_reference(numel, segment_size, out_dtype, device)
                 source, indices, segment_size, numel, scale=scale, out=unpack_out("cpu")))
 
 
-@DEVICES
 def test_pack_pads_a_short_last_segment_with_zeros(device):
     residual = torch.arange(1.0, 11.0, device=device)  # segments of 4: [1..4], [5..8], [9, 10]
     packed = ops.pack_segments_(residual, torch.tensor([0, 2], device=device), 4)
@@ -204,7 +192,6 @@ def test_pack_pads_a_short_last_segment_with_zeros(device):
     assert residual.tolist() == [0.0] * 4 + [5.0, 6.0, 7.0, 8.0] + [0.0, 0.0]
 
 
-@DEVICES
 @pytest.mark.parametrize("out_dtype", GRAD_DTYPES)
 def test_pack_leaves_what_out_cannot_represent_in_the_residual(out_dtype, device):
     values = [1 / 3, float("inf"), float("-inf"), 70_000.0, -1e-30, 2.0 ** -30, 1 + 2.0 ** -20, 0.1]
@@ -246,7 +233,6 @@ def _segment_scales(indices: torch.Tensor, seed: int) -> torch.Tensor:
     return scale
 
 
-@DEVICES
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("segment_size", SEGMENT_SIZES)
@@ -275,7 +261,6 @@ def test_pack_quantized_matches_reference_and_the_ops_it_fuses(numel, segment_si
         assert torch.equal(reference_residual, unfused_residual)
 
 
-@DEVICES
 @BACKENDS
 def test_pack_quantized_keeps_the_rounding_error_and_any_nan_in_the_residual(backend, device):
     #         segment 0 (scale 1, 4 levels: step 0.25)  segment 1 (not sent)  segment 2, short
@@ -293,7 +278,6 @@ def test_pack_quantized_keeps_the_rounding_error_and_any_nan_in_the_residual(bac
     assert left[9].item() == pytest.approx(-0.1)
 
 
-@DEVICES
 def test_pack_quantized_reads_non_contiguous_indices_and_scale(device):
     residual = random_tensor(1000, torch.float32, seed=8)
     indices, scale = torch.tensor([1, 4, 15]), torch.tensor([0.5, 2.0, 3.0])
@@ -305,7 +289,6 @@ def test_pack_quantized_reads_non_contiguous_indices_and_scale(device):
     assert torch.equal(packed.cpu(), expected) and torch.equal(compiled_residual.cpu(), expected_residual)
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("case, match", [
     (dict(indices=torch.tensor([0, 3]), scale=torch.ones(2)), r"indices must lie in \[0, 3\)"),
@@ -333,7 +316,6 @@ def test_pack_quantized_rejects_bad_input(backend, case, match, device):
         backend.pack_quantized_segments_(**args)
 
 
-@DEVICES
 @BACKENDS
 def test_pack_quantized_rejects_overlaps_and_an_out_of_another_dtype(backend, device):
     storage = torch.arange(40.0, device=device)
@@ -346,7 +328,6 @@ def test_pack_quantized_rejects_overlaps_and_an_out_of_another_dtype(backend, de
                                          out=torch.zeros(8, dtype=torch.int16, device=device))
 
 
-@DEVICES
 def test_pack_quantized_ops_pass_opcheck(device):
     hc = torch.ops.hetero_comm
     residual = random_tensor(1000, torch.float32, 1).to(device)
@@ -358,7 +339,6 @@ def test_pack_quantized_ops_pass_opcheck(device):
                            torch.empty(96, dtype=torch.int16, device=device)))
 
 
-@DEVICES
 @pytest.mark.parametrize("packed_dtype", GRAD_DTYPES)
 def test_unpack_reads_non_contiguous_packed(packed_dtype, device):
     packed = random_tensor(3 * 64, packed_dtype, seed=4)
@@ -367,7 +347,6 @@ def test_unpack_reads_non_contiguous_packed(packed_dtype, device):
                        reference.unpack_segments(packed, indices, 64, 620))
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("case, match", [
     (dict(indices=torch.tensor([0, 3])), r"indices must lie in \[0, 3\)"),
@@ -391,7 +370,6 @@ def test_pack_rejects_bad_input(backend, case, match, device):
         backend.pack_segments_(**args)
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("case, match", [
     (dict(packed=torch.ones(7)), "packed must have k \\* segment_size = 8"),
@@ -411,7 +389,6 @@ def test_unpack_rejects_bad_input(backend, case, match, device):
 
 
 # --------------------------------------------------------------------------------- opcheck
-@DEVICES
 def test_segment_ops_pass_opcheck(device):
     to = lambda *tensors: [t.to(device) for t in tensors]
     residual, grad = to(random_tensor(1000, torch.float32, 1), random_tensor(1000, torch.bfloat16, 2))
@@ -427,7 +404,6 @@ def test_segment_ops_pass_opcheck(device):
     torch.library.opcheck(hc.unpack_segments_into_.default, (packed, indices, 32, 0.5, *to(torch.empty(1000))))
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("segment_size", [2**40, 2**62, 2**63 - 1])
 def test_huge_segment_sizes_make_one_segment(backend, segment_size, device):
@@ -441,7 +417,6 @@ def test_huge_segment_sizes_make_one_segment(backend, segment_size, device):
     assert torch.equal(unpacked.cpu(), torch.zeros(10))
 
 
-@DEVICES
 @BACKENDS
 def test_out_buffers_overlapping_an_input_are_rejected(backend, device):
     storage = torch.arange(40.0, device=device)
@@ -454,7 +429,6 @@ def test_out_buffers_overlapping_an_input_are_rejected(backend, device):
         backend.unpack_segments(packed, indices, 4, 20, out=flat)
 
 
-@DEVICES
 @BACKENDS
 def test_segment_accumulate_and_select_out_forms_write_the_given_buffers(backend, device):
     grad = random_tensor(10_000, torch.bfloat16, seed=21)
@@ -468,7 +442,6 @@ def test_segment_accumulate_and_select_out_forms_write_the_given_buffers(backend
     assert torch.equal(indices.cpu(), reference.select_segments(importance.cpu(), 5))
 
 
-@DEVICES
 @BACKENDS
 @pytest.mark.parametrize("case, match", [
     ("importance_shape", r"out must have shape \[3\]"),
@@ -495,7 +468,6 @@ def test_segment_accumulate_and_select_reject_bad_out(backend, case, match, devi
             backend.select_segments(importance, 3, out=new(3, torch.int32))
 
 
-@DEVICES
 def test_segment_and_select_out_ops_pass_opcheck(device):
     hc = torch.ops.hetero_comm
     torch.library.opcheck(hc.segment_accumulate_into_.default,

@@ -4,11 +4,12 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from hetero_comm.cli import main
+from demo import main
 from lab.throttle import cpu_quota_unavailable
 from lab.training import TrainConfig, run_training
 
@@ -37,7 +38,7 @@ def test_compressed_hooks_reach_dense_accuracy(dense_accuracy, overrides, min_co
 
 
 def test_demo_writes_table_json_and_plot(tmp_path, capsys):
-    assert main(["demo", "--workloads", "mlp_sgd", "--hooks", "dense,sparse", "--epochs", "1",
+    assert main(["--workloads", "mlp_sgd", "--hooks", "dense,sparse", "--epochs", "1",
                  "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "segment_sparse_hook" in out and "compression" in out
@@ -50,7 +51,7 @@ def test_demo_writes_table_json_and_plot(tmp_path, capsys):
 def test_demo_default_hooks_on_two_workloads(tmp_path, capsys):
     """The demo's default hooks (dense, the one call's recipe, PowerSGD) on two workloads, one
     epoch each: a row per workload and hook, the recipe at about its nominal ratio."""
-    assert main(["demo", "--workloads", "mlp_sgd,mlp_adamw", "--epochs", "1", "--out",
+    assert main(["--workloads", "mlp_sgd,mlp_adamw", "--epochs", "1", "--out",
                  str(tmp_path)]) == 0
     out = capsys.readouterr().out
     numbers = json.loads((tmp_path / "demo.json").read_text())
@@ -81,7 +82,8 @@ def test_demo_default_hooks_on_two_workloads(tmp_path, capsys):
     (["--workloads", "rnn_sgd"], "unknown workload(s) ['rnn_sgd']"),
 ])
 def test_demo_rejects_bad_flags(flags, message):
-    result = subprocess.run([sys.executable, "-m", "hetero_comm", "demo", *flags],
+    demo_script = Path(__file__).resolve().parents[1] / "benchmarks" / "demo.py"
+    result = subprocess.run([sys.executable, str(demo_script), *flags],
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert message in result.stderr or pytest.fail(result.stderr)
@@ -192,7 +194,7 @@ def test_dynamic_batches_train_the_same_model_as_equal_batches(options, epochs):
 def test_demo_with_a_slow_worker_gives_it_a_smaller_batch(tmp_path, capsys):
     """The last worker gets 0.2 cores against a whole core for the other: measured, it is
     several times slower, so the plan gives it well under half of the global batch."""
-    assert main(["demo", "--hooks", "dense", "--workloads", "cnn_sgd", "--epochs", "2", "--batching",
+    assert main(["--hooks", "dense", "--workloads", "cnn_sgd", "--epochs", "2", "--batching",
                  "both", "--slow-worker-cores", "0.2", "--no-plot", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "epoch time (s)" in out and "batch per worker" in out

@@ -7,7 +7,7 @@ momentum-corrected sum). With ``--gru``: also bench_generality's GRU language mo
 momentum 0.9, 2 ranks, its clipping at 1.0) with and without that clipping, dense and the
 recipe. Results: ``benchmarks/results/clipping.txt``.
 
-Usage: python benchmarks/experiments/clipping.py [--thresholds none,1,5,20] [--gru 0.3]
+Usage: PYTHONPATH=benchmarks python benchmarks/experiments/clipping.py [--thresholds none,1,5,20] [--gru 0.3]
 """
 
 import argparse

@@ -12,7 +12,7 @@ parameters, frozen layers) are tested in tests/test_compress.py; these cases tak
     * ``bf16``: the model's parameters in bfloat16 (bfloat16 gradients);
     * ``autocast``: float32 parameters, the forward under ``torch.autocast("cpu", bfloat16)``.
 
-Usage: python benchmarks/experiments/ddp_variants.py [--cases fp32,compiled,bf16,autocast]
+Usage: PYTHONPATH=benchmarks python benchmarks/experiments/ddp_variants.py [--cases fp32,compiled,bf16,autocast]
 """
 
 import argparse

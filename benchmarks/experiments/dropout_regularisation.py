@@ -3,7 +3,7 @@ regularise, against standard per-sample dropout? The digits MLP (hidden 1024), 2
 allreduce, at several optimizers and learning rates; test accuracy / test loss per cell.
 Results: benchmarks/results/dropout_regularisation.txt.
 
-Usage: python benchmarks/experiments/dropout_regularisation.py
+Usage: PYTHONPATH=benchmarks python benchmarks/experiments/dropout_regularisation.py
 """
 
 from lab.training import TrainConfig, run_training
@@ -25,7 +25,7 @@ def run(optimizer: str, lr: float, epochs: int, **options) -> str:
 
 
 def main() -> None:
-    print("python benchmarks/experiments/dropout_regularisation.py", flush=True)
+    print("PYTHONPATH=benchmarks python benchmarks/experiments/dropout_regularisation.py", flush=True)
     for optimizer, lr, epochs in SETTINGS:
         cells = [f"{name} {run(optimizer, lr, epochs, **options)}" for name, options in ROWS]
         print(f"{optimizer} lr {lr} epochs {epochs}: " + " | ".join(cells), flush=True)

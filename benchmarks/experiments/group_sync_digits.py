@@ -3,7 +3,7 @@
 plain DDP over the 4 ranks. No rate limit or CPU quota here: this checks convergence only, not
 speed (that is ``bench_sync``'s job).
 
-Usage: python benchmarks/experiments/group_sync_digits.py [--lr 0.05] [--optimizer sgd|adamw]
+Usage: PYTHONPATH=benchmarks python benchmarks/experiments/group_sync_digits.py [--lr 0.05] [--optimizer sgd|adamw]
        [--runs "DDP, 4 ranks;GroupSync async, period 4, bound 2"]  (a subset, ";" between names)
 """
 

@@ -9,7 +9,7 @@ A plan is one letter per block: ``k`` keep, ``s`` swap, ``r`` recompute, ``p`` p
 (:data:`hetero_comm.memory.CHOICES`); ``full`` checkpoints every block with torch's own
 ``checkpoint`` (bench_memory's peer).
 
-Usage: python benchmarks/experiments/interleaved_plans.py --workload transformer
+Usage: PYTHONPATH=benchmarks python benchmarks/experiments/interleaved_plans.py --workload transformer
        --plans kkkkkk,krrrkk,prprkk,full [--rounds 5] [--steps 3]
 """
 

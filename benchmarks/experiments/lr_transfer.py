@@ -8,7 +8,7 @@ per run. Results: benchmarks/results/lr_transfer.txt (its ``signum<beta>`` rows,
 of the agreed sums before the sign, came from a case that replaced a private function of the
 hook; it is at commit 4031498).
 
-Usage: python benchmarks/experiments/lr_transfer.py [--cases dense,recipe] [--lrs 1e-3,3e-3]
+Usage: PYTHONPATH=benchmarks python benchmarks/experiments/lr_transfer.py [--cases dense,recipe] [--lrs 1e-3,3e-3]
        [--ranks 2]
 """
 

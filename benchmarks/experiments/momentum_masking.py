@@ -11,14 +11,14 @@ step is lost. Variants:
   ``momentum_correction_lr_scale(density, 0.9)`` times the rate (2.1 at 8%).
 Two further variants (``keep``, never clearing; ``defer``, the cleared step put into the
 residual), a simulated ternary wire and a ``smooth`` fit replaced the hook's private functions;
-their results are in benchmarks/results/momentum_masking.txt and benchmarks/NOTES.md, and the
-script that ran them is at commit 4031498.
+their results are in benchmarks/results/momentum_masking.txt and docs/design/recipes-sgd.md, and
+the script that ran them is at commit 4031498.
 
 The digits MLP of bench_convergence.py (SGD, momentum 0.9, 8 epochs), int8 wire, 8% of segments
 of 512, at lr 0.02 / 0.05 / 0.1 and 2 / 4 ranks, over several seeds. Prints one line per run and
 a table of means. Results: benchmarks/results/momentum_masking.txt.
 
-Usage: python benchmarks/experiments/momentum_masking.py [--variants clear,none,prepared]
+Usage: PYTHONPATH=benchmarks python benchmarks/experiments/momentum_masking.py [--variants clear,none,prepared]
        [--lrs 0.02,0.05,0.1] [--ranks 2,4] [--seeds 0,1,2] [--model cnn]
        [--density 0.08] [--density-warmup STEPS] [--segment-size 512] [--hidden H] [--epochs E]
        (--model cnn: the digits CNN of recipe_generality.py, 6 epochs; --model gpt: the transformer)

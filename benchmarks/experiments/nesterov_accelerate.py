@@ -1,6 +1,6 @@
 """The SGD recipe with plain and Nesterov momentum inside Accelerate (``hetero_comm.integrations.accelerate.compress``), 2 gloo ranks, 40 steps of a small regression (MLP 32 -> 256 -> 4 fitting a random linear map, 64 rows per rank), dense against the recipe at lr 0.01 and 0.05: the loss at the first and last step and whether the ranks end identical. Results: ``benchmarks/results/nesterov_accelerate.txt``.
 
-Usage: python benchmarks/experiments/nesterov_accelerate.py
+Usage: PYTHONPATH=benchmarks python benchmarks/experiments/nesterov_accelerate.py
 """
 import torch, torch.nn as nn, warnings
 from lab.launch import run_ranks

@@ -5,7 +5,7 @@ as it is, and with ``BufferPool.acquire`` replaced by ``torch.empty`` and ``rele
 cheaper pool could give back. Run each mode several times in turns; the machine's noise is of
 the same order as the effect. Results: ``benchmarks/results/pool_cost_bound.txt``.
 
-Usage: POOL_MODE=pool|empty python benchmarks/experiments/pool_cost_bound.py
+Usage: POOL_MODE=pool|empty PYTHONPATH=benchmarks python benchmarks/experiments/pool_cost_bound.py
 """
 
 import os

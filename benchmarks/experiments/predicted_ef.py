@@ -25,7 +25,7 @@ default 1), ``BETA1`` (AdamW's beta1), ``OPTIONS`` (JSON overriding the workload
 TrainConfig fields, e.g. a plain SGD sign step), ``BALANCED`` (dct modes: the same number of
 frequencies in every group). Results: benchmarks/results/predicted_ef_experiments.txt.
 
-Usage: python benchmarks/experiments/predicted_ef.py WORKLOAD MODE DENSITY [RANKS] [EPOCHS]
+Usage: PYTHONPATH=benchmarks python benchmarks/experiments/predicted_ef.py WORKLOAD MODE DENSITY [RANKS] [EPOCHS]
 """
 
 import json

@@ -4,7 +4,7 @@ two learning rates, on the digits CNN (also at higher density), and on the trans
 1e-3; each against dense and torch's PowerSGD rank 4, 2 ranks. Prints one line per case.
 Results: benchmarks/results/recipe_generality.txt.
 
-Usage: python benchmarks/experiments/recipe_generality.py [--wire int8] [--density 0.1]
+Usage: PYTHONPATH=benchmarks python benchmarks/experiments/recipe_generality.py [--wire int8] [--density 0.1]
        [--models mlp,cnn,gpt] [--no-peers] [--workers 2] [--weight-decay 0.01] [--lrs 1.5e-3,...]
        [--segment-size 512]
 (--wire int8: the recipe at 10% on the int8 wire instead of 5.5% in bfloat16; --no-peers: the

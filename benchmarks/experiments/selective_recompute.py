@@ -7,7 +7,7 @@ head): ``k`` keep, ``s`` selective, ``r`` recompute the whole block. They run in
 (``--rounds``), ``--steps`` AdamW steps each, on one thread; the table shows the median peak
 above the step's start and the median step time, each against keeping everything.
 
-Usage: python benchmarks/experiments/selective_recompute.py [--rounds 3] [--steps 3]
+Usage: PYTHONPATH=benchmarks python benchmarks/experiments/selective_recompute.py [--rounds 3] [--steps 3]
        [--configs kkkkkk,ksssskk,...]
 """
 

@@ -9,7 +9,7 @@ variant: the lower-level sparse hook with momentum correction (the optimizer pre
 density warm-up (``warmup_30``: from 1 down to 8% over 30 steps). Prints one table of the means over
 seeds (loss, accuracy, compression) and each variant's gaps to dense paired by seed.
 
-Usage: python benchmarks/experiments/sgd_basis.py [--models resnet,gru] [--lrs 0.02,0.05]
+Usage: PYTHONPATH=benchmarks python benchmarks/experiments/sgd_basis.py [--models resnet,gru] [--lrs 0.02,0.05]
        [--ranks 2] [--seeds 3] [--variants dct_0.1,warmup_30] [--out PATH.json]
 """
 

@@ -19,7 +19,7 @@ prints the training loss every 10 steps and at the end:
 The two ``keep`` variants replace the hook's clearing (``restart_sent_velocity``) in each
 rank's process; nothing else is patched. Results: ``benchmarks/results/sgd_edge_variants.txt``.
 
-Usage: python benchmarks/experiments/sgd_edge_variants.py [--lrs 0.02,0.05,0.1]
+Usage: PYTHONPATH=benchmarks python benchmarks/experiments/sgd_edge_variants.py [--lrs 0.02,0.05,0.1]
 """
 
 import argparse

@@ -2,17 +2,17 @@
 sum's norm is held to ``K`` times the median of the norms handed at the last ``WINDOW`` steps
 (the sum is the same on every rank, so every rank scales alike). Clipping at dense's threshold
 shrank the recipe's steps several-fold and that held the GRU and the large transformer at their
-best rates (benchmarks/NOTES.md, "The SGD recipe in the units of a gradient"), but stopped the
+best rates (docs/design/recipes-sgd.md, "Dense's edge: what does not mend it"), but stopped the
 short regression at moderate rates; a limit relative to the recipe's own typical norm only cuts
 its bursts (the held-back velocity of segments that waited long), which is what diverged at
-dense's edge on the regression (NOTES, "The SGD recipe at dense's edge").
+dense's edge on the regression (the same section).
 
 Cases: the regression of ``teacher_regression.py`` (80 steps, constant rate) at lr 0.02 / 0.05
 / 0.1, and bench_generality's GRU (SGD, cosine, its clipping at 1.0 replaced by the limit) at lr
 0.3 / 1 / 3. Each ``K`` of ``--limits`` (``none``: the recipe as it is, no clipping).
 Results: ``benchmarks/results/sgd_step_limit.txt``.
 
-Usage: python benchmarks/experiments/sgd_step_limit.py [--limits none,1,2,4] [--window 20]
+Usage: PYTHONPATH=benchmarks python benchmarks/experiments/sgd_step_limit.py [--limits none,1,2,4] [--window 20]
        [--models regression,gru]
 """
 

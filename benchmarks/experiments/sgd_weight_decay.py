@@ -8,7 +8,7 @@ now decays parameters at dense momentum SGD's ``lr * wd / (1 - m)``), and the re
 Prints each seed's test loss and accuracy and their means. Results:
 ``benchmarks/results/sgd_weight_decay.txt``.
 
-Usage: python benchmarks/experiments/sgd_weight_decay.py [--weight-decay 5e-4] [--seeds 5]
+Usage: PYTHONPATH=benchmarks python benchmarks/experiments/sgd_weight_decay.py [--weight-decay 5e-4] [--seeds 5]
 """
 
 import argparse

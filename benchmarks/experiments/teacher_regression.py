@@ -7,7 +7,7 @@ becomes NaN or infinite is reported as diverged (the hook hands a non-finite buc
 as DDP's allreduce does).
 Results: ``benchmarks/results/teacher_regression.txt``.
 
-Usage: python benchmarks/experiments/teacher_regression.py [--optimizers adamw,sgd]
+Usage: PYTHONPATH=benchmarks python benchmarks/experiments/teacher_regression.py [--optimizers adamw,sgd]
        [--schedules constant,cosine] [--ratios 8,16] [--no-dense]
 """
 

@@ -77,8 +77,8 @@ MIN_SPREAD = 0.1
 SLOPE_ERRORS = 2.0
 MAX_BANDWIDTH = 1e12  # bytes per second: what flat seconds read as (no link is faster)
 # Ranks agree at every this many steps: the agreement's collective took about 1 ms of CPU a
-# step where four ranks share two cores (benchmarks/NOTES.md, "The automatic density on the
-# MLP"). A proposal agreed at step s runs from step s + 2 to s + AGREE_EVERY + 1.
+# step where four ranks share two cores (docs/design/two-level.md, "The automatic density: why
+# each part is there"). A proposal agreed at step s runs from step s + 2 to s + AGREE_EVERY + 1.
 AGREE_EVERY = 4
 
 

@@ -3,7 +3,7 @@
 1. Profile: :func:`profile_memory` times each block and measures what it saves and adds at
    its peak (:class:`MemoryMeter`), and the swap space's bandwidth.
 2. Plan: :func:`plan_memory` picks one of :data:`CHOICES` per block for a memory budget, by
-   the seed's rule (:func:`seed_choices`) or exactly (integer program); :func:`predict` gives
+   the swap-or-recompute rule (:func:`seed_choices`) or exactly (integer program); :func:`predict` gives
    the cost model's peak and step time for any choice.
    :func:`tune_memory_plan` runs the model's best few plans and keeps the fastest measured.
 3. Apply: :func:`apply_memory_plan` wraps the blocks (``torch.utils.checkpoint`` to recompute,

@@ -1,4 +1,4 @@
-"""Keep, swap or recompute each block: the cost model, the seed's rule and the optimum.
+"""Keep, swap or recompute each block: the cost model, the swap-or-recompute rule and the optimum.
 
 The model (one training step, gradients ``None`` when it starts, bytes above what is in
 memory before it). For block ``l`` with output ``o_l``, internal saved bytes ``i_l``,
@@ -24,7 +24,7 @@ parameters ``p_l``, forward peaks ``f_l`` and backward peaks ``b_l`` from the pr
   compute (the CPU).
 
 :func:`predict` evaluates these expressions for a choice; :func:`plan_memory` minimises the
-time under a budget, by the seed's rule or exactly (``scipy.optimize.milp``, the same
+time under a budget, by the swap-or-recompute rule or exactly (``scipy.optimize.milp``, the same
 expressions as constraints).
 """
 
@@ -194,14 +194,14 @@ def _make_plan(profile: MemoryProfile, choices: Sequence[str]) -> MemoryPlan:
 
 
 def seed_choices(profile: MemoryProfile) -> Tuple[str, ...]:
-    """The seed's classification of every block: swap where computing the block again costs
+    """The swap-or-recompute rule's class of every block: swap where computing the block again costs
     more than moving its saved bytes out and back, recompute where it costs less."""
     return tuple("swap" if recompute_seconds(profile.layers, [l]) > 2 * profile.swap_bytes(l) / profile.swap_bytes_per_s
                  else "recompute" for l in range(profile.num_blocks))
 
 
 def _seed_plan(profile: MemoryProfile, budget_bytes: float, allow_swap: bool) -> Tuple[str, ...]:
-    """Apply the seed's class to one block at a time, the most bytes freed per second of cost
+    """Apply the swap-or-recompute class to one block at a time, the most bytes freed per second of cost
     first, until the predicted peak fits the budget."""
     classes = seed_choices(profile) if allow_swap else ("recompute",) * profile.num_blocks
     choices = ["keep"] * profile.num_blocks
@@ -244,9 +244,9 @@ def plan_memory(profile: MemoryProfile, budget_bytes: Optional[float] = None, *,
     Args:
         profile: from :func:`~hetero_comm.memory.profile_memory`.
         budget_bytes: what the step may add above the memory in use before it (weights,
-            optimizer state, the batch). ``None``: the seed's rule on every block.
+            optimizer state, the batch). ``None``: the swap-or-recompute rule on every block.
         method: ``"optimal"`` (the least predicted step time, by ``scipy.optimize.milp``) or
-            ``"seed"`` (the seed's class, one block at a time, see :func:`seed_choices`).
+            ``"seed"`` (the swap-or-recompute rule's class, one block at a time, see :func:`seed_choices`).
         allow_swap: ``False`` plans without swapping (keep, recompute, partial).
 
     Returns:
@@ -274,7 +274,7 @@ def candidate_plans(profile: MemoryProfile, budget_bytes: float, count: int = 4,
                     time_limit_s: float = 10.0) -> List[MemoryPlan]:
     """Distinct plans that fit ``budget_bytes``, the fastest predicted first: the ``count``
     best of the integer program (each solved with the ones before excluded), then the best
-    without swapping and the seed's rule where they are not among them. These are what
+    without swapping and the swap-or-recompute rule's plan where they are not among them. These are what
     :func:`~hetero_comm.memory.tune_memory_plan` runs, so that an error of the cost model's
     step time (copies that do not hide, a recompute cheaper than a forward) cannot decide alone.
     Raises ``ValueError`` as :func:`plan_memory` does when nothing fits."""
@@ -289,7 +289,7 @@ def candidate_plans(profile: MemoryProfile, budget_bytes: float, count: int = 4,
         try:
             choices = plan_memory(profile, budget_bytes, method=method, allow_swap=allow_swap,
                                   time_limit_s=time_limit_s).choices
-        except ValueError:  # fits only with swapping, or the seed's order misses the budget
+        except ValueError:  # fits only with swapping, or the rule's order misses the budget
             continue
         if choices not in found:
             found.append(choices)

@@ -1,6 +1,7 @@
 """The pooled CPU allocator: freed storages go back to a free list by size class and serve
-the next request of that class (the seed's reference-counted gradient maps, for every CPU
-tensor: autograd frees a map when its last reference goes). Opt-in, while the context is open;
+the next request of that class (reference-counted gradient maps, for every CPU tensor:
+autograd frees a map when its last reference goes). It saves step time and raises the peak
+(docs/design/memory.md, "Allocator and meter"). Opt-in, while the context is open;
 it needs the compiled extension."""
 
 import contextlib

@@ -2,10 +2,10 @@
 
 The cost model predicts peaks closely (the blocks' peaks are measured), but its step time
 assumes what it cannot see: that a swapped block's copies hide behind the next block's
-compute, and that a recomputation costs what it cost alone. Where that is wrong (an H200 ran the
-predicted-fastest plan at half a wide transformer's peak 5% slower than the plan without
-swapping) the fastest plan is the one that runs fastest, so :func:`tune_memory_plan` runs a
-handful of candidates, in turns for a few rounds, and keeps the fastest whose measured peak fits.
+compute, and that a recomputation costs what it cost alone. Where that is wrong, the plan
+predicted fastest is not the one that runs fastest, so :func:`tune_memory_plan` runs a handful
+of candidates, in turns for a few rounds, and keeps the fastest whose measured peak fits.
+The measurements behind this: docs/design/memory.md ("Choosing a plan by measurement").
 """
 
 import statistics
@@ -60,8 +60,8 @@ def _run_in_turns(blocks, plans, step: Callable[[], object], meter: MemoryMeter,
                   warmup: int, swap_directory: Optional[str]) -> Tuple[PlanTrial, ...]:
     """``steps`` rounds; in each, every plan in turn is applied, runs ``warmup`` steps and one
     timed step, and is removed. Run back to back instead, a plan's steps would share whatever
-    load the machine had then: on a loaded 2-core machine one plan measured 1.16x and 1.31x
-    in two such runs minutes apart."""
+    load the machine had then, which can move a plan's time by more than the plans differ
+    (docs/design/memory.md)."""
     seconds = [[] for _ in plans]
     peaks = [[] for _ in plans]
     for _ in range(steps):
@@ -98,7 +98,7 @@ def tune_memory_plan(blocks, profile: MemoryProfile, budget_bytes: float, step: 
         warmup: untimed steps before each timed one (a plan's first step after it is
             applied may pay for its set-up).
         candidates: how many of the integer program's best plans to run, besides the best
-            plan without swapping and the seed's rule (see :func:`~hetero_comm.memory.candidate_plans`).
+            plan without swapping and the swap-or-recompute rule (see :func:`~hetero_comm.memory.candidate_plans`).
 
     Returns:
         a :class:`TunedMemoryPlan`. Raises ``ValueError`` when no plan fits by the cost model,

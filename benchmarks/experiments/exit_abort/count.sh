@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs ddp_run.py N times under torchrun (2 processes) and counts the runs whose stderr says
-# "terminate called without an active exception". Example, the rows of benchmarks/NOTES.md:
+# "terminate called without an active exception". Example, the rows of docs/design/hooks.md:
 #   FRAMEWORK=accelerate HC=1 bash benchmarks/experiments/exit_abort/count.sh 30
 #   FRAMEWORK=accelerate HC=0 ...; FRAMEWORK=accelerate HC=1 DESTROY=1 ...
 #   FRAMEWORK=torch HC=0 ...; FRAMEWORK=torch HC=0 DESTROY=1 ...

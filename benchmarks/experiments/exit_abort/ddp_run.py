@@ -1,4 +1,4 @@
-"""One of the exit-abort experiments (benchmarks/NOTES.md): 20 DDP steps on 2 gloo ranks under
+"""One of the exit-abort experiments (docs/design/hooks.md): 20 DDP steps on 2 gloo ranks under
 torchrun, then a normal interpreter exit. FRAMEWORK=torch|accelerate; HC=1 registers
 segment_sparse_hook (HC=0: hetero_comm is not imported); DESTROY=1 tears the process group
 down first (destroy_process_group, or Accelerate's end_training)."""
