@@ -77,13 +77,6 @@ ROWS = {
                                      dict(density=p / 100, basis="dct", output="sign",
                                           wire_dtype="bfloat16"))
        for p in (3, 5, 6)},
-    "sparse_dct_sign_6_bf16_lagged": ("segment_sparse 6% DCT basis, sign, bfloat16, lagged", "sparse",
-                                      dict(density=0.06, basis="dct", output="sign",
-                                           wire_dtype="bfloat16", selection="lagged")),
-    **{f"sparse_dct_sign_{p}_bf16_s{s}": (f"segment_sparse {p}% DCT basis, sign, bfloat16, segments of {s}",
-                                          "sparse", dict(density=p / 100, basis="dct", output="sign",
-                                                         wire_dtype="bfloat16", segment_size=s))
-       for p, s in ((5.5, 512), (6, 512), (6, 1024))},
     "sparse_dct_sign_5_bf16_b128": ("segment_sparse 5% DCT blocks of 128, sign, bfloat16", "sparse",
                                     dict(density=0.05, basis="dct", output="sign", wire_dtype="bfloat16",
                                          dct_block_size=128)),

@@ -13,13 +13,10 @@ For each workload (a CNN and a transformer, trained with AdamW on one micro-batc
    (``torch.utils.checkpoint`` around every block) and ``torch.autograd.graph.save_on_cpu``.
 4. Run each for ``--steps`` steps after ``--warmup``; print one table: measured peak, the
    planner's predicted peak and its error, median step time and its ratio to the unplanned.
-5. On the CPU, the unplanned step and the larger budget's optimal plan again with the pooled
-   CPU allocator (freed storages reused by size class) instead of malloc.
 
 The meter fixes glibc's mmap threshold (so that the resident set follows the live tensors),
 which makes every large allocation fault its pages: the step times of that table are slower
-than with glibc's default. ``--allocators-only`` times malloc (its default) against the
-pooled allocator in a process without the meter.
+than with glibc's default.
 
 Every configuration runs in this one process, in turn, on the same model and batch.
 
@@ -27,11 +24,9 @@ Every configuration runs in this one process, in turn, on the same model and bat
 
 Usage: python benchmarks/bench_memory.py [--workloads cnn,transformer[,wide_transformer]] [--steps 8]
        [--budget-share 0.5,0.65] [--swap-directory /tmp] [--device cpu] [--json PATH] [--candidates 3]
-       [--allocators-only]
 """
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import statistics
@@ -42,9 +37,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from hetero_comm.memory import (MemoryMeter, apply_memory_plan, empty_pooled_cpu_cache, plan_memory,
-                                pooled_cpu_allocator, pooled_cpu_allocator_stats, predict,
-                                profile_memory, tune_memory_plan)
+from hetero_comm.memory import (MemoryMeter, apply_memory_plan, plan_memory, predict, profile_memory,
+                                tune_memory_plan)
 
 
 class CausalBlock(nn.Module):
@@ -114,37 +108,26 @@ WORKLOADS = {"cnn": cnn_workload, "transformer": transformer_workload,
              "wide_transformer": wide_transformer_workload}  # the last for CUDA only
 
 
-def run_steps(model, inputs, targets, forward, steps, warmup, meter, pooled=False):
-    """Median peak bytes (above the step's start) and median seconds of ``steps`` AdamW steps.
-    ``pooled``: CPU tensors from the pooled allocator; the memory its free lists hold at the
-    step's start is resident but not in use, so it counts as part of the step's peak."""
+def run_steps(model, inputs, targets, forward, steps, warmup, meter):
+    """Median peak bytes (above the step's start) and median seconds of ``steps`` AdamW steps."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     peaks, seconds = [], []
-    if pooled:
-        empty_pooled_cpu_cache()  # what an earlier configuration left on the free lists
-    with pooled_cpu_allocator() if pooled else contextlib.nullcontext():
-        for index in range(warmup + steps):
-            optimizer.zero_grad(set_to_none=True)
-            meter.reset()
-            held_free = _pool_free_bytes() if pooled else 0
-            start = time.perf_counter()
-            logits = forward(inputs)
-            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets).backward()
-            if inputs.device.type == "cuda":
-                torch.cuda.synchronize(inputs.device)
-            elapsed = time.perf_counter() - start
-            peak = meter.added_peak_bytes() + held_free
-            del logits
-            optimizer.step()
-            if index >= warmup:
-                peaks.append(peak)
-                seconds.append(elapsed)
+    for index in range(warmup + steps):
+        optimizer.zero_grad(set_to_none=True)
+        meter.reset()
+        start = time.perf_counter()
+        logits = forward(inputs)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets).backward()
+        if inputs.device.type == "cuda":
+            torch.cuda.synchronize(inputs.device)
+        elapsed = time.perf_counter() - start
+        peak = meter.added_peak_bytes()
+        del logits
+        optimizer.step()
+        if index >= warmup:
+            peaks.append(peak)
+            seconds.append(elapsed)
     return statistics.median(peaks), statistics.median(seconds)
-
-
-def _pool_free_bytes() -> int:
-    stats = pooled_cpu_allocator_stats()
-    return stats["bytes_reserved"] - stats["bytes_in_use"]
 
 
 def full_checkpointing(model):
@@ -166,8 +149,8 @@ def bench_workload(name, args, device):
     model, inputs, targets = WORKLOADS[name](device)
     meter = MemoryMeter(device)
     profile = profile_memory(model, inputs, swap_directory=args.swap_directory)
-    def run(forward, pooled=False):
-        return run_steps(model, inputs, targets, forward, args.steps, args.warmup, meter, pooled)
+    def run(forward):
+        return run_steps(model, inputs, targets, forward, args.steps, args.warmup, meter)
 
     unplanned_peak, unplanned_s = run(model)
     rows = [dict(config="no plan", peak=unplanned_peak, seconds=unplanned_s,
@@ -191,8 +174,6 @@ def bench_workload(name, args, device):
                            ("save_on_cpu", save_on_cpu(model))):
         peak, seconds = run(forward)
         rows.append(dict(config=label, peak=peak, seconds=seconds, predicted=None, choices=""))
-    if device.type == "cpu":
-        rows += pooled_rows(model, profile, run, max(args.budget_share) * unplanned_peak, args)
     for row in rows:
         row.update(workload=name, unplanned_s=unplanned_s)
     return rows, profile
@@ -224,51 +205,6 @@ def tuned_row(model, inputs, targets, profile, share, budget, run, args):
                 choices=" ".join(choice[0] for choice in tuned.plan.choices))
 
 
-def pooled_rows(model, profile, run, budget, args):
-    """The pooled CPU allocator instead of malloc: unplanned, and the optimal plan at ``budget``."""
-    peak, seconds = run(model, pooled=True)
-    rows = [dict(config="no plan, pooled", peak=peak, seconds=seconds, predicted=None, choices="")]
-    try:
-        plan = plan_memory(profile, budget)
-    except ValueError:  # no plan fits: the unplanned row is the comparison
-        return rows
-    with apply_memory_plan(model, plan, swap_directory=args.swap_directory):
-        peak, seconds = run(model, pooled=True)
-    rows.append(dict(config=f"optimal @{max(args.budget_share):g}, pooled", peak=peak,
-                     seconds=seconds, predicted=None,
-                     choices=" ".join(choice[0] for choice in plan.choices)))
-    return rows
-
-
-def allocator_timings(args) -> None:
-    """Unplanned step times with glibc's default malloc and with the pooled allocator, in a
-    process that never makes a MemoryMeter (which fixes malloc's mmap threshold)."""
-    print(f"{'workload':<12}{'malloc ms':>10}{'pooled ms':>10}{'pooled / malloc':>16}")
-    for name in args.workloads.split(","):
-        model, inputs, targets = WORKLOADS[name](torch.device("cpu"))
-        timing = {}
-        for pooled in (False, True):
-            context = pooled_cpu_allocator() if pooled else contextlib.nullcontext()
-            with context:
-                timing[pooled] = _median_step_seconds(model, inputs, targets, args.steps, args.warmup)
-            empty_pooled_cpu_cache()
-        print(f"{name:<12}{timing[False] * 1e3:>10.1f}{timing[True] * 1e3:>10.1f}"
-              f"{timing[True] / timing[False]:>16.2f}")
-
-
-def _median_step_seconds(model, inputs, targets, steps, warmup) -> float:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    seconds = []
-    for index in range(warmup + steps):
-        optimizer.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        logits = model(inputs)
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets).backward()
-        seconds.append(time.perf_counter() - start)
-        optimizer.step()
-    return statistics.median(seconds[warmup:])
-
-
 def print_table(rows, swap_bytes_per_s):
     print(f"{'workload':<12}{'configuration':<24}{'peak MiB':>9}{'/ none':>8}{'predicted':>10}"
           f"{'error':>7}{'step ms':>9}{'/ none':>8}  plan (k/s/r/p per block)")
@@ -298,11 +234,7 @@ def main() -> None:
                              "no-swap optimum and the seed's rule)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--allocators-only", action="store_true",
-                        help="only time the unplanned step with malloc and with the pooled allocator")
     args = parser.parse_args()
-    if args.allocators_only:
-        return allocator_timings(args)
     args.budget_share = [float(share) for share in args.budget_share.split(",")]
     device = torch.device(args.device)
     rows, bandwidths, profiles = [], {}, {}

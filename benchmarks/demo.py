@@ -24,7 +24,7 @@ from lab.throttle import cpu_quota_unavailable
 from lab.training import BATCHING, TrainConfig, run_training
 
 # The demo's flags that set each hook's state (flag name = the state's argument).
-HOOK_FLAGS = {"sparse": ("density", "segment_size", "selection"), "dct": ("keep_ratio", "bits"),
+HOOK_FLAGS = {"sparse": ("density", "segment_size"), "dct": ("keep_ratio", "bits"),
               "recipe": ("ratio",), "powersgd": ("matrix_approximation_rank",)}
 DEFAULT_HOOKS = ("dense", "recipe", "powersgd")
 # Each workload: a model, its dense optimizer and schedule (the convergence benchmark's), and
@@ -91,8 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="sparse (segment_sparse_hook, plain): fraction of segments sent")
     demo.add_argument("--segment-size", type=_number(int), default=256,
                       help="sparse: elements per segment")
-    demo.add_argument("--selection", choices=("current", "lagged"), default="current",
-                      help="sparse: selection mode")
     demo.add_argument("--keep-ratio", type=_number(float), default=0.125,
                       help="dct (dct_quant_hook): fraction of DCT coefficients sent")
     demo.add_argument("--bits", type=int, choices=(8, 16, 32), default=8,

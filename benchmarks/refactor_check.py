@@ -1,13 +1,13 @@
-"""Behaviour-unchanged check for refactorings of hetero_comm/hooks/ (issue 33).
+"""Behaviour-unchanged check for refactorings of hetero_comm/hooks/.
 
 Runs a fixed set of short trainings (2 ranks, the digits MLP, a few steps) that between them
 take every variant of the hooks, and saves each run's final parameters and the bytes it
 handed to collectives. Run it once on the code before a refactoring (``save``), then after
 every step (``compare``): every array must be bitwise equal and every byte count identical.
 
-Usage: python benchmarks/experiments/refactor_check.py save /tmp/refactor_baseline.npz
-       python benchmarks/experiments/refactor_check.py compare /tmp/refactor_baseline.npz
-       python benchmarks/experiments/refactor_check.py list
+Usage: python benchmarks/refactor_check.py save /tmp/refactor_baseline.npz
+       python benchmarks/refactor_check.py compare /tmp/refactor_baseline.npz
+       python benchmarks/refactor_check.py list
 """
 
 import json
@@ -25,15 +25,10 @@ SPARSE = dict(density=0.1, segment_size=16)
 CONFIGS = {
     "dense": dict(hook="dense"),
     "sparse_current": dict(hook="sparse", hook_settings=SPARSE),
-    "sparse_lagged": dict(hook="sparse", hook_settings=dict(SPARSE, selection="lagged")),
-    "sparse_lagged_bf16": dict(hook="sparse", hook_settings=dict(SPARSE, selection="lagged",
-                                                                 wire_dtype="bfloat16")),
     "sparse_bf16": dict(hook="sparse", hook_settings=dict(SPARSE, wire_dtype="bfloat16")),
     "sparse_fp16": dict(hook="sparse", hook_settings=dict(SPARSE, wire_dtype="float16")),
     "sparse_int8": dict(hook="sparse", hook_settings=dict(SPARSE, wire_dtype="int8")),
     "sparse_dct": dict(hook="sparse", hook_settings=dict(SPARSE, basis="dct", dct_block_size=16)),
-    "sparse_dct_lagged": dict(hook="sparse", hook_settings=dict(SPARSE, basis="dct",
-                                                                selection="lagged")),
     "sparse_sign_adamw": dict(hook="sparse", optimizer="adamw", lr=1e-3, prepare_optimizer=True,
                               hook_settings=dict(SPARSE, output="sign")),
     "sparse_dct_sign_int8_adamw": dict(hook="sparse", optimizer="adamw", lr=1e-3,
@@ -61,8 +56,6 @@ CONFIGS = {
                                 skip_dropped=True, hook_settings=SPARSE),
     "dense_skip_dropped": dict(hook="dense", dropout=0.5, dropout_kind="unit", skip_dropped=True),
     "dct_quant": dict(hook="dct", hook_settings=dict(block_size=64, keep_ratio=0.25)),
-    "dct_quant_16_low": dict(hook="dct", hook_settings=dict(block_size=32, keep_ratio=0.25,
-                                                            bits=16, band="low")),
     "recipe_sgd": dict(hook="recipe", optimizer="sgd", momentum=0.9),
     "recipe_adamw": dict(hook="recipe", optimizer="adamw", lr=1e-3, weight_decay=0.01),
 }

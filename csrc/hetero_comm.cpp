@@ -35,11 +35,6 @@ TORCH_LIBRARY(hetero_comm, m) {
   m.def("_set_strict_checks(bool enabled) -> bool");
   // Diagnostics: how many distinct threads at::parallel_for used (proves OpenMP is on).
   m.def("_parallel_threads_used(int work_items) -> int");
-  // The pooled CPU allocator (csrc/pooled_allocator.cpp): switch (returns the previous
-  // setting), statistics [allocations, reuses, bytes reserved, bytes in use], free the cache.
-  m.def("_use_pooled_cpu_allocator(bool enabled) -> bool");
-  m.def("_pooled_cpu_allocator_stats() -> int[]");
-  m.def("_pooled_cpu_allocator_empty_cache() -> ()");
 }
 
 extern "C" PyMODINIT_FUNC PyInit__C(void) {

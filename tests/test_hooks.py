@@ -36,11 +36,9 @@ def assert_ranks_identical(results):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("selection,basis", [("current", "elements"), ("lagged", "elements"),
-                                             ("current", "dct"), ("lagged", "dct")])
-def test_sparse_at_full_density_equals_dense_allreduce(world_size, selection, basis):
-    settings_ = dict(segment_size=16, density=1.0, warmup_steps=1, selection=selection,
-                     basis=basis, dct_block_size=8)
+@pytest.mark.parametrize("basis", ["elements", "dct"])
+def test_sparse_at_full_density_equals_dense_allreduce(world_size, basis):
+    settings_ = dict(segment_size=16, density=1.0, warmup_steps=1, basis=basis, dct_block_size=8)
     results = run_ranks(world_size, train, "sparse", settings_, 5)
     dense = run_ranks(world_size, train, "dense", {}, 5)
     # The DCT basis adds the float32 rounding of a transform and its inverse.
@@ -57,7 +55,7 @@ def test_sparse_at_full_density_equals_dense_allreduce(world_size, selection, ba
 def test_dct_keeping_every_coefficient_is_within_quantization_error(world_size, bits):
     block = 16
     results = run_ranks(world_size, train, "dct", dict(block_size=block, keep_ratio=1.0, bits=bits,
-                                                   band="low", warmup_steps=1), 5)
+                                                   warmup_steps=1), 5)
     expected, applied = weighted_sum(results), results[0]["applied"]
     levels = quantization_levels(bits, world_size)
     # Per coefficient each rank rounds by at most scale / (2 levels), scale <= sqrt(B) max|x|,
@@ -73,16 +71,13 @@ def test_dct_keeping_every_coefficient_is_within_quantization_error(world_size, 
 
 @pytest.mark.parametrize("hook,settings_", [
     ("sparse", SPARSE),
-    ("sparse", dict(SPARSE, selection="lagged")),
     ("sparse", dict(SPARSE, wire_dtype="float16", density_warmup_steps=3)),
     ("sparse", dict(SPARSE, basis="dct", dct_block_size=8)),
-    ("sparse", dict(SPARSE, basis="dct", dct_block_size=4, selection="lagged")),
+    ("sparse", dict(SPARSE, basis="dct", dct_block_size=4)),
     ("sparse", dict(SPARSE, wire_dtype="int8")),
-    ("sparse", dict(SPARSE, wire_dtype="int8", selection="lagged")),
     ("sparse", dict(SPARSE, wire_dtype="int8", basis="dct", dct_block_size=8)),
-    ("sparse", dict(SPARSE, wire_dtype="int8", selection="lagged")),
     ("dct", DCT),
-    ("dct", dict(DCT, bits=16, band="low")),
+    ("dct", dict(DCT, bits=16)),
     ("dct", dict(DCT, bits=32)),
 ])
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -186,7 +181,7 @@ def test_unequal_rank_weights_and_uneven_buckets(variant):
 
 @pytest.mark.parametrize("hook,settings_", [("sparse", dict(SPARSE, density=1.0)),
                                             ("sparse", dict(SPARSE, density=1.0, basis="dct")),
-                                            ("dct", dict(DCT, keep_ratio=1.0, bits=32, band="low"))])
+                                            ("dct", dict(DCT, keep_ratio=1.0, bits=32))])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_gradients(hook, settings_, dtype):
     results = run_ranks(2, train, hook, settings_, 4, dict(dtype=dtype))
@@ -207,11 +202,10 @@ def test_no_sync_gradient_accumulation(hook, settings_):
 
 @pytest.mark.parametrize("hook,settings_", [
     ("sparse", SPARSE),
-    ("sparse", dict(SPARSE, selection="lagged", momentum=0.9)),
+    ("sparse", dict(SPARSE, momentum=0.9)),
     ("sparse", dict(SPARSE, basis="dct", dct_block_size=8, output="sign")),
     ("sparse", dict(SPARSE, wire_dtype="int8", momentum=0.9)),
     ("sparse", dict(SPARSE, basis="dct", dct_block_size=8, momentum=0.9)),
-    ("sparse", dict(SPARSE, wire_dtype="int8", selection="lagged")),
     # each bucket's segment size from its own size (0.002 MB: buckets of a few hundred elements)
     ("sparse", dict(SPARSE, wire_dtype="int8", momentum=0.9, segment_size=512, min_segments_per_bucket=150)),
     ("dct", DCT),
@@ -333,12 +327,9 @@ def test_steady_state_steps_allocate_no_pool_storage(hook, settings_):
 
 NON_FINITE_CASES = [
     ("sparse", SPARSE),
-    ("sparse", dict(SPARSE, selection="lagged")),
-    # Every segment is sent, so zeroing the sent importance would hide the NaN.
-    ("sparse", dict(SPARSE, selection="lagged", density=1.0, wire_dtype="float16")),
+    ("sparse", dict(SPARSE, density=1.0, wire_dtype="float16")),
     ("sparse", dict(SPARSE, basis="dct", dct_block_size=8)),
     ("sparse", dict(SPARSE, wire_dtype="int8")),
-    ("sparse", dict(SPARSE, wire_dtype="int8", selection="lagged")),
     ("dct", DCT),
 ]
 
@@ -461,7 +452,6 @@ def test_check_optimizer_warns_when_the_step_does_not_suit_the_output(output, op
     (lambda: SegmentSparseState(density=0.0), r"density must be a number in \(0.0, 1.0\]"),
     (lambda: SegmentSparseState(density=1.5), "density"),
     (lambda: SegmentSparseState(segment_size=0), r"segment_size must be an integer in \[1, 1048576\]"),
-    (lambda: SegmentSparseState(selection="stale"), "selection must be one of"),
     (lambda: SegmentSparseState(momentum=1.0), "momentum"),
     (lambda: SegmentSparseState(nesterov=True), r"nesterov=True needs momentum > 0"),
     (lambda: SegmentSparseState(momentum=0.9, nesterov=1), "nesterov must be True or False"),
@@ -478,7 +468,6 @@ def test_check_optimizer_warns_when_the_step_does_not_suit_the_output(output, op
     (lambda: DCTQuantState(block_size=1), "block_size"),
     (lambda: DCTQuantState(keep_ratio=0.0), "keep_ratio"),
     (lambda: DCTQuantState(bits=12), "bits must be one of 8, 16, 32"),
-    (lambda: DCTQuantState(band="high"), "band must be one of"),
     (lambda: AllreduceState(rank_weight=float("nan")), "rank_weight"),
 ])
 def test_bad_settings_raise(make, match):
@@ -514,7 +503,7 @@ def test_density_schedule_and_cycling_band():
         assert dct.frequencies_on(step, torch.device("cpu")).tolist() == band
     assert seen == set(range(16))  # every frequency is sent eventually
     assert len(dct._bands_on_device) == 7  # the band repeats: 14 frequencies, 2 per step
-    assert DCTQuantState(band="low").frequencies_on(5, torch.device("cpu")) is None
+    assert DCTQuantState(block_size=16, keep_ratio=1.0).frequencies_on(5, torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("settings_, warned", [

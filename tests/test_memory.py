@@ -421,54 +421,6 @@ def test_recompute_is_priced_as_the_pipeline_planner_prices_it(recompute_s):
     assert seed == (("swap",) if expected > 0.2 else ("recompute",))
 
 
-def test_pooled_cpu_allocator_reuses_freed_storages_and_changes_no_value():
-    from hetero_comm._backend import extension_loaded
-    from hetero_comm.memory import pooled_cpu_allocator, pooled_cpu_allocator_stats
-    assert extension_loaded(), "the pooled allocator is compiled code: build the extension"
-    inputs, targets = batch("transformer", torch.float32)
-    expected = gradients_after_steps(transformer(), inputs, targets)
-    before = pooled_cpu_allocator_stats()
-    with pooled_cpu_allocator():
-        with pooled_cpu_allocator():  # nested: the inner exit leaves the pool on
-            pass
-        got = gradients_after_steps(transformer(), inputs, targets)
-        survivor = torch.arange(1000.0)  # allocated from the pool, used after the context
-    after = pooled_cpu_allocator_stats()
-    assert after["reuses"] > before["reuses"] and after["allocations"] > before["allocations"]
-    assert after["bytes_in_use"] > before["bytes_in_use"]  # the survivor, at least
-    assert_same_steps(got, expected)
-    assert survivor.sum().item() == 499500.0
-    in_use = pooled_cpu_allocator_stats()["bytes_in_use"]
-    del survivor, got
-    released = pooled_cpu_allocator_stats()["bytes_in_use"]
-    assert released < in_use
-    fresh = torch.empty(1 << 20)  # after the context: from torch's own allocator again
-    assert pooled_cpu_allocator_stats()["bytes_in_use"] == released
-    del fresh
-
-
-class _LastHidden(nn.Module):
-    """An LSTM as a block: one tensor in, its hidden states out."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.lstm = nn.LSTM(width, width, batch_first=True)
-
-    def forward(self, x):
-        return self.lstm(x)[0]
-
-
-class _Residual(nn.Module):
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels),
-                                  nn.ReLU(), nn.Conv2d(channels, channels, 3, padding=1),
-                                  nn.BatchNorm2d(channels))
-
-    def forward(self, x):
-        return torch.relu(x + self.body(x))
-
-
 def other_families():
     """Models unlike the benchmark's: torch's own encoder layers, residual BatchNorm blocks, an LSTM."""
     torch.manual_seed(0)

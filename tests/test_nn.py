@@ -132,7 +132,7 @@ def test_convert_refuses_a_layer_it_cannot_slice():
 def test_hook_states_check_what_they_skip_by():
     with pytest.raises(TypeError, match="UnitDropoutSet"):
         AllreduceState().skip_dropped_units(object())
-    SegmentSparseState(selection="lagged").skip_dropped_units(UnitDropoutSet(seed=0))  # composes
+    SegmentSparseState(wire_dtype="int8").skip_dropped_units(UnitDropoutSet(seed=0))  # composes
 
 
 # ------------------------------------------------------------------- real ranks (gloo)
@@ -179,14 +179,13 @@ def test_dense_sync_of_kept_rows_equals_the_allreduce_of_masked_gradients(world_
 
 @pytest.mark.parametrize("hook, settings_", [
     ("sparse", SPARSE), ("sparse", dict(SPARSE, basis="dct", dct_block_size=4)),
-    ("sparse", dict(SPARSE, momentum=0.9)), ("sparse", dict(SPARSE, selection="lagged")),
+    ("sparse", dict(SPARSE, momentum=0.9)), ("sparse", dict(SPARSE, wire_dtype="int8")),
     ("dct", DCT),
 ])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_compressed_sync_of_kept_rows_keeps_error_feedback_exact(hook, settings_, world_size):
     """What was applied plus what every rank holds back equals what was produced, dropped
-    rows get exactly zero update, and fewer bytes go out than without skipping (a lagged
-    selection agrees afresh where the kept layout changed since it was made)."""
+    rows get exactly zero update, and fewer bytes go out than without skipping."""
     results = run_ranks(world_size, train_unit_dropout, hook, settings_, 12)
     assert_same_masks_and_parameters(results)
     produced = sum(r["produced"] for r in results)

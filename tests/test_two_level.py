@@ -70,7 +70,6 @@ def test_without_compression_matches_flat_dense_on_a_real_model(world_size, mach
 @pytest.mark.parametrize("settings_", [
     SPARSE,
     dict(SPARSE, wire_dtype="int8"),
-    dict(SPARSE, wire_dtype="int8", selection="lagged"),
     dict(SPARSE, basis="dct", dct_block_size=8, segment_size=4),
     dict(SPARSE, momentum=0.9),
     dict(SPARSE, inside_dtype="bfloat16"),
@@ -116,8 +115,7 @@ def test_unequal_rank_weights():
 
 
 @pytest.mark.parametrize("checkpoint_from", ["rank0", "own"])
-@pytest.mark.parametrize("settings_", [SPARSE, dict(SPARSE, wire_dtype="int8", selection="lagged",
-                                                     momentum=0.9)])
+@pytest.mark.parametrize("settings_", [SPARSE, dict(SPARSE, wire_dtype="int8", momentum=0.9)])
 def test_resume_continues_exactly(settings_, checkpoint_from):
     settings_ = dict(settings_, machines=2)
     uninterrupted = run_ranks(4, train, "two_level", settings_, 9)

@@ -1,8 +1,8 @@
 """Drop-in DDP communication hooks: ``ddp_model.register_comm_hook(state, hook)``.
 
 * :func:`segment_sparse_hook` with :class:`SegmentSparseState`: the most important segments
-  of each bucket, selected the same on every rank (two plain allreduces per bucket by
-  default, one with ``selection="lagged"`` on a float wire), error feedback.
+  of each bucket, selected the same on every rank (two plain allreduces per bucket: the
+  importance, then the values), error feedback.
 * :func:`dct_quant_hook` with :class:`DCTQuantState`: quantized DCT coefficients (a MAX
   allreduce of the scales, a sum allreduce of the integers), error feedback.
 * :func:`two_level_hook` with :class:`TwoLevelState`: for machines of several ranks, a dense

@@ -114,8 +114,8 @@ def send_kept_part(send, units):
         if layout is None:
             return send(state, part, grad, index)
         pool = state.pool
-        # What the hook keeps besides the tensors (the lagged selection) names positions in the
-        # part as last sent whole or compact: a kept layout starts afresh.
+        # What the hook keeps besides the tensors (the two-level hook's share layout) names
+        # positions in the part as last sent whole or compact: a kept layout starts afresh.
         part.extra.clear()
         compact = KeptPart(part, layout.numel)
         for name, tensor in part.tensors.items():

@@ -4,10 +4,8 @@ Each part has one job, and the hook's steps call it the same way whichever varia
 
 * what the segments cut (``basis``): :class:`ElementSegments` (consecutive gradient elements)
   or :class:`DctSegments` (one frequency of a group of DCT blocks);
-* how the ranks agree on the segments (``selection``): :class:`CurrentSelection` (this
-  step's importance, summed first: :class:`AgreedNow`) or :class:`LaggedSelection` (chosen
-  at the previous step, this step's importance riding along with the values or, on the int8
-  wire, in an allreduce of its own: :class:`AgreedLastStep`);
+* how the ranks agree on the segments: :class:`AgreedNow` (this step's importance, summed
+  over the ranks first);
 * the number format on the wire (``wire_dtype``): :class:`FloatWire` or :class:`IntegerWire`;
 * what goes into the residual (``momentum``): :func:`add_contribution` and
   :func:`restart_sent_velocity`.
@@ -25,9 +23,8 @@ from .. import ops
 from .._layout import dct_coeffs_shape, num_segments
 from ._plan import PlanBucket
 
-__all__ = ["ElementSegments", "DctSegments", "CurrentSelection", "LaggedSelection",
-           "AgreedNow", "AgreedLastStep", "FloatWire", "IntegerWire", "int8_levels",
-           "add_contribution", "restart_sent_velocity", "SEGMENTS", "SELECTIONS", "WIRES",
+__all__ = ["ElementSegments", "DctSegments", "AgreedNow", "FloatWire", "IntegerWire",
+           "int8_levels", "add_contribution", "restart_sent_velocity", "SEGMENTS", "WIRES",
            "INT8_CLIP_RMS", "WIRE_DTYPES"]
 
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -143,81 +140,10 @@ class DctSegments:
 
 
 # ------------------------------------------------------------- how the ranks agree on them
-class CurrentSelection:
-    """``selection="current"``: every step agrees on its own importance (:class:`AgreedNow`)."""
-
-    name = "current"
-
-    @staticmethod
-    def choose(state, plan_bucket: PlanBucket, importance: torch.Tensor, k: int, index: int,
-               segments, wire_format) -> "AgreedNow":
-        return AgreedNow(state, plan_bucket, importance, k, index, segments)
-
-    @staticmethod
-    def forget_sent(importance: torch.Tensor, indices: torch.Tensor) -> None:
-        """Nothing: this step's importance is not used again."""
-
-    @staticmethod
-    def choose_next(state, plan_bucket: PlanBucket, importance: torch.Tensor, step: int,
-                    wire_format) -> None:
-        """Nothing: the next step agrees on its own."""
-
-
-class LaggedSelection:
-    """``selection="lagged"``: send the segments chosen at the previous step
-    (:class:`AgreedLastStep`), from the summed importance of what was held back then, so a
-    bucket takes one collective. The first compressed step, a step whose ``k`` differs from
-    the previous selection's, and a step of a bucket with units dropped at this step or the
-    step before (``skip_dropped_units``) agree now instead."""
-
-    name = "lagged"
-
-    @staticmethod
-    def choose(state, plan_bucket: PlanBucket, importance: torch.Tensor, k: int, index: int,
-               segments, wire_format):
-        indices = plan_bucket.extra.get("indicator")
-        agreed = plan_bucket.extra.get("indicator_importance")  # kept for the int8 wire only
-        if indices is None or indices.numel() != k or (
-                not wire_format.carries_importance and (agreed is None or agreed.numel() != k)):
-            return AgreedNow(state, plan_bucket, importance, k, index, segments)
-        return AgreedLastStep(state, indices, agreed, importance.numel(), wire_format)
-
-    @staticmethod
-    def forget_sent(importance: torch.Tensor, indices: torch.Tensor) -> None:
-        """Sent segments are no longer held back (``index_fill_``: no host sync on CUDA)."""
-        importance.index_fill_(0, indices, 0.0)
-
-    @staticmethod
-    def choose_next(state, plan_bucket: PlanBucket, importance: torch.Tensor, step: int,
-                    wire_format) -> None:
-        """The segments to send at the next step (``extra["indicator"]``): the top of the
-        agreed importance of what stays held back; on a wire that rounds to a shared step
-        (int8), also that importance of each (``extra["indicator_importance"]``)."""
-        k_next = state.segments_to_send(importance.numel(), step + 1)
-        indicator = _reusable(plan_bucket.extra, "indicator", k_next, torch.int64, importance.device)
-        ops.select_segments(importance, k_next, out=indicator)
-        if not wire_format.carries_importance:
-            agreed = _reusable(plan_bucket.extra, "indicator_importance", k_next, torch.float32,
-                               importance.device)
-            torch.index_select(importance, 0, indicator, out=agreed)
-
-
-def _reusable(extra: dict, name: str, numel: int, dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor:
-    """``extra[name]``, allocated anew only when missing or of another size."""
-    if extra.get(name) is None or extra[name].numel() != numel:
-        extra[name] = torch.empty(numel, dtype=dtype, device=device)
-    return extra[name]
-
-
-SELECTIONS = {policy.name: policy for policy in (CurrentSelection, LaggedSelection)}
-
-
 class AgreedNow:
     """This step's selection: the top ``k`` of its importance, summed over the ranks first
-    (a small allreduce of one float32 per segment, waited for). Nothing rides on the wire."""
+    (a small allreduce of one float32 per segment, waited for)."""
 
-    riding = 0  # importance elements on the wire after the values
     importance_bytes_per_segment = 4  # the allreduce of the importance
 
     def __init__(self, state, plan_bucket: PlanBucket, importance: torch.Tensor, k: int,
@@ -237,16 +163,6 @@ class AgreedNow:
         """The ranks' summed importance of each selected segment into ``out``."""
         torch.index_select(importance, 0, self.indices, out=out)
 
-    def before_pack(self, importance: torch.Tensor) -> None:
-        """Nothing: the importance was checked when it was agreed."""
-
-    def carry_importance(self, importance: torch.Tensor, riding: torch.Tensor, world_size: int) -> None:
-        """Nothing rides on the wire."""
-
-    def after_sum(self, state, importance: torch.Tensor, riding: torch.Tensor, wire: torch.Tensor,
-                  index: int, step: int, plan_bucket: PlanBucket, release) -> None:
-        """Nothing to read back."""
-
     @staticmethod
     def finish(work, unpack) -> torch.futures.Future:
         """Unpack once the sum arrives (overlapping the rest of the backward pass)."""
@@ -256,74 +172,10 @@ class AgreedNow:
         return work.get_future().then(after_sum)
 
 
-class AgreedLastStep:
-    """The previous step's selection. This step's importance rides on the values' allreduce,
-    or, on a wire that carries no floats (int8), goes in a float32 allreduce of its own issued
-    just before; the int8 wire's scale then comes from the importance the previous step
-    agreed on (the same on every rank)."""
-
-    finite = None  # checked after the sum (:meth:`after_sum`)
-    buffers: Tuple[torch.Tensor, ...] = ()  # the indices stay in the plan
-
-    def __init__(self, state, indices: torch.Tensor, agreed: torch.Tensor, count: int,
-                 wire_format) -> None:
-        self.state, self.indices, self.agreed = state, indices, agreed
-        self.riding = count if wire_format.carries_importance else 0
-        # riding: counted with the wire's own bytes; else a float32 allreduce of its own
-        self.importance_bytes_per_segment = 0 if self.riding else 4
-        self.importance_work = None
-
-    def agreed_importance_of_selected(self, importance: torch.Tensor, out: torch.Tensor) -> None:
-        """The summed importance of each selected segment when the previous step chose it."""
-        out.copy_(self.agreed)
-
-    def before_pack(self, importance: torch.Tensor) -> None:
-        """Packing zeroes the sent segments, which could hide a NaN: flag it first (on the
-        device)."""
-        self.local_finite = torch.isfinite(importance).all()
-
-    def carry_importance(self, importance: torch.Tensor, riding: torch.Tensor, world_size: int) -> None:
-        """The importance of what stays held back onto the wire after the values, or into an
-        allreduce of its own (int8). A non-finite vector is poisoned whole (on the device, no
-        host read), so every rank sees it after the sum; a finite one riding a 16-bit wire is
-        saturated so that the sum over ranks stays finite."""
-        importance.masked_fill_(~self.local_finite, math.nan)
-        if not self.riding:  # waited for in after_sum; issued before the values' allreduce
-            self.importance_work = dist.all_reduce(importance, group=self.state.exchange_group(),
-                                                   async_op=True)
-            return
-        if riding.dtype != torch.float32:
-            importance.clamp_(max=torch.finfo(riding.dtype).max / world_size)
-        riding.copy_(importance)
-
-    def after_sum(self, state, importance: torch.Tensor, riding: torch.Tensor, wire: torch.Tensor,
-                  index: int, step: int, plan_bucket: PlanBucket, release) -> None:
-        """The summed importance back; a non-finite one zeroes the wire (CUDA; the bucket is
-        then handed on holding NaN) or raises :class:`~._state.NonFiniteGradient` (CPU)."""
-        if self.importance_work is not None:
-            self.importance_work.wait()
-        else:
-            importance.copy_(riding)
-        self.finite = state.check_finite(importance, index, step, plan_bucket, release)
-        state.drop_unless(self.finite, wire)
-
-    @staticmethod
-    def finish(work, unpack) -> torch.futures.Future:
-        """Wait for the sum in the hook, so that a NaN found after it is handled on the hook's
-        thread (:meth:`~._state.ErrorFeedbackState.run`), at the price of no overlap with the
-        backward pass."""
-        work.wait()
-        done = torch.futures.Future()
-        done.set_result(unpack())
-        return done
-
-
 # --------------------------------------------------------------------- the wire's format
 class FloatWire:
     """The selected segments' values as they are, cast to the wire's float dtype (each rank's
     rounding error stays in its residual)."""
-
-    carries_importance = True  # a lagged selection's importance can ride after the values
 
     def __init__(self, state, importance: torch.Tensor, selected, segments) -> None:
         self.indices, self.segment = selected.indices, segments.segment
@@ -361,8 +213,6 @@ class IntegerWire:
     the agreed importance (the sum of the ranks' norms), so every rank rounds to the same grid
     and the allreduce's integer sum is exact (``world_size * levels <= 127``). Many ranks leave
     few levels (32 ranks: 3 each way); error feedback carries the rest."""
-
-    carries_importance = False
 
     def __init__(self, state, importance: torch.Tensor, selected, segments) -> None:
         self.levels = int8_levels(state.exchange_size())

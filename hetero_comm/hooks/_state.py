@@ -134,8 +134,8 @@ class HookState:
         Those stay zero in the result, their error-feedback residual is kept for a step that
         keeps them, and their bytes are saved (``stats()`` counts them in ``bytes_dense``,
         not in ``bytes_sent``). ``None`` stops skipping. What a hook keeps besides its
-        error-feedback tensors (the sparse hook's lagged selection) is dropped for a bucket
-        with dropped units, so such a selection is made afresh.
+        error-feedback tensors (the two-level hook's share layout) is dropped for a bucket
+        with dropped units and made afresh.
 
         Example::
 

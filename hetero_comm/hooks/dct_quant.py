@@ -23,7 +23,6 @@ from ._state import ErrorFeedbackState, check_state
 
 __all__ = ["DCTQuantState", "dct_quant_hook", "pack_int16_pairs", "unpack_int16_pair_sums"]
 
-BANDS = ("cycling", "low")
 _LOW_BITS = 1 << 16
 
 
@@ -76,25 +75,21 @@ class DCTQuantState(ErrorFeedbackState):
     Args:
         process_group: the group to communicate in (``None``: the default group).
         block_size: DCT block length, a power of two in [2, 65536].
-        keep_ratio: fraction of each block's coefficients sent (which ones: ``band``), in
-            (0, 1]; ``keep = max(1, round(keep_ratio * block_size))``.
+        keep_ratio: fraction of each block's coefficients sent, in (0, 1];
+            ``keep = max(1, round(keep_ratio * block_size))``: the ``ceil(keep / 2)`` lowest
+            frequencies always, and ``keep // 2`` slots that walk through the remaining
+            frequencies step by step, so everything held back is sent eventually.
         bits: width of the integers on the wire: 8, 16 or 32. The levels leave headroom for
             the sum over ranks: ``levels = (2**(bits-1) - 1) // world_size``. 16-bit values are
             sent two per int32 word (neither gloo nor NCCL sums int16), so they cost 2 bytes.
-        band: which coefficients of each block are sent. ``"low"``: always the ``keep``
-            lowest frequencies (a high-frequency filter; the higher frequencies are
-            never sent, so error feedback cannot deliver them). ``"cycling"`` (default): the
-            ``ceil(keep / 2)`` lowest always, the other ``keep // 2`` slots walk through the
-            remaining frequencies step by step, so everything held back is sent eventually.
         rank_weight, warmup_steps, min_compress_numel: see
             :class:`~hetero_comm.hooks.ErrorFeedbackState`.
     """
 
-    _checkpoint_settings = ("block_size", "keep_ratio", "bits", "band")
+    _checkpoint_settings = ("block_size", "keep_ratio", "bits")
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
                  block_size: int = 256, keep_ratio: float = 0.125, bits: int = 8,
-                 band: str = "cycling",
                  rank_weight: Optional[float] = None, warmup_steps: int = 1,
                  min_compress_numel: int = 0) -> None:
         super().__init__(process_group=process_group, rank_weight=rank_weight,
@@ -106,13 +101,12 @@ class DCTQuantState(ErrorFeedbackState):
         self.keep_ratio = check_float("keep_ratio", keep_ratio, 0.0, 1.0, low_open=True)
         self.keep = max(1, round(keep_ratio * block_size))
         self.bits = check_choice("bits", bits, QUANT_DTYPES)
-        self.band = check_choice("band", band, BANDS)
         self._bands_on_device: dict = {}  # (band start, device) -> its frequencies there
         self._log_settings()
 
     def settings(self) -> dict:
         return dict(block_size=self.block_size, keep_ratio=self.keep_ratio, bits=self.bits,
-                    band=self.band, **super().settings())
+                    **super().settings())
 
     def levels(self) -> int:
         world_size = self.world_size()
@@ -130,7 +124,7 @@ class DCTQuantState(ErrorFeedbackState):
     def _band_start(self, step: int) -> Optional[int]:
         """Where the moving part of the band starts at ``step`` (``None``: no moving part)."""
         low = (self.keep + 1) // 2
-        if self.band == "low" or self.keep == self.block_size or self.keep - low == 0:
+        if self.keep == self.block_size or self.keep - low == 0:
             return None
         return (step * (self.keep - low)) % (self.block_size - low)
 
@@ -175,8 +169,7 @@ def dct_quant_hook(state: DCTQuantState, bucket: dist.GradBucket) -> torch.futur
 
     1. ``residual += w * g`` (``w``: this rank's weight, ``1 / world_size`` by default).
     2. Blockwise DCT-II of the residual, keeping ``keep`` coefficients of each block of
-       ``block_size``: the lowest, or with ``band="cycling"`` the lowest half and a band
-       that moves every step (:func:`hetero_comm.ops.dct_encode`).
+       ``block_size``: the lowest half and a band that moves every step (:func:`hetero_comm.ops.dct_encode`).
     3. Agree on a per-block scale, the same on every rank: a MAX allreduce of each block's
        largest ``|coefficient|``.
     4. Quantize to integers in ``[-levels, levels]`` with

@@ -4,8 +4,8 @@ Each bucket is cut into segments; every rank accumulates what it has not sent ye
 feedback) and measures each segment's importance (its L2 norm). The ranks agree on one set
 of segments, so the packed values are summed by a plain allreduce: no allgather, no index
 exchange. :func:`segment_sparse_hook` lists the steps; what varies between settings (what
-the segments cut, how the ranks agree on them, the wire's number format, what goes into the
-residual, what the optimizer is handed) is a part each step calls, in :mod:`._sparse_parts`
+the segments cut, the wire's number format, what goes into the residual, what the optimizer
+is handed) is a part each step calls, in :mod:`._sparse_parts`
 and :mod:`._optimizer`.
 """
 
@@ -21,9 +21,8 @@ from .._layout import num_segments
 from ._optimizer import (HandedMomentumCorrectedSum, HandedSign, HandedSum, SIGN_LR_SCALE,
                          momentum_correction_lr_scale)
 from ._plan import PlanBucket
-from ._sparse_parts import (INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, SEGMENTS, SELECTIONS,
-                            WIRE_DTYPES, WIRES, add_contribution, int8_levels,
-                            restart_sent_velocity)
+from ._sparse_parts import (INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, SEGMENTS, WIRE_DTYPES, WIRES,
+                            AgreedNow, add_contribution, int8_levels, restart_sent_velocity)
 from ._state import ErrorFeedbackState, check_state
 
 __all__ = ["SegmentSparseState", "segment_sparse_hook", "momentum_correction_lr_scale",
@@ -57,11 +56,6 @@ class SegmentSparseState(ErrorFeedbackState):
             elements, so it is the same on every rank and after a resume). 0 (default):
             ``segment_size`` everywhere. The SGD recipe uses :data:`MIN_SEGMENTS_PER_BUCKET`
             (150).
-        selection: ``"current"`` (default): agree on this step's importance first (a small
-            allreduce of S float32 values), then send the top ``k`` segments; or
-            ``"lagged"``: send the segments chosen from the previous step's importance and
-            carry this step's importance in the same single allreduce (one collective per
-            bucket, a selection one step old).
         momentum: momentum correction in [0, 1) (Deep Gradient Compression): the hook keeps a
             velocity ``u = momentum * u + g`` and accumulates ``u``, clearing both for the
             segments it sends. Use it INSTEAD of the optimizer's momentum (set that to 0).
@@ -77,9 +71,7 @@ class SegmentSparseState(ErrorFeedbackState):
             same bytes): every rank rounds a selected segment to the same step, derived from
             the agreed importance, with at most ``127 // world_size`` steps each way, so the
             integer sum cannot overflow and is exact; the rounding and clipping error stays in
-            the residual. At most 63 ranks. With ``selection="lagged"`` the step comes from
-            the importance agreed when the segments were chosen (a step earlier), and this
-            step's importance goes in a float32 allreduce of its own.
+            the residual. At most 63 ranks.
         basis: ``"elements"`` (default): a segment is ``segment_size`` consecutive gradient
             elements; ``"dct"``: each block of ``dct_block_size`` elements goes through an
             orthonormal DCT and a segment is one frequency of ``segment_size`` consecutive
@@ -95,14 +87,12 @@ class SegmentSparseState(ErrorFeedbackState):
             :class:`~hetero_comm.hooks.ErrorFeedbackState`.
     """
 
-    _checkpoint_settings = ("density", "segment_size", "min_segments_per_bucket", "selection",
-                            "momentum", "nesterov", "density_warmup_steps", "basis",
+    _checkpoint_settings = ("density", "segment_size", "min_segments_per_bucket", "momentum", "nesterov", "density_warmup_steps", "basis",
                             "dct_block_size")
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
                  density: float = 0.01, segment_size: int = 256,
-                 min_segments_per_bucket: int = 0, selection: str = "current",
-                 momentum: float = 0.0, nesterov: bool = False, density_warmup_steps: int = 0,
+                 min_segments_per_bucket: int = 0, momentum: float = 0.0, nesterov: bool = False, density_warmup_steps: int = 0,
                  wire_dtype: str = "float32", basis: str = "elements", dct_block_size: int = 64,
                  output: str = "sum", rank_weight: Optional[float] = None,
                  warmup_steps: int = 1, min_compress_numel: int = 0) -> None:
@@ -120,7 +110,6 @@ class SegmentSparseState(ErrorFeedbackState):
         self.segment_size = check_int("segment_size", segment_size, 1, 1 << 20)
         self.min_segments_per_bucket = check_int("min_segments_per_bucket", min_segments_per_bucket,
                                                  0, 1 << 20)
-        self.selection = check_choice("selection", selection, SELECTIONS)
         self.density_warmup_steps = check_int("density_warmup_steps", density_warmup_steps, 0)
         self.wire_dtype = check_choice("wire_dtype", wire_dtype, WIRE_DTYPES)
         self.basis = check_choice("basis", basis, BASES)
@@ -147,7 +136,7 @@ class SegmentSparseState(ErrorFeedbackState):
     def settings(self) -> dict:
         return dict(density=self.density, segment_size=self.segment_size,
                     min_segments_per_bucket=self.min_segments_per_bucket,
-                    selection=self.selection, momentum=self.momentum, nesterov=self.nesterov,
+                    momentum=self.momentum, nesterov=self.nesterov,
                     density_warmup_steps=self.density_warmup_steps, wire_dtype=self.wire_dtype,
                     basis=self.basis, dct_block_size=self.dct_block_size, output=self.output,
                     **super().settings())
@@ -263,21 +252,17 @@ def segment_sparse_hook(state: SegmentSparseState, bucket: dist.GradBucket) -> t
 
     1. ``residual += w * g`` (or the momentum-corrected velocity) and the L2 norm of every
        segment of the residual, in one pass (:func:`hetero_comm.ops.segment_accumulate_`).
-    2. Select the same ``k`` segments on every rank. ``selection="current"``: allreduce the
-       importance vector (S float32) and take its top ``k``
-       (:func:`hetero_comm.ops.select_segments`). ``selection="lagged"``: take the segments
-       agreed at the previous step.
+    2. Select the same ``k`` segments on every rank: allreduce the importance vector (S
+       float32) and take its top ``k`` (:func:`hetero_comm.ops.select_segments`).
     3. Pack those segments and zero them in the residual, which keeps whatever the wire dtype
        cannot represent (:func:`hetero_comm.ops.pack_segments_`). int8: each segment is
        rounded to integers in a step shared by all ranks, and the rounding and clipping error
        stays in the residual, in the same pass (:func:`hetero_comm.ops.pack_quantized_segments_`,
        see :class:`~._sparse_parts.IntegerWire`).
     4. Allreduce (sum) the packed values; every rank sent the same segments, so the sum is
-       ``sum_i w_i * residual_i`` there. Lagged: the importance of what stays held back
-       travels in the same allreduce (int8 wire: in a float32 allreduce of its own).
+       ``sum_i w_i * residual_i`` there.
     5. Scatter the sum into the bucket, zeros elsewhere
-       (:func:`hetero_comm.ops.unpack_segments`). Lagged: the top ``k`` of the summed
-       importance is the next step's selection.
+       (:func:`hetero_comm.ops.unpack_segments`).
 
     With ``basis="dct"`` the segments are cut from the residual's interleaved DCT
     coefficients (step 1 transforms the residual, step 3 transforms what was not sent back
@@ -320,21 +305,14 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
     with state.timer("encode_seconds"):
         segments.accumulate(add_contribution(state, plan_bucket, grad), importance)
     # 2. Select.
-    selection = SELECTIONS[state.selection]
-    selected = selection.choose(state, plan_bucket, importance, k, index, segments,
-                                wire_format_class)
+    selected = AgreedNow(state, plan_bucket, importance, k, index, segments)
     # 3. Pack: the selected segments onto the wire, the rest kept in the residual.
-    packed_numel = k * segments.segment
-    wire = pool.acquire(packed_numel + selected.riding, WIRE_DTYPES[state.wire_dtype], device)
-    values, riding = wire[:packed_numel], wire[packed_numel:]
+    wire = pool.acquire(k * segments.segment, WIRE_DTYPES[state.wire_dtype], device)
     wire_format = wire_format_class(state, importance, selected, segments)
     with state.timer("encode_seconds"):
-        selected.before_pack(importance)
-        wire_format.pack_(segments, values)
+        wire_format.pack_(segments, wire)
         segments.keep_unsent()
         restart_sent_velocity(state, plan_bucket, selected.indices, segments)
-        selection.forget_sent(importance, selected.indices)
-        selected.carry_importance(importance, riding, state.exchange_size())
         state.drop_unless(selected.finite, wire)  # CUDA, non-finite: zeros on the wire
     state.count_bytes(grad.numel() * grad.element_size(), wire.numel() * wire.element_size()
                       + selected.importance_bytes_per_segment * segments.count, True)
@@ -347,11 +325,9 @@ def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: 
         with state.timer("decode_seconds"):
             to_release = ((importance, wire) + selected.buffers + segments.buffers
                           + wire_format.buffers)
-            selected.after_sum(state, importance, riding, wire, index, step, plan_bucket, to_release)
-            segments.deliver(wire_format.decode(values), selected.indices, grad)
+            segments.deliver(wire_format.decode(wire), selected.indices, grad)
             handed.finish(grad)
             state.nan_unless(selected.finite, grad)  # CUDA: a non-finite bucket handed on as NaN
-            selection.choose_next(state, plan_bucket, importance, step, wire_format_class)
             state.callbacks.release(to_release, device)  # CUDA: after this stream's work
         return grad
 

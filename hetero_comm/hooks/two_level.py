@@ -156,7 +156,7 @@ class TwoLevelState(SegmentSparseState):
         density_floor, density_ceiling: the bounds of ``density="auto"``, ``0 < floor <=
             ceiling <= 1`` (defaults 0.01 and 0.25).
         **settings: the other settings of :class:`SegmentSparseState` (segments, basis,
-            wire, output, momentum, selection, rank weight, warm-up).
+            wire, output, momentum, rank weight, warm-up).
 
     Raises:
         ValueError: a machine layout that does not cover the ranks, machines of unequal rank

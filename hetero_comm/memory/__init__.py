@@ -15,7 +15,6 @@ from .apply import AppliedMemoryPlan, apply_memory_plan
 from .meter import MemoryMeter
 from .plan import (CHOICES, MemoryPlan, candidate_plans, exhaustive_memory_plan, plan_memory, predict,
                    seed_choices)
-from .pool import empty_pooled_cpu_cache, pooled_cpu_allocator, pooled_cpu_allocator_stats
 from .profile import MemoryProfile, chain_blocks, measure_swap_bandwidth, profile_memory
 from .swap import FileSwap, HostSwap, SwapSpace, make_swap_space
 from .tune import PlanTrial, TunedMemoryPlan, tune_memory_plan
@@ -23,5 +22,4 @@ from .tune import PlanTrial, TunedMemoryPlan, tune_memory_plan
 __all__ = ["MemoryMeter", "MemoryProfile", "profile_memory", "measure_swap_bandwidth", "chain_blocks",
            "MemoryPlan", "CHOICES", "plan_memory", "candidate_plans", "predict", "seed_choices", "exhaustive_memory_plan",
            "apply_memory_plan", "AppliedMemoryPlan", "tune_memory_plan", "TunedMemoryPlan", "PlanTrial", "SwapSpace", "FileSwap", "HostSwap",
-           "make_swap_space", "pooled_cpu_allocator", "pooled_cpu_allocator_stats",
-           "empty_pooled_cpu_cache"]
+           "make_swap_space"]
