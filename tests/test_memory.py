@@ -163,7 +163,7 @@ def test_file_swap_returns_every_byte_of_any_view(dtype, tmp_path):
     space = FileSwap(str(tmp_path))
     base = (torch.randn(7, 9) * 100).to(dtype)
     view = base.t()[2:, 1:]
-    from hetero_comm.memory.apply import _SwappedStorage, _SwappedTensor
+    from hetero_comm.memory.modes import _SwappedStorage, _SwappedTensor
     from hetero_comm.memory.swap import storage_bytes
     packed = _SwappedTensor(_SwappedStorage(space.offload(storage_bytes(view))), view)
     restored = packed.restore(space)

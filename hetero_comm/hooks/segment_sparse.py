@@ -248,7 +248,7 @@ def segment_sparse_hook(state: SegmentSparseState, bucket: dist.GradBucket) -> t
 
     Per bucket (flattened gradient ``g`` of ``n`` elements, ``S = ceil(n / s)`` segments of
     ``s = state.segment_size_for(n)`` elements, ``k = ceil(density * S)``), after
-    ``warmup_steps`` dense steps (the steps are :func:`_sparse_allreduce`, top to bottom):
+    ``warmup_steps`` dense steps (the steps are :func:`sparse_allreduce`, top to bottom):
 
     1. ``residual += w * g`` (or the momentum-corrected velocity) and the L2 norm of every
        segment of the residual, in one pass (:func:`hetero_comm.ops.segment_accumulate_`).
@@ -288,10 +288,10 @@ def segment_sparse_hook(state: SegmentSparseState, bucket: dist.GradBucket) -> t
         >>> ddp_model.register_comm_hook(state, segment_sparse_hook)
     """
     check_state(state, SegmentSparseState, "segment_sparse_hook")
-    return state.run(bucket, _sparse_allreduce)
+    return state.run(bucket, sparse_allreduce)
 
 
-def _sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: torch.Tensor,
+def sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: torch.Tensor,
                       index: int) -> torch.futures.Future[torch.Tensor]:
     """Steps 1-5 of :func:`segment_sparse_hook` for ``grad``, laid out like ``plan_bucket``."""
     step, pool, device = state.step, state.pool, grad.device

@@ -3,7 +3,7 @@ compressed recipe between machines, the result spread inside the machine.
 
 Every local rank carries its own share of each bucket between machines (so every machine's
 links work in parallel), with its own error feedback for that share; the compressed exchange
-of a share is the sparse hook's own steps (:func:`~.segment_sparse._sparse_allreduce`), run in
+of a share is the sparse hook's own steps (:func:`~.segment_sparse.sparse_allreduce`), run in
 the share's *rail*: the ranks of equal local index, one per machine. The work runs on one
 exchange thread per rank, bucket after bucket, so the backward pass goes on while buckets
 travel and every group's collectives are issued in the same order on every rank.
@@ -27,7 +27,7 @@ from ._optimizer import HandedMomentumCorrectedSum, HandedSum
 from ._plan import PlanBucket
 from ._sparse_parts import WIRE_DTYPES
 from ._state import DeviceFiniteChecks, NonFiniteGradient, check_state
-from .segment_sparse import SegmentSparseState, _sparse_allreduce
+from .segment_sparse import SegmentSparseState, sparse_allreduce
 
 __all__ = ["TwoLevelState", "two_level_hook", "BETWEEN_MACHINES", "INSIDE_DTYPES"]
 
@@ -418,7 +418,7 @@ def _exchange_share(state: TwoLevelState, plan_bucket: PlanBucket, shares: Share
     codec_before = stats["encode_seconds"] + stats["decode_seconds"]
     sent_before = stats["bytes_sent"]
     try:
-        _sparse_allreduce(state, _ShareOfPlanBucket(plan_bucket, shares.start, shares.stop),
+        sparse_allreduce(state, _ShareOfPlanBucket(plan_bucket, shares.start, shares.stop),
                           values, index).wait()
     except FloatingPointError:  # the rail agreed on it; the flag tells the machine
         values.zero_()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .._checks import check_choice, check_int
-from ..pipeline._milp import Expression, _combine, _const, _Program, _var
+from .._linear_program import Expression, LinearProgram, combine, const, var
 from ..pipeline.profile import recompute_seconds
 from .profile import CHOICES, MemoryProfile
 
@@ -80,7 +80,7 @@ class _CostModel:
     """The module docstring's expressions over 0/1 variables ``keep[l]``, ``swap[l]``,
     ``recompute[l]``, ``partial[l]`` and ``held[l]`` (block ``l``'s output stays in memory)."""
 
-    def __init__(self, profile: MemoryProfile, program: _Program) -> None:
+    def __init__(self, profile: MemoryProfile, program: LinearProgram) -> None:
         self.profile, count = profile, profile.num_blocks
         self.keep = [program.variable(0, 1, integer=True) for _ in range(count)]
         self.swap = [program.variable(0, 1, integer=True) for _ in range(count)]
@@ -93,32 +93,32 @@ class _CostModel:
         """Each reason for block ``block``'s output to stay in memory (``held`` is their OR)."""
         p = self.profile
         if block == p.num_blocks - 1:
-            return [_const(1.0)]  # the loss holds the model's output
-        reasons = [_combine((1, _var(self.recompute[block + 1])), (1, _var(self.partial[block + 1])))]
+            return [const(1.0)]  # the loss holds the model's output
+        reasons = [combine((1, var(self.recompute[block + 1])), (1, var(self.partial[block + 1])))]
         if p.saves_output[block]:
-            reasons.append(_var(self.keep[block]))
+            reasons.append(var(self.keep[block]))
         if p.saves_input[block + 1]:
-            reasons.append(_combine((1, _var(self.keep[block + 1])), (1, _var(self.swap[block + 1]))))
+            reasons.append(combine((1, var(self.keep[block + 1])), (1, var(self.swap[block + 1]))))
         return reasons
 
-    def constrain(self, program: _Program, allow_swap: bool) -> None:
+    def constrain(self, program: LinearProgram, allow_swap: bool) -> None:
         """One choice per block; ``held`` at least each of its reasons."""
         for l in range(self.profile.num_blocks):
-            program.constrain(_combine(*[(1, _var(flag[l])) for flag in self.flags.values()]), 1, 1)
+            program.constrain(combine(*[(1, var(flag[l])) for flag in self.flags.values()]), 1, 1)
             if not allow_swap:
-                program.constrain(_var(self.swap[l]), 0, 0)
+                program.constrain(var(self.swap[l]), 0, 0)
             for reason in self.held_reasons(l):
-                program.constrain(_combine((1, _var(self.held[l])), (-1, reason)), 0, math.inf)
+                program.constrain(combine((1, var(self.held[l])), (-1, reason)), 0, math.inf)
 
     def _held_before(self, block: int) -> Expression:
         p = self.profile
-        return _combine(*[(p.internal_bytes[j], _var(self.keep[j])) for j in range(block)],
-                        *[(p.partial_kept_bytes[j], _var(self.partial[j])) for j in range(block)],
-                        *[(p.layers.output_bytes[j], _var(self.held[j])) for j in range(block)])
+        return combine(*[(p.internal_bytes[j], var(self.keep[j])) for j in range(block)],
+                        *[(p.partial_kept_bytes[j], var(self.partial[j])) for j in range(block)],
+                        *[(p.layers.output_bytes[j], var(self.held[j])) for j in range(block)])
 
     def _by_mode(self, block: int, peaks: Tuple[int, ...]) -> Expression:
         """``peaks`` (one per mode, in :data:`CHOICES` order) of the mode ``block`` is in."""
-        return _combine(*[(peak, _var(flag[block])) for peak, flag in zip(peaks, self.flags.values())])
+        return combine(*[(peak, var(flag[block])) for peak, flag in zip(peaks, self.flags.values())])
 
     def phases(self) -> List[Tuple[str, Expression]]:
         """Bytes in use at each phase of the step (name, expression)."""
@@ -126,26 +126,26 @@ class _CostModel:
         phases = []
         for l in range(p.num_blocks):
             held = self._held_before(l)
-            loose_input = _combine((out[l - 1], _const(1)), (-out[l - 1], _var(self.held[l - 1]))) \
-                if l > 0 else _const(0)
-            phases.append((f"forward {p.names[l]}", _combine(
+            loose_input = combine((out[l - 1], const(1)), (-out[l - 1], var(self.held[l - 1]))) \
+                if l > 0 else const(0)
+            phases.append((f"forward {p.names[l]}", combine(
                 (1, held), (1, loose_input), (1, self._by_mode(l, p.forward_peak_bytes[l])))))
-            prefetch = (p.swap_bytes(l - 1), _var(self.swap[l - 1])) if l > 0 else (0, _const(0))
-            phases.append((f"backward {p.names[l]}", _combine(
-                (1, held), (1, _const(out[l] + sum(p.layers.param_bytes[l + 1:]))),
-                (p.internal_bytes[l] + (out[l] if p.saves_output[l] else 0), _var(self.keep[l])),
-                (p.partial_kept_bytes[l], _var(self.partial[l])),
+            prefetch = (p.swap_bytes(l - 1), var(self.swap[l - 1])) if l > 0 else (0, const(0))
+            phases.append((f"backward {p.names[l]}", combine(
+                (1, held), (1, const(out[l] + sum(p.layers.param_bytes[l + 1:]))),
+                (p.internal_bytes[l] + (out[l] if p.saves_output[l] else 0), var(self.keep[l])),
+                (p.partial_kept_bytes[l], var(self.partial[l])),
                 (1, self._by_mode(l, p.backward_peak_bytes[l])), prefetch)))
         return phases
 
     def seconds(self) -> Expression:
         p, layers = self.profile, self.profile.layers
-        terms = [(1, _const(sum(layers.forward_s) + sum(layers.backward_s)))]
+        terms = [(1, const(sum(layers.forward_s) + sum(layers.backward_s)))]
         for l in range(p.num_blocks):
-            terms.append((recompute_seconds(layers, [l]), _var(self.recompute[l])))
-            terms.append((p.partial_recompute_s[l], _var(self.partial[l])))
-            terms.append((self.exposed_swap_s(l), _var(self.swap[l])))
-        return _combine(*terms)
+            terms.append((recompute_seconds(layers, [l]), var(self.recompute[l])))
+            terms.append((p.partial_recompute_s[l], var(self.partial[l])))
+            terms.append((self.exposed_swap_s(l), var(self.swap[l])))
+        return combine(*terms)
 
     def exposed_swap_s(self, block: int) -> float:
         """Transfer time of ``block`` that the next block's forward and backward do not hide."""
@@ -181,7 +181,7 @@ def predict(profile: MemoryProfile, choices: Sequence[str]) -> Tuple[float, floa
                          f"{len(choices)} choices")
     for name, choice in zip(profile.names, choices):
         check_choice(f"choice of block {name!r}", choice, CHOICES)
-    model = _CostModel(profile, _Program())
+    model = _CostModel(profile, LinearProgram())
     values = _assignment(model, choices)
     peak = max(_evaluate(expression, values) for _, expression in model.phases())
     return peak, _evaluate(model.seconds(), values)
@@ -221,13 +221,13 @@ def _seed_plan(profile: MemoryProfile, budget_bytes: float, allow_swap: bool) ->
 def _optimal_plan(profile: MemoryProfile, budget_bytes: float, allow_swap: bool,
                   time_limit_s: float, excluded: Sequence[Tuple[str, ...]] = ()) -> Optional[Tuple[str, ...]]:
     """The least predicted step time under the budget, other than the choices in ``excluded``."""
-    program = _Program()
+    program = LinearProgram()
     model = _CostModel(profile, program)
     model.constrain(program, allow_swap)
     for _, expression in model.phases():
         program.constrain(expression, upper=budget_bytes)
     for choices in excluded:  # at least one block chooses differently
-        program.constrain(_combine(*[(1, _var(model.flags[choice][l])) for l, choice in enumerate(choices)]),
+        program.constrain(combine(*[(1, var(model.flags[choice][l])) for l, choice in enumerate(choices)]),
                           upper=profile.num_blocks - 1)
     coefficients, _ = model.seconds()
     result = program.solve(coefficients, time_limit_s)

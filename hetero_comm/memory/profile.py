@@ -19,6 +19,7 @@ from .._recompute import PRODUCT_OPS
 from ..pipeline.profile import (LayerProfile, buffers_kept, median_recompute_seconds, profile_layers,
                                 saved_storages)
 from .meter import MemoryMeter
+from .modes import SwapBlock, partial_forward, recomputed_forward
 from .swap import make_swap_space
 
 # keep: autograd keeps what the block saves; swap: it goes to the swap space and comes back;
@@ -192,8 +193,6 @@ def _block_memory(block: nn.Module, inputs: torch.Tensor, meter: MemoryMeter, pa
     """One block's memory row, run alone on ``inputs`` in each mode; and its output. With
     ``timing`` (the arguments of the pipeline profiler's timing), the partial recomputation's
     seconds too."""
-    from .apply import _SwapBlock, _partial_forward, _recomputed_forward  # apply imports this module
-
     output, saved = _saved_storages(block, inputs, parameters)
     input_pointer = inputs.untyped_storage().data_ptr()
     output_pointer = output.untyped_storage().data_ptr()
@@ -202,9 +201,9 @@ def _block_memory(block: nn.Module, inputs: torch.Tensor, meter: MemoryMeter, pa
     gradient = torch.randn_like(output) if output.requires_grad else None
     del saved, output  # and the graph that holds what the block saved
     original = type(block).forward.__get__(block)
-    modes = {"keep": block, "swap": functools.partial(_SwapBlock(block, space).forward, original),
-             "recompute": functools.partial(_recomputed_forward, original),
-             "partial": functools.partial(_partial_forward, original)}
+    modes = {"keep": block, "swap": functools.partial(SwapBlock(block, space).forward, original),
+             "recompute": functools.partial(recomputed_forward, original),
+             "partial": functools.partial(partial_forward, original)}
     peaks = {}
     for mode, forward in modes.items():
         try:

@@ -13,72 +13,12 @@ Variables, for layers ``l < L`` and stages ``s < S`` in a fixed device order:
   ``Z``, the step time of :func:`~hetero_comm.pipeline.cost.estimate_step`, minimised.
 """
 
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from .._optional import import_optional
+from .._linear_program import Expression, LinearProgram, combine, const, var
 from .cost import Cluster, DeviceKind
-
-Expression = Tuple[Dict[int, float], float]  # coefficients by variable, and a constant
-
-
-class _Program:
-    """Variables and rows ``lower <= sum(coef * var) + const <= upper``, built incrementally."""
-
-    def __init__(self) -> None:
-        self.lower: List[float] = []
-        self.upper: List[float] = []
-        self.integer: List[int] = []
-        self.rows: List[Tuple[Dict[int, float], float, float]] = []
-
-    def variable(self, lower=0.0, upper=np.inf, integer=False) -> int:
-        self.lower.append(lower)
-        self.upper.append(upper)
-        self.integer.append(int(integer))
-        return len(self.lower) - 1
-
-    def constrain(self, expression: Expression, lower=-np.inf, upper=np.inf) -> None:
-        coefficients, constant = expression
-        self.rows.append((coefficients, lower - constant, upper - constant))
-
-    def solve(self, objective: Dict[int, float], time_limit_s: float):
-        optimize = import_optional("scipy.optimize", "planner", "Planning by integer program")
-        sparse = import_optional("scipy.sparse", "planner", "Planning by integer program")
-        cost = np.zeros(len(self.lower))
-        for index, value in objective.items():
-            cost[index] = value
-        data, row_index, column_index = [], [], []
-        for row, (coefficients, _, _) in enumerate(self.rows):
-            for column, value in coefficients.items():
-                if value != 0.0:
-                    data.append(value)
-                    row_index.append(row)
-                    column_index.append(column)
-        matrix = sparse.coo_matrix((data, (row_index, column_index)), shape=(len(self.rows), len(cost)))
-        constraint = optimize.LinearConstraint(matrix.tocsr(), [r[1] for r in self.rows], [r[2] for r in self.rows])
-        return optimize.milp(cost, constraints=constraint, integrality=np.array(self.integer),
-                    bounds=optimize.Bounds(self.lower, self.upper),
-                    options={"time_limit": time_limit_s, "mip_rel_gap": 1e-7})
-
-
-def _combine(*terms: Tuple[float, Expression]) -> Expression:
-    """``sum(weight * expression)``."""
-    coefficients: Dict[int, float] = {}
-    constant = 0.0
-    for weight, (expr_coefficients, expr_constant) in terms:
-        for index, value in expr_coefficients.items():
-            coefficients[index] = coefficients.get(index, 0.0) + weight * value
-        constant += weight * expr_constant
-    return coefficients, constant
-
-
-def _var(index: int) -> Expression:
-    return {index: 1.0}, 0.0
-
-
-def _const(value: float) -> Expression:
-    return {}, float(value)
 
 
 def solve_partition(cluster: Cluster, order: Sequence[DeviceKind], micro_batches: int,
@@ -89,27 +29,27 @@ def solve_partition(cluster: Cluster, order: Sequence[DeviceKind], micro_batches
     ``memory_limits=False`` drops the memory rows (a relaxation, and a much easier program).
     Returns empty lists when the program is infeasible (nothing fits in memory).
     """
-    program = _Program()
+    program = LinearProgram()
     profile = cluster.devices[0].profile
     num_layers, num_stages, k = profile.num_layers, len(order), micro_batches
     y = {(l, s): program.variable(0, 1, True) for l in range(num_layers) for s in range(num_stages - 1)}
 
     def prefix(l: int, s: int) -> Expression:  # layer l is in a stage <= s
         if s < 0:
-            return _const(0)
-        return _const(1) if s == num_stages - 1 else _var(y[l, s])
+            return const(0)
+        return const(1) if s == num_stages - 1 else var(y[l, s])
 
     def member(l: int, s: int) -> Expression:
-        return _combine((1, prefix(l, s)), (-1, prefix(l, s - 1)))
+        return combine((1, prefix(l, s)), (-1, prefix(l, s - 1)))
 
     def ends_at(l: int, s: int) -> Expression:  # stage s < S - 1 ends at layer l < L - 1
-        return _combine((1, prefix(l, s)), (-1, prefix(l + 1, s)))
+        return combine((1, prefix(l, s)), (-1, prefix(l + 1, s)))
 
     for (l, s), index in y.items():
         if l + 1 < num_layers:
-            program.constrain(_combine((1, _var(index)), (-1, _var(y[l + 1, s]))), lower=0)
+            program.constrain(combine((1, var(index)), (-1, var(y[l + 1, s]))), lower=0)
     for s in range(num_stages):
-        program.constrain(_combine(*((1, member(l, s)) for l in range(num_layers))), lower=1)
+        program.constrain(combine(*((1, member(l, s)) for l in range(num_layers))), lower=1)
         for l in range(num_layers):
             program.constrain(member(l, s), lower=0)
 
@@ -133,31 +73,31 @@ def solve_partition(cluster: Cluster, order: Sequence[DeviceKind], micro_batches
     return boundaries + [num_layers], recompute, result.message
 
 
-def _stage_terms(program: _Program, cluster: Cluster, order, s: int, k: int, schedule: str,
+def _stage_terms(program: LinearProgram, cluster: Cluster, order, s: int, k: int, schedule: str,
                  allow_recompute: bool, member, ends_at, time_unit: float,
                  memory_limits: bool) -> dict:
     """Stage ``s``'s forward, backward, transfer and sync seconds as expressions, with its
     memory limit and recompute linearisation added to ``program``."""
     device, profile = order[s], cluster.devices[0].profile
     num_layers, num_stages = profile.num_layers, len(order)
-    forward = _combine(*((device.profile.forward_s[l] / time_unit, member(l, s)) for l in range(num_layers)))
-    backward = _combine(*((device.profile.backward_s[l] / time_unit, member(l, s)) for l in range(num_layers)))
-    params = _combine(*((profile.param_bytes[l], member(l, s)) for l in range(num_layers)))
-    saved = _combine(*((device.profile.saved_bytes[l], member(l, s)) for l in range(num_layers)))
-    transfer = _const(0)
+    forward = combine(*((device.profile.forward_s[l] / time_unit, member(l, s)) for l in range(num_layers)))
+    backward = combine(*((device.profile.backward_s[l] / time_unit, member(l, s)) for l in range(num_layers)))
+    params = combine(*((profile.param_bytes[l], member(l, s)) for l in range(num_layers)))
+    saved = combine(*((device.profile.saved_bytes[l], member(l, s)) for l in range(num_layers)))
+    transfer = const(0)
     if s < num_stages - 1:
-        transfer = _combine(*((profile.output_bytes[l] / cluster.stage_bytes_per_s / time_unit, ends_at(l, s))
+        transfer = combine(*((profile.output_bytes[l] / cluster.stage_bytes_per_s / time_unit, ends_at(l, s))
                               for l in range(num_layers - 1)))
     in_flight = k if schedule == "gpipe" else min(k, num_stages - s)
-    memory = _combine((cluster.state_bytes_per_param_byte, params), (in_flight, saved))
+    memory = combine((cluster.state_bytes_per_param_byte, params), (in_flight, saved))
     flag = None
     if allow_recompute:
         flag = program.variable(0, 1, True)
-        stage_input = _const(profile.input_bytes) if s == 0 else _combine(
+        stage_input = const(profile.input_bytes) if s == 0 else combine(
             *((profile.output_bytes[l], ends_at(l, s - 1)) for l in range(num_layers - 1)))
         largest_input = max([profile.input_bytes, *profile.output_bytes])
         kept_input = program.variable()  # = flag * stage input, from below; memory pushes it down
-        program.constrain(_combine((1, _var(kept_input)), (-1, stage_input), (-largest_input, _var(flag))),
+        program.constrain(combine((1, var(kept_input)), (-1, stage_input), (-largest_input, var(flag))),
                           lower=-largest_input)
         # Recomputing adds the stage's recomputation to its backward and frees all but one
         # micro-batch's saved activations: bilinear in (placement, flag), so bounded by big-M
@@ -165,19 +105,19 @@ def _stage_terms(program: _Program, cluster: Cluster, order, s: int, k: int, sch
         recomputed_forward = program.variable()
         largest_forward = (sum(device.profile.forward_s) + max(
             0.0, *(r - f for f, r in zip(device.profile.forward_s, device.profile.recompute_s)))) / time_unit
-        program.constrain(_combine((1, _var(recomputed_forward)), (-1, _recomputation(device.profile, s,
+        program.constrain(combine((1, var(recomputed_forward)), (-1, _recomputation(device.profile, s,
                                    num_stages, ends_at, forward, time_unit)),
-                                   (-largest_forward, _var(flag))), lower=-largest_forward)
+                                   (-largest_forward, var(flag))), lower=-largest_forward)
         freed = program.variable()
-        program.constrain(_combine((1, _var(freed)), (-1, saved)), upper=0)
-        program.constrain(_combine((1, _var(freed)), (-sum(device.profile.saved_bytes), _var(flag))),
+        program.constrain(combine((1, var(freed)), (-1, saved)), upper=0)
+        program.constrain(combine((1, var(freed)), (-sum(device.profile.saved_bytes), var(flag))),
                           upper=0)
-        backward = _combine((1, backward), (1, _var(recomputed_forward)))
-        memory = _combine((1, memory), (1 - in_flight, _var(freed)), (in_flight, _var(kept_input)))
+        backward = combine((1, backward), (1, var(recomputed_forward)))
+        memory = combine((1, memory), (1 - in_flight, var(freed)), (in_flight, var(kept_input)))
     if memory_limits and np.isfinite(device.memory_bytes):
-        program.constrain(_combine((1 / device.memory_bytes, memory)), upper=1)
-    update = _combine(*((device.profile.update_s[l] / time_unit, member(l, s)) for l in range(num_layers)))
-    sync = _combine((cluster.sync_seconds_per_byte(device) / time_unit, params), (1, update))
+        program.constrain(combine((1 / device.memory_bytes, memory)), upper=1)
+    update = combine(*((device.profile.update_s[l] / time_unit, member(l, s)) for l in range(num_layers)))
+    sync = combine((cluster.sync_seconds_per_byte(device) / time_unit, params), (1, update))
     return {"forward": forward, "backward": backward, "transfer": transfer, "sync": sync,
             "recompute": flag}
 
@@ -192,31 +132,31 @@ def _recomputation(profile, s: int, num_stages: int, ends_at, forward: Expressio
         return (profile.forward_s[l] - profile.recompute_s[l]) / time_unit
 
     if s == num_stages - 1:  # the last stage ends at the last layer
-        return _combine((1, forward), (-saving(num_layers - 1), _const(1)))
-    return _combine((1, forward), *((-saving(l), ends_at(l, s)) for l in range(num_layers - 1)))
+        return combine((1, forward), (-saving(num_layers - 1), const(1)))
+    return combine((1, forward), *((-saving(l), ends_at(l, s)) for l in range(num_layers - 1)))
 
 
-def _step_terms(program: _Program, stages: List[dict], k: int, schedule: str) -> int:
+def _step_terms(program: LinearProgram, stages: List[dict], k: int, schedule: str) -> int:
     """Add the pipeline and step-time rows of the cost model; return the step variable."""
-    fill = _combine(*((1, st["forward"]) for st in stages), *((1, st["backward"]) for st in stages),
+    fill = combine(*((1, st["forward"]) for st in stages), *((1, st["backward"]) for st in stages),
                     *((2, st["transfer"]) for st in stages))
     if schedule == "gpipe":
         slowest_forward, slowest_backward = program.variable(), program.variable()
         for st in stages:
             for slowest, part in ((slowest_forward, "forward"), (slowest_backward, "backward")):
-                program.constrain(_combine((1, _var(slowest)), (-1, st[part])), lower=0)
-                program.constrain(_combine((1, _var(slowest)), (-1, st["transfer"])), lower=0)
-        pipe = _combine((1, fill), (k - 1, _var(slowest_forward)), (k - 1, _var(slowest_backward)))
+                program.constrain(combine((1, var(slowest)), (-1, st[part])), lower=0)
+                program.constrain(combine((1, var(slowest)), (-1, st["transfer"])), lower=0)
+        pipe = combine((1, fill), (k - 1, var(slowest_forward)), (k - 1, var(slowest_backward)))
     else:
         slowest = program.variable()
         for st in stages:
-            program.constrain(_combine((1, _var(slowest)), (-1, st["forward"]), (-1, st["backward"])), lower=0)
-            program.constrain(_combine((1, _var(slowest)), (-2, st["transfer"])), lower=0)
-        pipe = _combine((1, fill), (k - 1, _var(slowest)))
+            program.constrain(combine((1, var(slowest)), (-1, st["forward"]), (-1, st["backward"])), lower=0)
+            program.constrain(combine((1, var(slowest)), (-2, st["transfer"])), lower=0)
+        pipe = combine((1, fill), (k - 1, var(slowest)))
     step = program.variable()
-    program.constrain(_combine((1, _var(step)), (-1, pipe)), lower=0)
-    drained = _const(0)
+    program.constrain(combine((1, var(step)), (-1, pipe)), lower=0)
+    drained = const(0)
     for st in stages:
-        program.constrain(_combine((1, _var(step)), (-1, pipe), (1, drained), (-1, st["sync"])), lower=0)
-        drained = _combine((1, drained), (1, st["backward"]), (1, st["transfer"]))
+        program.constrain(combine((1, var(step)), (-1, pipe), (1, drained), (-1, st["sync"])), lower=0)
+        drained = combine((1, drained), (1, st["backward"]), (1, st["transfer"]))
     return step

@@ -126,8 +126,8 @@ def saved_storages(layer: nn.Module, inputs: torch.Tensor,
     return output, storages
 
 
-def _median_seconds(action, repeats: int, warmup: int, min_sample_s: float,
-                    device: torch.device) -> float:
+def median_seconds(action, repeats: int, warmup: int, min_sample_s: float,
+                   device: torch.device) -> float:
     """Median seconds per call of ``action``. Each sample runs it back to back for at least
     ``min_sample_s``: a CPU quota (or a clock that throttles) only shows over many periods,
     and a single short call can fit inside one period's budget at full speed."""
@@ -193,14 +193,14 @@ def _profile_layer(layer: nn.Module, current: torch.Tensor, optimizer, timing: d
     saved = sum(storages.values())
     gradient = torch.randn_like(output) if output.is_floating_point() else None
     with torch.no_grad():
-        forward_s = _median_seconds(lambda: layer(inputs), **timing)
+        forward_s = median_seconds(lambda: layer(inputs), **timing)
 
     def forward_backward():
         out = layer(inputs)
         if gradient is not None and out.requires_grad:
             out.backward(gradient)
 
-    both = _median_seconds(forward_backward, **timing)
+    both = median_seconds(forward_backward, **timing)
     recompute_s = 0.0
     if saved and gradient is not None and output.requires_grad:
         recompute_s = median_recompute_seconds(layer, inputs, gradient, both, **timing)
@@ -276,7 +276,7 @@ def median_recompute_seconds(layer: nn.Module, inputs: torch.Tensor, gradient: t
 
 
 def _update_seconds(layer: nn.Module, optimizer, repeats: int, warmup: int, min_sample_s: float,
-                    device: torch.device) -> float:
+                   device: torch.device) -> float:
     """The optimizer's step on copies of ``layer``'s parameters (with gradients)."""
     parameters = [p for p in layer.parameters() if p.requires_grad]
     if optimizer is None or not parameters:
@@ -285,7 +285,7 @@ def _update_seconds(layer: nn.Module, optimizer, repeats: int, warmup: int, min_
     for copy in copies:
         copy.grad = torch.randn_like(copy)
     stepper = optimizer(copies)
-    return _median_seconds(stepper.step, repeats, warmup, min_sample_s, device)
+    return median_seconds(stepper.step, repeats, warmup, min_sample_s, device)
 
 
 def gather_profiles(profile: LayerProfile, device_kind: str,

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._checks import check_int
-from ..pipeline.profile import _median_seconds
+from ..pipeline.profile import median_seconds
 from .layers import TensorParallelMLP
 from .shards import shard_sizes
 
@@ -94,7 +94,7 @@ def _median_step_seconds(model: nn.Module, sample: torch.Tensor, repeats: int) -
     """Median seconds of a forward and backward, each sample at least
     :data:`MIN_SAMPLE_SECONDS` of calls. Each rank picks its own number of calls: ``model``
     must not communicate (see :func:`_agreed_calls_per_sample` for one that does)."""
-    seconds = _median_seconds(lambda: _training_step(model, sample), repeats, warmup=1,
+    seconds = median_seconds(lambda: _training_step(model, sample), repeats, warmup=1,
                               min_sample_s=MIN_SAMPLE_SECONDS, device=sample.device)
     model.zero_grad(set_to_none=True)
     return seconds
