@@ -49,7 +49,7 @@ def train_unit_dropout(rank, world_size, hook, settings, steps, options=None):
             state.skip_dropped_units(unit_set)
         ddp.register_comm_hook(state, spec.hook)
         if options.get("device_side_checks"):
-            state.finite_checks.on_every_device = True
+            state.non_finite.device_checks.on_every_device = True
         optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
         if options.get("attach", True):
             unit_set.attach(optimizer)

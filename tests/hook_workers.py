@@ -77,7 +77,7 @@ def train(rank, world_size, hook, settings, steps, options=None):
             state.load_state_dict(checkpoint)
         ddp.register_comm_hook(state, spec.hook)
         if options.get("device_side_checks"):
-            state.finite_checks.on_every_device = True
+            state.non_finite.device_checks.on_every_device = True
         if options.get("count_part_routes"):
             send_parts = state._send_parts
 

@@ -38,7 +38,8 @@ def assert_ranks_identical(results):
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("basis", ["elements", "dct"])
 def test_sparse_at_full_density_equals_dense_allreduce(world_size, basis):
-    settings_ = dict(segment_size=16, density=1.0, warmup_steps=1, basis=basis, dct_block_size=8)
+    settings_ = dict(segment_size=16, density=1.0, warmup_steps=1, basis=basis,
+                     **(dict(dct_block_size=8) if basis == "dct" else {}))
     results = run_ranks(world_size, train, "sparse", settings_, 5)
     dense = run_ranks(world_size, train, "dense", {}, 5)
     # The DCT basis adds the float32 rounding of a transform and its inverse.
@@ -462,6 +463,7 @@ def test_check_optimizer_warns_when_the_step_does_not_suit_the_output(output, op
     (lambda: SegmentSparseState(density_warmup_steps=-1), "density_warmup_steps"),
     (lambda: SegmentSparseState(basis="wavelet"), "basis must be one of"),
     (lambda: SegmentSparseState(basis="dct", dct_block_size=48), "dct_block_size must be a power of two"),
+    (lambda: SegmentSparseState(dct_block_size=16), "dct_block_size is a setting of basis='dct'"),
     (lambda: SegmentSparseState(output="mean"), "output must be one of"),
     (lambda: SegmentSparseState(min_segments_per_bucket=-1), "min_segments_per_bucket"),
     (lambda: DCTQuantState(block_size=100), "block_size must be a power of two"),

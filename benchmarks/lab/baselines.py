@@ -92,7 +92,7 @@ class Int4BetweenMachinesState(TwoLevelState):
         all_gather_single(all_scales, scales, group=rail)
         values.copy_(dequantize_int4(all_packed, all_scales, machines * piece)[:values.numel()])
         sent = (machines + 1) * (packed.numel() + scales.numel() * 4)  # handed to the two stages
-        self.count_bytes(values.numel() * values.element_size(), sent, True)
+        self.statistics.count_bytes(values.numel() * values.element_size(), sent, True)
         return not bool(torch.isfinite(values).all())
 
     def settings(self) -> dict:

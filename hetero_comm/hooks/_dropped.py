@@ -15,6 +15,7 @@ parameter (one index per row or column, any gradient dtype); the segment kernels
 what they pack and need float32.
 """
 
+import logging
 from typing import List, Optional, Sequence
 
 import torch
@@ -22,7 +23,9 @@ import torch
 from .._layout import Piece
 from ._plan import PlanBucket
 
-__all__ = ["KeptLayout", "KeptPart", "kept_layout", "send_kept_part"]
+__all__ = ["KeptLayout", "KeptPart", "kept_layout", "send_kept_part", "DroppedUnits"]
+
+logger = logging.getLogger("hetero_comm")
 
 
 class KeptLayout:
@@ -122,7 +125,7 @@ def send_kept_part(send, units):
             compact.tensors[name] = layout.gather(tensor, pool.acquire(layout.numel, tensor.dtype, grad.device))
         compact_grad = layout.gather(grad, pool.acquire(layout.numel, grad.dtype, grad.device))
         buffers = [compact_grad, *compact.tensors.values()]
-        state.count_bytes(layout.dropped * grad.element_size(), 0, True)
+        state.statistics.count_bytes(layout.dropped * grad.element_size(), 0, True)
         try:
             future = send(state, compact, compact_grad, index)
         except FloatingPointError:  # send reset the compact state, and so the part's
@@ -140,3 +143,36 @@ def send_kept_part(send, units):
         return future.then(expand)
 
     return send_kept
+
+
+class DroppedUnits:
+    """The unit-dropout set whose dropped units a hook state does not send, and the check that
+    its masks move on between synchronised steps."""
+
+    def __init__(self, units, owner: str) -> None:
+        if not callable(getattr(units, "kept_piece", None)):
+            raise TypeError(f"skip_dropped_units takes a hetero_comm.nn.UnitDropoutSet or None; "
+                            f"got {type(units).__name__}")
+        self.units, self.owner = units, owner
+        self._masks_step, self._warned = None, False
+        self._non_finite_at_checks = (0, 0)  # the count at the last two mask checks
+
+    def kept_layout(self, parameters) -> Optional[KeptLayout]:
+        """What units kept at this step touch of ``parameters`` (a flat layout); ``None``:
+        send all."""
+        return kept_layout(self.units, parameters)
+
+    def check_masks_advance(self, non_finite_buckets: int) -> None:
+        """Warn (once) when the masks did not change between two synchronised steps: the set
+        was not attached to the optimizer, so the same units stay dropped. Not after a bucket
+        was handed on holding NaN in the last two steps (``non_finite_buckets`` grew: a
+        ``GradScaler`` then skips ``optimizer.step()``, and the attached set with it; on CUDA
+        that bucket is counted a step late)."""
+        skipped = non_finite_buckets > self._non_finite_at_checks[0]
+        self._non_finite_at_checks = (self._non_finite_at_checks[1], non_finite_buckets)
+        if self.units.step == self._masks_step and not self._warned and not skipped:
+            logger.warning("%s: the unit-dropout masks did not change since the last step; call "
+                           "units.attach(optimizer) (or units.next_step() after each step)",
+                           self.owner)
+            self._warned = True
+        self._masks_step = self.units.step

@@ -151,9 +151,9 @@ class AgreedNow:
         # Wait here rather than in a callback: every collective is issued from this thread,
         # so all ranks issue them in the same order (gloo and NCCL match them by order).
         dist.all_reduce(importance, group=state.exchange_group())
-        with state.timer("encode_seconds"):
+        with state.statistics.timer("encode_seconds"):
             # Norms are >= 0: the sum keeps a NaN. CUDA: flagged on the device, selection goes on.
-            self.finite = state.check_finite(importance, index, state.step, plan_bucket,
+            self.finite = state.non_finite.check(importance, index, state.step, plan_bucket,
                                              (importance,) + segments.buffers)
             self.indices = state.pool.acquire(k, torch.int64, importance.device)
             ops.select_segments(importance, k, out=self.indices)

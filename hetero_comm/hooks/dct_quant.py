@@ -212,7 +212,7 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
     buffers = _Buffers(pool, device, blocks, keep, n, state.bits,
                        None if band is None else state.block_size)
     coeffs, scale = buffers.coeffs, buffers.scale
-    with state.timer("encode_seconds"):
+    with state.statistics.timer("encode_seconds"):
         # 1. Accumulate.
         residual.add_(grad, alpha=state.weight())
         # 2. Transform.
@@ -220,19 +220,19 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
         # 3. Agree on a scale (below): each block's largest |coefficient|.
         torch.linalg.vector_norm(coeffs, math.inf, dim=1, out=scale)
         scale.nan_to_num_(nan=math.inf)  # MAX keeps an infinity, so every rank sees it
-    state.count_bytes(n * grad.element_size(), blocks * 4 + state.wire_bytes(n), True)
+    state.statistics.count_bytes(n * grad.element_size(), blocks * 4 + state.wire_bytes(n), True)
     # Waited for here: all ranks issue every collective from this thread, in the same order.
     dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=state.process_group)
-    with state.timer("encode_seconds"):
+    with state.statistics.timer("encode_seconds"):
         # CUDA: a device flag (no host sync); a non-finite step sends zeros, hands on NaN.
-        finite = state.check_finite(scale, index, step, plan_bucket, tuple(buffers.all))
-        state.drop_unless(finite, coeffs)
+        finite = state.non_finite.check(scale, index, step, plan_bucket, tuple(buffers.all))
+        state.non_finite.drop_unless(finite, coeffs)
         # 4. Quantize.
         _quantize_onto_wire(state, buffers, levels)
     # 5. Allreduce the integers; meanwhile error feedback keeps what this rank's own
     #    integers do not represent: residual -= decode(q_local).
     summed = dist.all_reduce(buffers.wire, group=state.process_group, async_op=True).get_future()
-    with state.timer("encode_seconds"):
+    with state.statistics.timer("encode_seconds"):
         ops.dequantize(buffers.q, scale, levels, out=coeffs)
         _decode(state, coeffs, band, buffers.decoded, buffers.full)
         residual.sub_(buffers.decoded)
@@ -241,14 +241,14 @@ def _dct_quant_allreduce(state: DCTQuantState, plan_bucket: PlanBucket, grad: to
     # 6. Dequantize the sum and invert the transform into the bucket.
     def decode(fut) -> torch.Tensor:
         fut.value()
-        with state.timer("decode_seconds"):
+        with state.statistics.timer("decode_seconds"):
             state.callbacks.wait(error_feedback_done, device)
             if state.bits == 16:  # the wire's pairs back to one sum per coefficient
                 unpack_int16_pair_sums(buffers.wire, levels, world_size, blocks * keep, buffers.summed.view(-1))
             ops.dequantize(buffers.summed, scale, levels, out=coeffs)
             _decode(state, coeffs, band, buffers.decoded, buffers.full)
             grad.copy_(buffers.decoded)
-            state.nan_unless(finite, grad)  # CUDA: a non-finite bucket handed on as NaN
+            state.non_finite.nan_unless(finite, grad)  # CUDA: a non-finite bucket handed on as NaN
             state.callbacks.release(buffers.all, device)
         return grad
 

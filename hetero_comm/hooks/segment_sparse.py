@@ -78,7 +78,8 @@ class SegmentSparseState(ErrorFeedbackState):
             blocks (at most: a bucket's blocks are shared evenly among its groups), so every
             selected segment touches all their elements (momentum correction then clears the
             velocity's sent coefficients).
-        dct_block_size: the DCT's block, a power of two in [2, 4096] (default 64).
+        dct_block_size: with ``basis="dct"``, the DCT's block, a power of two in [2, 4096]
+            (``None``: 64); with ``basis="elements"`` it must stay ``None``.
         output: ``"sum"`` (default): the bucket becomes the (weighted) sum of what was sent;
             ``"sign"``: its elementwise sign (-1, 0 or 1), a sign step for AdamW with
             ``betas=(0.0, 0.0)`` (it then moves each coordinate by ``lr`` in the direction of
@@ -93,7 +94,8 @@ class SegmentSparseState(ErrorFeedbackState):
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
                  density: float = 0.01, segment_size: int = 256,
                  min_segments_per_bucket: int = 0, momentum: float = 0.0, nesterov: bool = False, density_warmup_steps: int = 0,
-                 wire_dtype: str = "float32", basis: str = "elements", dct_block_size: int = 64,
+                 wire_dtype: str = "float32", basis: str = "elements",
+                 dct_block_size: Optional[int] = None,
                  output: str = "sum", rank_weight: Optional[float] = None,
                  warmup_steps: int = 1, min_compress_numel: int = 0) -> None:
         self.momentum = check_float("momentum", momentum, 0.0, 0.999)
@@ -113,6 +115,10 @@ class SegmentSparseState(ErrorFeedbackState):
         self.density_warmup_steps = check_int("density_warmup_steps", density_warmup_steps, 0)
         self.wire_dtype = check_choice("wire_dtype", wire_dtype, WIRE_DTYPES)
         self.basis = check_choice("basis", basis, BASES)
+        if dct_block_size is not None and basis != "dct":
+            raise ValueError(f"dct_block_size is a setting of basis='dct'; got dct_block_size="
+                             f"{dct_block_size} with basis={basis!r}")
+        dct_block_size = 64 if dct_block_size is None else dct_block_size
         self.dct_block_size = check_int("dct_block_size", dct_block_size, 2, 4096)
         if dct_block_size & (dct_block_size - 1):
             raise ValueError(f"dct_block_size must be a power of two in [2, 4096]; got {dct_block_size}")
@@ -302,19 +308,19 @@ def sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: t
     segments.warn_if_coarse(state, index, k)
     # 1. Accumulate.
     importance = pool.acquire(segments.count, torch.float32, device)
-    with state.timer("encode_seconds"):
+    with state.statistics.timer("encode_seconds"):
         segments.accumulate(add_contribution(state, plan_bucket, grad), importance)
     # 2. Select.
     selected = AgreedNow(state, plan_bucket, importance, k, index, segments)
     # 3. Pack: the selected segments onto the wire, the rest kept in the residual.
     wire = pool.acquire(k * segments.segment, WIRE_DTYPES[state.wire_dtype], device)
     wire_format = wire_format_class(state, importance, selected, segments)
-    with state.timer("encode_seconds"):
+    with state.statistics.timer("encode_seconds"):
         wire_format.pack_(segments, wire)
         segments.keep_unsent()
         restart_sent_velocity(state, plan_bucket, selected.indices, segments)
-        state.drop_unless(selected.finite, wire)  # CUDA, non-finite: zeros on the wire
-    state.count_bytes(grad.numel() * grad.element_size(), wire.numel() * wire.element_size()
+        state.non_finite.drop_unless(selected.finite, wire)  # CUDA, non-finite: zeros on the wire
+    state.statistics.count_bytes(grad.numel() * grad.element_size(), wire.numel() * wire.element_size()
                       + selected.importance_bytes_per_segment * segments.count, True)
     # 4. Allreduce.
     work = dist.all_reduce(wire, group=state.exchange_group(), async_op=True)
@@ -322,12 +328,12 @@ def sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: t
 
     # 5. Unpack.
     def unpack() -> torch.Tensor:
-        with state.timer("decode_seconds"):
+        with state.statistics.timer("decode_seconds"):
             to_release = ((importance, wire) + selected.buffers + segments.buffers
                           + wire_format.buffers)
             segments.deliver(wire_format.decode(wire), selected.indices, grad)
             handed.finish(grad)
-            state.nan_unless(selected.finite, grad)  # CUDA: a non-finite bucket handed on as NaN
+            state.non_finite.nan_unless(selected.finite, grad)  # CUDA: a non-finite bucket handed on as NaN
             state.callbacks.release(to_release, device)  # CUDA: after this stream's work
         return grad
 

@@ -26,7 +26,8 @@ from ._machines import MachineLayout, MachinesArgument
 from ._optimizer import HandedMomentumCorrectedSum, HandedSum
 from ._plan import PlanBucket
 from ._sparse_parts import WIRE_DTYPES
-from ._state import DeviceFiniteChecks, NonFiniteGradient, check_state
+from ._non_finite import DeviceFiniteChecks, NonFiniteGradient
+from ._state import check_state
 from .segment_sparse import SegmentSparseState, sparse_allreduce
 
 __all__ = ["TwoLevelState", "two_level_hook", "BETWEEN_MACHINES", "INSIDE_DTYPES"]
@@ -133,6 +134,28 @@ class _ShareOfPlanBucket(PlanBucket):
         self.whole.reset()
 
 
+# Settings of TwoLevelState that apply whichever the exchange between machines is.
+SETTINGS_OF_EVERY_EXCHANGE = ("rank_weight", "warmup_steps", "min_compress_numel")
+
+
+def _check_settings_apply(between_machines: str, density, density_floor, density_ceiling,
+                          settings: dict) -> None:
+    """Raise ``ValueError`` for a setting the chosen exchange would ignore: any sparse setting
+    with ``between_machines="dense"``, density bounds without ``density="auto"``."""
+    if between_machines == "dense":
+        given = dict(settings, density=density, density_floor=density_floor,
+                     density_ceiling=density_ceiling)
+        ignored = sorted(name for name, value in given.items()
+                         if name not in SETTINGS_OF_EVERY_EXCHANGE and value is not None)
+        if ignored:
+            raise ValueError(f"between_machines='dense' allreduces each share as it is, so "
+                             f"{', '.join(ignored)} would do nothing: drop them, or use "
+                             f"between_machines='sparse'")
+    elif density != "auto" and (density_floor is not None or density_ceiling is not None):
+        raise ValueError(f"density_floor and density_ceiling bound density='auto'; got them with "
+                         f"density={density!r}")
+
+
 class TwoLevelState(SegmentSparseState):
     """State of :func:`two_level_hook`. A collective to build: every rank of the process
     group builds it, in the same order (it creates each machine's and each rail's group).
@@ -154,22 +177,30 @@ class TwoLevelState(SegmentSparseState):
             ``[density_floor, density_ceiling]`` so that the exchange between machines hides
             behind the backward pass (:mod:`._auto_density`), starting at the ceiling.
         density_floor, density_ceiling: the bounds of ``density="auto"``, ``0 < floor <=
-            ceiling <= 1`` (defaults 0.01 and 0.25).
+            ceiling <= 1`` (``None``: 0.01 and 0.25); only with ``density="auto"``.
         **settings: the other settings of :class:`SegmentSparseState` (segments, basis,
-            wire, output, momentum, rank weight, warm-up).
+            wire, output, momentum, rank weight, warm-up). With ``between_machines="dense"``
+            only ``rank_weight``, ``warmup_steps`` and ``min_compress_numel`` apply, and any
+            setting of the sparse exchange (``density`` and its bounds included) raises.
 
     Raises:
         ValueError: a machine layout that does not cover the ranks, machines of unequal rank
             counts, a floor above the ceiling, or any bad setting.
     """
 
+    device_finite_checks = _HostFiniteChecks  # the exchange thread finds non-finite values at once
+
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
                  machines: MachinesArgument = "auto", between_machines: str = "sparse",
-                 inside_dtype: Optional[str] = None, density=0.10,
-                 density_floor: float = DEFAULT_FLOOR, density_ceiling: float = DEFAULT_CEILING,
+                 inside_dtype: Optional[str] = None, density=None,
+                 density_floor: Optional[float] = None, density_ceiling: Optional[float] = None,
                  **settings) -> None:
         check_choice("between_machines", between_machines, BETWEEN_MACHINES)
         check_choice("inside_dtype", inside_dtype, INSIDE_DTYPES)
+        _check_settings_apply(between_machines, density, density_floor, density_ceiling, settings)
+        density = 0.10 if density is None else density
+        density_floor = DEFAULT_FLOOR if density_floor is None else density_floor
+        density_ceiling = DEFAULT_CEILING if density_ceiling is None else density_ceiling
         auto = density == "auto"
         auto_density = None
         if auto:  # (its bad settings raise before any group is made)
@@ -185,11 +216,10 @@ class TwoLevelState(SegmentSparseState):
         self.auto_density = auto_density
         super().__init__(process_group=process_group,
                          density=auto_density.ceiling if auto else density, **settings)
-        self.finite_checks = _HostFiniteChecks(type(self).__name__)
         self._exchanges = _ExchangeThread()
         self._step_began: Optional[float] = None  # the first bucket of the step in flight
         self._result_at: Optional[float] = None  # when the last step's result was ready
-        self._stats["bytes_inside_machines"] = 0
+        self.statistics.add_counter("bytes_inside_machines")
         self.last_step_density = self.density  # what the optimizer's step follows
 
     _checkpoint_settings = tuple(name for name in SegmentSparseState._checkpoint_settings
@@ -335,7 +365,6 @@ class TwoLevelState(SegmentSparseState):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self.finite_checks = _HostFiniteChecks(type(self).__name__)
         self._exchanges = _ExchangeThread()
 
 
@@ -411,10 +440,10 @@ def _exchange_share(state: TwoLevelState, plan_bucket: PlanBucket, shares: Share
     value (then zeros)."""
     if state.between_machines == "dense":
         own_bytes = values.numel() * values.element_size()
-        state.count_bytes(own_bytes, own_bytes, True)
+        state.statistics.count_bytes(own_bytes, own_bytes, True)
         dist.all_reduce(values, group=state.exchange_group())
         return False
-    stats, began = state._stats, time.perf_counter()
+    stats, began = state.statistics.counters, time.perf_counter()
     codec_before = stats["encode_seconds"] + stats["decode_seconds"]
     sent_before = stats["bytes_sent"]
     try:
@@ -444,23 +473,23 @@ def _two_level_exchange(state: TwoLevelState, plan_bucket: PlanBucket, grad: tor
     staged = pool.acquire(shares.local_size * shares.slot, dtype, device)
     mine = pool.acquire(shares.slot, dtype, device)
     # 1. Sum inside the machine: this rank's share.
-    with state.timer("encode_seconds"):
+    with state.statistics.timer("encode_seconds"):
         shares.stage(grad, staged, state.weight())
     _sum_inside_machine(state, staged, mine)
     # 2. Exchange the share between machines (the sparse steps count its bytes).
     own = shares.stop - shares.start
-    state.count_bytes((grad.numel() - own) * grad.element_size(), 0, True)
+    state.statistics.count_bytes((grad.numel() - own) * grad.element_size(), 0, True)
     failed = state.exchange_share(plan_bucket, shares, mine[:own], index) if own else False
     mine[-1] = float(failed)
     # 3. Spread inside the machine, with every share's flag.
     _spread_inside_machine(state, mine, staged)
-    state._stats["bytes_inside_machines"] += (staged.numel() + mine.numel()) * staged.element_size()
+    state.statistics.count("bytes_inside_machines", (staged.numel() + mine.numel()) * staged.element_size())
     try:
         if bool(shares.flags(staged).any()):
             plan_bucket.reset()  # the whole bucket's, on every rank of the machine
-            return state.hand_on_non_finite(grad, NonFiniteGradient(type(state).__name__, index,
+            return state.non_finite.hand_on(grad, NonFiniteGradient(type(state).__name__, index,
                                                                     state.step))
-        with state.timer("decode_seconds"):
+        with state.statistics.timer("decode_seconds"):
             shares.unstage(staged, grad)
     finally:
         pool.release(staged)
