@@ -7,7 +7,7 @@ For each workload (a CNN and a transformer, trained with AdamW on one micro-batc
 2. Measure the unplanned step: peak bytes above the memory in use before the step (a
    ``MemoryMeter``: the allocator's peak on CUDA, the resident set's high-water mark on the CPU)
    and the median step time.
-3. Budgets = each of ``--budget-share`` x that peak. Plans: the seed's rule and the integer program's
+3. Budgets = each of ``--budget-share`` x that peak. Plans: the swap-or-recompute rule and the integer program's
    optimum (with and without swapping) at that budget, and the fastest of those and the program's
    next best as they ran (``tune_memory_plan``, ``--candidates``); the peers: full checkpointing
    (``torch.utils.checkpoint`` around every block) and ``torch.autograd.graph.save_on_cpu``.
@@ -156,7 +156,7 @@ def bench_workload(name, args, device):
     rows = [dict(config="no plan", peak=unplanned_peak, seconds=unplanned_s,
                  predicted=predict(profile, ("keep",) * profile.num_blocks)[0], choices="")]
     for share in args.budget_share:
-        for label, kwargs in (("seed rule", dict(method="seed")), ("optimal", {}),
+        for label, kwargs in (("rule", dict(method="rule")), ("optimal", {}),
                               ("optimal, no swap", dict(allow_swap=False))):
             label = f"{label} @{share:g}"
             try:
@@ -231,7 +231,7 @@ def main() -> None:
     parser.add_argument("--swap-directory", default=None)
     parser.add_argument("--candidates", type=int, default=3,
                         help="the integer program's best plans that tune_memory_plan runs (besides the "
-                             "no-swap optimum and the seed's rule)")
+                             "no-swap optimum and the swap-or-recompute rule)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()

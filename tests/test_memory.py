@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from hetero_comm.memory import (CHOICES, FileSwap, MemoryMeter, MemoryPlan, MemoryProfile,
                                 apply_memory_plan, candidate_plans, chain_blocks, exhaustive_memory_plan,
-                                plan_memory, predict, profile_memory, seed_choices, tune_memory_plan)
+                                plan_memory, predict, profile_memory, rule_choices, tune_memory_plan)
 from hetero_comm.pipeline import LayerProfile
 from kernel_cases import device  # noqa: F401  (a fixture: the CPU; test_cuda_memory.py reruns on CUDA)
 
@@ -266,9 +266,9 @@ def test_the_integer_program_finds_the_exhaustive_optimum(profile, budget_share)
     plan = plan_memory(profile, budget)
     assert plan.predicted_peak_bytes <= budget * (1 + 1e-9)
     assert plan.predicted_step_s == pytest.approx(predict(profile, best)[1], rel=1e-6, abs=1e-9)
-    seed = plan_memory(profile, budget, method="seed") if predict(
-        profile, seed_choices(profile))[0] <= budget else None
-    if seed is not None:  # the seed's rule fits too; it is never faster than the optimum
+    seed = plan_memory(profile, budget, method="rule") if predict(
+        profile, rule_choices(profile))[0] <= budget else None
+    if seed is not None:  # the swap-or-recompute rule fits too; it is never faster than the optimum
         assert seed.predicted_peak_bytes <= budget * (1 + 1e-9)
         assert seed.predicted_step_s >= plan.predicted_step_s - 1e-9
 
@@ -277,7 +277,7 @@ def test_the_integer_program_finds_the_exhaustive_optimum(profile, budget_share)
 @given(small_profiles(), st.floats(0.3, 1.2), st.integers(1, 4))
 def test_candidates_are_the_best_few_plans_that_fit(profile, budget_share, count):
     """The first ``count`` candidates are the exhaustive search's ``count`` fastest predicted
-    (or all that fit); the rest are the no-swap optimum and the seed's rule; all distinct."""
+    (or all that fit); the rest are the no-swap optimum and the swap-or-recompute rule; all distinct."""
     budget = budget_share * predict(profile, ("keep",) * profile.num_blocks)[0]
     fitting = sorted(predict(profile, choices)[1] for choices in itertools.product(CHOICES, repeat=profile.num_blocks)
                      if predict(profile, choices)[0] <= budget)
@@ -373,9 +373,9 @@ def make_profile(count=3, internal=100, output=10, forward_s=0.01, swap_bytes_pe
 
 def test_the_seed_rule_swaps_what_is_slow_to_compute_and_recomputes_the_rest():
     slow_link = make_profile(swap_bytes_per_s=1e3)  # 100 bytes: 0.2 s out and back > 0.01 s
-    assert seed_choices(slow_link) == ("recompute",) * 3
+    assert rule_choices(slow_link) == ("recompute",) * 3
     fast_link = make_profile(swap_bytes_per_s=1e6)  # 0.0002 s < 0.01 s
-    assert seed_choices(fast_link) == ("swap",) * 3
+    assert rule_choices(fast_link) == ("swap",) * 3
     assert plan_memory(fast_link).choices == ("swap",) * 3
 
 
@@ -404,7 +404,7 @@ def test_plan_memory_refuses_an_impossible_budget_and_bad_settings():
 @pytest.mark.parametrize("recompute_s", [None, 0.1, 0.4])
 def test_recompute_is_priced_as_the_pipeline_planner_prices_it(recompute_s):
     """Both planners charge a recomputed layer the profile's measured recomputation (one more
-    forward when it was not measured), the seed's rule compares that with the transfer, and the
+    forward when it was not measured), the swap-or-recompute rule compares that with the transfer, and the
     step time rises by it."""
     from hetero_comm.pipeline import Cluster, DeviceKind
     from hetero_comm.pipeline.cost import stage_estimates
@@ -417,7 +417,7 @@ def test_recompute_is_priced_as_the_pipeline_planner_prices_it(recompute_s):
     expected = 0.25 if recompute_s is None else recompute_s
     assert extra_pipeline == pytest.approx(extra_memory) == pytest.approx(expected)
     # 100 bytes out and back at 1,000 B/s: 0.2 s, between the cheap recomputation and the others.
-    seed = seed_choices(make_profile(count=1, forward_s=0.25, recompute_s=recompute_s, swap_bytes_per_s=1e3))
+    seed = rule_choices(make_profile(count=1, forward_s=0.25, recompute_s=recompute_s, swap_bytes_per_s=1e3))
     assert seed == (("swap",) if expected > 0.2 else ("recompute",))
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hetero_comm.pipeline import (Cluster, DeviceKind, LayerProfile, PipelinePlan, StagePlan,
                                   even_plan, evaluate_plan, exhaustive_plan, format_plan,
                                   plan_pipeline, plot_timeline, profile_layers, proportional_plan,
-                                  capability_order, seed_order, simulate)
+                                  capability_order, simulate)
 
 
 def make_profile(forward, backward=None, output=None, saved=None, params=None, input_bytes=8,
@@ -277,11 +277,3 @@ def test_bad_input_gets_a_clear_error():
         evaluate_plan(Cluster((DeviceKind("a", profile),), 1), PipelinePlan((StagePlan("a", 0, 4),), 1))
 
 
-def test_the_old_spellings_of_the_order_warn_and_still_work():
-    profile = make_profile([1.0, 1.0, 1.0])
-    cluster = Cluster((DeviceKind("a", profile), DeviceKind("b", profile)), 2)
-    with pytest.warns(DeprecationWarning, match="capability_order"):
-        assert seed_order(cluster) == capability_order(cluster)
-    with pytest.warns(DeprecationWarning, match="order='capability'"):
-        old = plan_pipeline(cluster, 2, order="seed")
-    assert old == plan_pipeline(cluster, 2)

@@ -38,7 +38,7 @@ from .._linear_program import Expression, LinearProgram, combine, const, var
 from ..pipeline.profile import recompute_seconds
 from .profile import CHOICES, MemoryProfile
 
-__all__ = ["MemoryPlan", "predict", "plan_memory", "candidate_plans", "seed_choices",
+__all__ = ["MemoryPlan", "predict", "plan_memory", "candidate_plans", "rule_choices",
            "exhaustive_memory_plan"]
 
 @dataclass(frozen=True)
@@ -193,17 +193,17 @@ def _make_plan(profile: MemoryProfile, choices: Sequence[str]) -> MemoryPlan:
     return MemoryPlan(profile.names, tuple(choices), peak, seconds, unplanned_peak, unplanned_seconds)
 
 
-def seed_choices(profile: MemoryProfile) -> Tuple[str, ...]:
+def rule_choices(profile: MemoryProfile) -> Tuple[str, ...]:
     """The swap-or-recompute rule's class of every block: swap where computing the block again costs
     more than moving its saved bytes out and back, recompute where it costs less."""
     return tuple("swap" if recompute_seconds(profile.layers, [l]) > 2 * profile.swap_bytes(l) / profile.swap_bytes_per_s
                  else "recompute" for l in range(profile.num_blocks))
 
 
-def _seed_plan(profile: MemoryProfile, budget_bytes: float, allow_swap: bool) -> Tuple[str, ...]:
+def _rule_plan(profile: MemoryProfile, budget_bytes: float, allow_swap: bool) -> Tuple[str, ...]:
     """Apply the swap-or-recompute class to one block at a time, the most bytes freed per second of cost
     first, until the predicted peak fits the budget."""
-    classes = seed_choices(profile) if allow_swap else ("recompute",) * profile.num_blocks
+    classes = rule_choices(profile) if allow_swap else ("recompute",) * profile.num_blocks
     choices = ["keep"] * profile.num_blocks
 
     def seconds_per_byte(l):
@@ -246,20 +246,20 @@ def plan_memory(profile: MemoryProfile, budget_bytes: Optional[float] = None, *,
         budget_bytes: what the step may add above the memory in use before it (weights,
             optimizer state, the batch). ``None``: the swap-or-recompute rule on every block.
         method: ``"optimal"`` (the least predicted step time, by ``scipy.optimize.milp``) or
-            ``"seed"`` (the swap-or-recompute rule's class, one block at a time, see :func:`seed_choices`).
+            ``"rule"`` (the swap-or-recompute rule's class, one block at a time, see :func:`rule_choices`).
         allow_swap: ``False`` plans without swapping (keep, recompute, partial).
 
     Returns:
         a :class:`MemoryPlan`. Raises ``ValueError`` when no plan fits, naming the least
         peak the model can reach.
     """
-    check_choice("method", method, ("optimal", "seed"))
+    check_choice("method", method, ("optimal", "rule"))
     if budget_bytes is None:
-        return _make_plan(profile, seed_choices(profile))
+        return _make_plan(profile, rule_choices(profile))
     if not (isinstance(budget_bytes, (int, float)) and budget_bytes > 0):
         raise ValueError(f"budget_bytes must be a number of bytes > 0; got {budget_bytes!r}")
-    if method == "seed":
-        choices = _seed_plan(profile, budget_bytes, allow_swap)
+    if method == "rule":
+        choices = _rule_plan(profile, budget_bytes, allow_swap)
     else:
         choices = _optimal_plan(profile, budget_bytes, allow_swap, time_limit_s)
     if choices is None or predict(profile, choices)[0] > budget_bytes * (1 + 1e-9):
@@ -285,7 +285,7 @@ def candidate_plans(profile: MemoryProfile, budget_bytes: float, count: int = 4,
         if choices is None or predict(profile, choices)[0] > budget_bytes * (1 + 1e-9):
             break
         found.append(choices)
-    for method, allow_swap in (("optimal", False), ("seed", True)):
+    for method, allow_swap in (("optimal", False), ("rule", True)):
         try:
             choices = plan_memory(profile, budget_bytes, method=method, allow_swap=allow_swap,
                                   time_limit_s=time_limit_s).choices

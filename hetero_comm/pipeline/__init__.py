@@ -11,13 +11,13 @@
 from .cost import Cluster, DeviceKind
 from .plan import SCHEDULES, PipelinePlan, StagePlan
 from .planner import (capability_order, evaluate_plan, even_plan, exhaustive_plan, plan_pipeline,
-                      proportional_plan, seed_order)
+                      proportional_plan)
 from .profile import LayerProfile, gather_profiles, profile_layers
 from .simulate import Simulation, format_plan, plot_timeline, simulate
 from .executor import PipelineGroups, PipelineRunner, build_pipeline
 
 __all__ = ["PipelinePlan", "StagePlan", "SCHEDULES", "Cluster", "DeviceKind", "LayerProfile",
            "profile_layers", "gather_profiles", "plan_pipeline", "exhaustive_plan", "even_plan",
-           "proportional_plan", "evaluate_plan", "capability_order", "seed_order", "simulate",
+           "proportional_plan", "evaluate_plan", "capability_order", "simulate",
            "Simulation", "format_plan", "plot_timeline"]
 __all__ += ["PipelineGroups", "PipelineRunner", "build_pipeline"]

@@ -9,7 +9,6 @@
 
 import itertools
 import math
-import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -18,7 +17,7 @@ from .._checks import check_choice, check_float, check_int
 from .cost import Cluster, DeviceKind, estimate_step, stage_estimates
 from .plan import SCHEDULES, PipelinePlan, StagePlan
 
-__all__ = ["capability_order", "seed_order", "plan_pipeline", "exhaustive_plan", "proportional_plan",
+__all__ = ["capability_order", "plan_pipeline", "exhaustive_plan", "proportional_plan",
            "even_plan", "evaluate_plan"]
 
 
@@ -49,18 +48,7 @@ def capability_order(cluster: Cluster) -> Tuple[DeviceKind, ...]:
     return tuple(sorted(cluster.devices, key=key))
 
 
-def seed_order(cluster: Cluster) -> Tuple[DeviceKind, ...]:
-    """Deprecated spelling of :func:`capability_order`."""
-    warnings.warn("seed_order is now capability_order; the old name goes in the next release",
-                  DeprecationWarning, stacklevel=2)
-    return capability_order(cluster)
-
-
 def _resolve_order(cluster: Cluster, order) -> Tuple[DeviceKind, ...]:
-    if isinstance(order, str) and order == "seed":
-        warnings.warn("order='seed' is now order='capability'; the old spelling goes in the "
-                      "next release", DeprecationWarning, stacklevel=3)
-        order = "capability"
     if isinstance(order, str) and order == "capability":
         return capability_order(cluster)
     names = list(order)
