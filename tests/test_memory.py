@@ -421,6 +421,28 @@ def test_recompute_is_priced_as_the_pipeline_planner_prices_it(recompute_s):
     assert seed == (("swap",) if expected > 0.2 else ("recompute",))
 
 
+class _LastHidden(nn.Module):
+    """An LSTM as a block: one tensor in, its hidden states out."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(width, width, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(x)[0]
+
+
+class _Residual(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels),
+                                  nn.ReLU(), nn.Conv2d(channels, channels, 3, padding=1),
+                                  nn.BatchNorm2d(channels))
+
+    def forward(self, x):
+        return torch.relu(x + self.body(x))
+
+
 def other_families():
     """Models unlike the benchmark's: torch's own encoder layers, residual BatchNorm blocks, an LSTM."""
     torch.manual_seed(0)
