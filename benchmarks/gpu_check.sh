@@ -73,26 +73,25 @@ for step in "$@"; do
     $PY benchmarks/gpu_bisect_numeric_error.py --out /tmp/bisect 2>&1 | tee "$OUT/bisect.txt" | tail -30
     ;;
   kernels)
-    OMP_NUM_THREADS=1 PYTHONPATH=/tmp/site timeout 170 $PY -m pytest -q -p no:cacheprovider -n 14 -k cuda --durations=10 \
-      tests/test_cuda_kernels.py tests/test_segments.py tests/test_dct.py tests/test_quantize.py \
-      tests/test_buffer_pool.py 2>&1 | tee "$OUT/kernels.log" | tail -30
+    OMP_NUM_THREADS=1 PYTHONPATH=/tmp/site timeout 170 $PY -m pytest -m "" -q -p no:cacheprovider -n 14 -k cuda --durations=10 \
+      tests/test_cuda_kernels.py tests/test_cuda_kernel_cases.py tests/test_buffer_pool.py 2>&1 | tee "$OUT/kernels.log" | tail -30
     pkill -9 -f "pytest" || true  # workers a time limit left behind would compete with what follows
     ;;
   kernels_changed)  # the kernel tests of the ops named in $KERNELS (a pytest -k expression)
-    OMP_NUM_THREADS=1 PYTHONPATH=/tmp/site timeout ${KERNEL_TEST_SECONDS:-150} $PY -m pytest -v -p no:cacheprovider -n 15 \
-      -k "cuda and (${KERNELS:?name the ops, e.g. KERNELS='select or pack'})" tests/test_dct.py tests/test_segments.py \
+    OMP_NUM_THREADS=1 PYTHONPATH=/tmp/site timeout ${KERNEL_TEST_SECONDS:-150} $PY -m pytest -m "" -v -p no:cacheprovider -n 15 \
+      -k "cuda and (${KERNELS:?name the ops, e.g. KERNELS='select or pack'})" tests/test_cuda_kernel_cases.py \
       >"$OUT/kernels_changed.log" 2>&1
     echo "passed: $(grep -c ' PASSED' "$OUT/kernels_changed.log"), failed: $(grep -c ' FAILED' "$OUT/kernels_changed.log")"
     grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/kernels_changed.log" | tail -15
     pkill -9 -f "pytest" || true
     ;;
   hooks)
-    PYTHONPATH=/tmp/site timeout 140 $PY -m pytest -q -p no:cacheprovider -n 6 tests/test_cuda_hooks.py \
+    PYTHONPATH=/tmp/site timeout 140 $PY -m pytest -m "" -q -p no:cacheprovider -n 6 tests/test_cuda_hooks.py \
       tests/test_build.py::test_an_error_message_with_a_number_raises_instead_of_crashing ${HOOK_TESTS:-} \
       2>&1 | tee "$OUT/hooks.log" | tail -40
     ;;
   memory)  # issue 37: the planner on CUDA, the small workloads and the 0.4B-parameter transformer
-    PYTHONPATH=/tmp/site timeout 120 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_memory.py \
+    PYTHONPATH=/tmp/site timeout 120 $PY -m pytest -m "" -q -p no:cacheprovider tests/test_cuda_memory.py \
       2>&1 | tee "$OUT/memory_tests.log" | tail -5
     timeout ${MEMORY_SECONDS:-300} $PY benchmarks/bench_memory.py --device cuda \
       --workloads ${MEMORY_WORKLOADS:-transformer,wide_transformer} \
