@@ -80,7 +80,8 @@ def train_unit_dropout(rank, world_size, hook, settings, steps, options=None):
     return {"produced": np.stack(produced), "applied": np.stack(applied), "kept": kept,
             "held_back": flat(held), "params": flat(model.parameters()),
             "stats": {k: v for k, v in state.stats().items() if k != "pool"},
-            "units_step": units.step, "warned_masks": getattr(state, "_warned_masks", None),
+            "units_step": units.step,
+            "warned_masks": state.dropped_units.warned if state.dropped_units else None,
             "buffers_in_use": state.pool.stats()["buffers_in_use"] if hasattr(state, "pool") else 0}
 
 

@@ -154,7 +154,7 @@ class DroppedUnits:
             raise TypeError(f"skip_dropped_units takes a hetero_comm.nn.UnitDropoutSet or None; "
                             f"got {type(units).__name__}")
         self.units, self.owner = units, owner
-        self._masks_step, self._warned = None, False
+        self._masks_step, self.warned = None, False  # warned: the masks warning was given
         self._non_finite_at_checks = (0, 0)  # the count at the last two mask checks
 
     def kept_layout(self, parameters) -> Optional[KeptLayout]:
@@ -170,9 +170,9 @@ class DroppedUnits:
         that bucket is counted a step late)."""
         skipped = non_finite_buckets > self._non_finite_at_checks[0]
         self._non_finite_at_checks = (self._non_finite_at_checks[1], non_finite_buckets)
-        if self.units.step == self._masks_step and not self._warned and not skipped:
+        if self.units.step == self._masks_step and not self.warned and not skipped:
             logger.warning("%s: the unit-dropout masks did not change since the last step; call "
                            "units.attach(optimizer) (or units.next_step() after each step)",
                            self.owner)
-            self._warned = True
+            self.warned = True
         self._masks_step = self.units.step
