@@ -39,6 +39,7 @@ def test_kernel_benchmark_prints_and_saves_every_row(tmp_path):
     assert {aim["aim"].split()[0] for aim in report["aims"]} == {"quantize", "dequantize"}
 
 
+@pytest.mark.slow
 def test_kernel_benchmark_times_the_dct_in_the_hooks_grouped_layout(tmp_path):
     saved = tmp_path / "dct.json"
     out = run_script("bench_kernels", "--sizes", "64K", "--quick", "--only", "dct", "--json", str(saved))
@@ -76,6 +77,7 @@ def test_cuda_aims_in_gpu_time_judge_only_rows_that_have_it():
     assert ("dequantize", "gpu_pct_of_copy") not in judged
 
 
+@pytest.mark.slow
 def test_density_sensitivity_rows_schedule_and_the_pinned_automatic_density_changes_nothing(tmp_path):
     bench = load_benchmark("bench_density_sensitivity")
     dipped = [i for i in range(200) if bench.scheduled_density("dips0.5", i, 0.2) != 0.2]
@@ -91,6 +93,7 @@ def test_density_sensitivity_rows_schedule_and_the_pinned_automatic_density_chan
     assert rows["pinned"]["ranks_identical"] and rows["fixed16"]["ranks_identical"]
 
 
+@pytest.mark.slow
 def test_hook_cost_benchmark_reports_every_configuration(tmp_path):
     saved, profile = tmp_path / "cost.json", tmp_path / "profile.txt"
     out = run_script("bench_hook_cost", "--device", "cpu", "--width", "64", "--layers", "2",
@@ -105,6 +108,7 @@ def test_hook_cost_benchmark_reports_every_configuration(tmp_path):
     assert "AdamW recipe" in profile.read_text() and "SGD recipe" in profile.read_text()
 
 
+@pytest.mark.slow
 def test_generality_benchmark_averages_seeds_and_keeps_cases_it_has(tmp_path):
     saved = tmp_path / "generality.json"
     args = ("--quick", "--models", "resnet", "--optimizers", "adamw", "--lrs", "1e-3",

@@ -203,6 +203,7 @@ def link_shared_object(tmp_path, name: str, extra: list) -> tuple:
     return needed_libraries(target), len(private_libstdcxx_symbols(target))
 
 
+@pytest.mark.build
 def test_setup_link_flags_keep_libstdcxx_shared_under_a_static_toolchain(tmp_path):
     # What a wrapper that adds -static-libstdc++ does to a link, with and without the flags.
     link_args = setup_link_definitions()["LIBSTDCXX_LINK_ARGS"]
@@ -211,6 +212,7 @@ def test_setup_link_flags_keep_libstdcxx_shared_under_a_static_toolchain(tmp_pat
     assert "libstdc++.so.6" in fixed[0] and fixed[1] == 0, fixed
 
 
+@pytest.mark.build
 def test_setup_links_the_running_libstdcxx_where_the_toolchain_has_only_the_archive(tmp_path):
     # Issue 35: the GPU image's compiler found only libstdc++.a for -lstdc++, so the flags above
     # still gave every extension a private copy (980 symbols), which crashed on a numeric message.

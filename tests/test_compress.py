@@ -79,6 +79,7 @@ def test_ratio_out_of_range_is_refused(ratio):
         density_for_ratio(ratio)
 
 
+@pytest.mark.multirank
 def test_bad_calls_raise_clear_errors_and_change_nothing():
     results = run_ranks(2, compress_workers.bad_calls)
     expected = {
@@ -107,6 +108,7 @@ def test_bad_calls_raise_clear_errors_and_change_nothing():
             assert untouched, name
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("model,optimizer,ratio,expected", [
     ("attention", "sgd", None, ["SGD recipe fell behind dense"]),
     ("attention", "adamw", None, []),
@@ -134,6 +136,8 @@ WRITTEN_OUT = {
 RUN = dict(model="mlp", hidden=256, epochs=1, max_steps=6, global_batch=64, workers=2)
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("workers", [2, 3])
 @pytest.mark.parametrize("optimizer,lr", [("adamw", 1e-3), ("sgd", 0.05)])
 def test_one_call_trains_bitwise_as_the_recipe_written_out(optimizer, lr, workers):
@@ -153,6 +157,7 @@ def test_one_call_trains_bitwise_as_the_recipe_written_out(optimizer, lr, worker
     assert one_call["hook_stats"]["compression_ratio"] > 25  # it compressed
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("optimizer,ratio", [("adamw", 8), ("sgd", 24)])
 def test_ratio_knob_reaches_about_the_asked_compression(optimizer, ratio):
     """On the 85K-parameter MLP the achieved ratio after the warm-up is the asked one within
@@ -165,6 +170,7 @@ def test_ratio_knob_reaches_about_the_asked_compression(optimizer, ratio):
     assert abs(achieved / ratio - 1) < 0.20, achieved
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("load_optimizer_first", [True, False])
 def test_resume_loads_the_optimizer_before_or_after_the_call(load_optimizer_first, nesterov):
@@ -177,6 +183,7 @@ def test_resume_loads_the_optimizer_before_or_after_the_call(load_optimizer_firs
         assert identical
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("machines,ratio,local_world_size,optimizer", [
     ("auto", "auto", None, "adamw"),  # the host names: every rank on this one
     (None, "auto", 2, "sgd"),  # a launcher's LOCAL_WORLD_SIZE covering the world
@@ -194,6 +201,8 @@ def test_one_machine_is_the_dense_allreduce_with_a_warning(machines, ratio, loca
         assert not plain["warnings"]
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 @pytest.mark.parametrize("ratio", [None, "auto"])
 def test_machines_set_up_the_two_level_sync_with_the_recipe(optimizer, ratio):
@@ -207,6 +216,7 @@ def test_machines_set_up_the_two_level_sync_with_the_recipe(optimizer, ratio):
     assert min(ratios) > 4  # each local rank carries its share of the 1,669-parameter bucket
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_compress_under_ddp_settings_users_turn_on(optimizer):
     """gradient_as_bucket_view, static_graph, find_unused_parameters (with a layer the forward
@@ -223,6 +233,7 @@ def test_compress_under_ddp_settings_users_turn_on(optimizer):
     assert torch.equal(ranks[0]["gradient_as_bucket_view"][0], default)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_compress_trains_under_a_grad_scaler(optimizer):
     """float16 autocast with torch.amp.GradScaler, whose first steps overflow: each

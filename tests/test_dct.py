@@ -25,6 +25,7 @@ def dct_tolerance(block_size: int) -> float:
     return 3e-7 * block_size + 2e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)

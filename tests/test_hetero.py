@@ -124,6 +124,7 @@ def test_sampler_first_epoch_is_an_equal_split_and_validates():
         HeteroSampler(100, 2, 0, 3)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("sizes", [[5, 19], [2, 9, 21]])
 def test_weighted_gradient_equals_the_global_batch_gradient(sizes):
     """Unequal local batches with rank_weight = b_i / B give exactly the gradient of the mean
@@ -157,6 +158,7 @@ def _check_exact_global_gradients(results, num_samples, rtol):
         assert sorted(used[epoch * num_samples:(epoch + 1) * num_samples]) == list(range(num_samples))
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size,hook,settings,rtol", [
     (2, "dense", {}, 1e-5),
     (3, "dense", {}, 1e-5),
@@ -188,6 +190,7 @@ def test_controller_plans_from_compute_and_keeps_gradients_exact(world_size, hoo
         assert len(epoch_1_first_step) == planned[results.index(r)]
 
 
+@pytest.mark.multirank
 def test_controller_smooths_bounds_and_replans_within_an_epoch():
     """replan_every=2 with smoothing 0.5 and max_change 0.25; rank 1 turns 3x slower in the
     second epoch. Speeds follow the moving average exactly, no rank's batch moves more than

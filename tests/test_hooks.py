@@ -35,6 +35,7 @@ def assert_ranks_identical(results):
         np.testing.assert_array_equal(r["applied"], results[0]["applied"])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("basis", ["elements", "dct"])
 def test_sparse_at_full_density_equals_dense_allreduce(world_size, basis):
@@ -51,6 +52,7 @@ def test_sparse_at_full_density_equals_dense_allreduce(world_size, basis):
     assert dense[0]["stats"]["compression_ratio"] == 1.0
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("bits", [16, 32])
 def test_dct_keeping_every_coefficient_is_within_quantization_error(world_size, bits):
@@ -70,6 +72,7 @@ def test_dct_keeping_every_coefficient_is_within_quantization_error(world_size, 
     assert_ranks_identical(results)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("hook,settings_", [
     ("sparse", SPARSE),
     ("sparse", dict(SPARSE, wire_dtype="float16", density_warmup_steps=3)),
@@ -101,6 +104,7 @@ def test_conservation_law(hook, settings_, world_size):
     assert stats["steps"] == 12 and stats["compression_ratio"] > 1
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("basis", ["elements", "dct"])
 def test_sign_output_is_the_sign_of_the_sum(basis):
     """At full density the sum delivered is the weighted sum of what every rank produced;
@@ -160,6 +164,8 @@ def test_dct_segments_are_one_frequency_of_a_group_of_blocks(numel, block, group
                                                            block, numel), rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("variant", [
     dict(basis="elements"),
     dict(basis="dct", dct_block_size=4),
@@ -180,6 +186,8 @@ def test_unequal_rank_weights_and_uneven_buckets(variant):
     np.testing.assert_allclose(results[0]["applied"].sum(axis=0) + held, produced, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("hook,settings_", [("sparse", dict(SPARSE, density=1.0)),
                                             ("sparse", dict(SPARSE, density=1.0, basis="dct")),
                                             ("dct", dict(DCT, keep_ratio=1.0, bits=32))])
@@ -192,6 +200,7 @@ def test_half_precision_gradients(hook, settings_, dtype):
     assert_ranks_identical(results)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("hook,settings_", [("sparse", SPARSE), ("dct", DCT)])
 def test_no_sync_gradient_accumulation(hook, settings_):
     results = run_ranks(2, train, hook, settings_, 12, dict(no_sync_every=3))
@@ -201,6 +210,8 @@ def test_no_sync_gradient_accumulation(hook, settings_):
     assert_ranks_identical(results)
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("hook,settings_", [
     ("sparse", SPARSE),
     ("sparse", dict(SPARSE, momentum=0.9)),
@@ -224,6 +235,7 @@ def test_resume_from_state_dict_continues_exactly(hook, settings_, bucket_cap_mb
         np.testing.assert_array_equal(a["held_back"], b["held_back"])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("device_side_checks", [False, True])
 def test_non_finite_gradient_in_a_bucket_of_several_plan_buckets(device_side_checks):
     """A resumed run's first step sees DDP's provisional buckets, each sent as several plan
@@ -243,6 +255,8 @@ def test_non_finite_gradient_in_a_bucket_of_several_plan_buckets(device_side_che
     assert_ranks_identical(results)
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("basis", [dict(basis="elements"), dict(basis="dct", dct_block_size=4)])
 def test_momentum_correction_at_full_density_clears_the_whole_velocity(basis, nesterov):
@@ -259,6 +273,7 @@ def test_momentum_correction_at_full_density_clears_the_whole_velocity(basis, ne
     assert_ranks_identical(run_ranks(2, train, "sparse", settings, 6, options))
 
 
+@pytest.mark.multirank
 def test_resume_with_each_rank_loading_its_own_checkpoint():
     uninterrupted = run_ranks(3, train, "sparse", SPARSE, 8)
     resumed = run_ranks(3, train, "sparse", SPARSE, 8, dict(resume_at=5, checkpoint_from="own"))
@@ -267,6 +282,7 @@ def test_resume_with_each_rank_loading_its_own_checkpoint():
         np.testing.assert_array_equal(a["held_back"], b["held_back"])
 
 
+@pytest.mark.multirank
 def test_state_dict_into_another_world_size_keeps_what_is_held_back():
     """Rank 0's dict of 2 ranks, loaded by 1 and by 3 ranks: together they hold back what the
     2 did. Rank 1's dict alone cannot serve another rank, and no dict of several ranks can be
@@ -285,6 +301,7 @@ def test_state_dict_into_another_world_size_keeps_what_is_held_back():
         run_ranks(1, loaded_residual_total, "sparse", SPARSE, results[1]["state_dict"])
 
 
+@pytest.mark.multirank
 def test_a_state_dict_loaded_for_another_model_says_what_differs():
     saved = run_ranks(2, train, "sparse", SPARSE, 4, dict(return_state_dict=True))[0]["state_dict"]
     messages = run_ranks(2, load_into_another_model, "sparse", SPARSE, saved)
@@ -311,12 +328,14 @@ def test_a_hook_refuses_another_hooks_state(hook, state, expected):
         hook(state, None)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("hook,settings_", [("dense", {}), ("sparse", SPARSE)])
 def test_one_state_serves_one_model(hook, settings_):
     messages = run_ranks(2, share_one_state, hook, settings_)
     assert all("already serves another model" in m for m in messages), messages
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("hook,settings_", [("sparse", SPARSE), ("sparse", dict(SPARSE, basis="dct")),
                                             ("sparse", dict(SPARSE, wire_dtype="int8")), ("dct", DCT)])
 def test_steady_state_steps_allocate_no_pool_storage(hook, settings_):
@@ -335,6 +354,7 @@ NON_FINITE_CASES = [
 ]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("device_side_checks", [False, True])
 @pytest.mark.parametrize("hook,settings_", NON_FINITE_CASES)
 def test_non_finite_gradient_is_handed_on_as_nan_and_the_bucket_restarts(hook, settings_,
@@ -368,6 +388,7 @@ def test_non_finite_gradient_is_handed_on_as_nan_and_the_bucket_restarts(hook, s
     np.testing.assert_allclose(applied + held, produced, rtol=1e-4, atol=atol)
 
 
+@pytest.mark.multirank
 def test_stats_count_bytes_on_the_wire():
     results = run_ranks(2, train, "sparse", SPARSE, 6)
     stats = results[0]["stats"]
@@ -382,6 +403,7 @@ def test_stats_count_bytes_on_the_wire():
     assert stats["encode_seconds"] > 0 and stats["decode_seconds"] > 0
 
 
+@pytest.mark.multirank
 def test_int8_wire_sends_a_byte_per_value_and_sums_exact_integers():
     """Per compressed step: the importance (S float32) and k segments of one byte each. At
     full density, in the first compressed step (nothing carried over from the dense one), the
@@ -508,6 +530,7 @@ def test_density_schedule_and_cycling_band():
     assert DCTQuantState(block_size=16, keep_ratio=1.0).frequencies_on(5, torch.device("cpu")) is None
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("settings_, warned", [
     (dict(segment_size=64, density=0.1), True),  # one bucket of 1,247 elements: 20 segments
     (dict(segment_size=8, density=0.1), False),  # 156 segments
@@ -588,6 +611,7 @@ def test_min_segments_per_bucket_cuts_dct_segments_into_fewer_blocks(numel, bloc
         assert group == 1
 
 
+@pytest.mark.multirank
 def test_min_segments_per_bucket_trains_as_the_fitting_segment_size_does():
     """The test model's one bucket (1,247 elements) with segments of 512 and at least 150 of
     them is the same run, bitwise, as segments of 8 (the SGD recipe's settings)."""

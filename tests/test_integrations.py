@@ -37,6 +37,8 @@ def torchrun(*args, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("hook", ["sparse", "dct", "dct_sign", "dct_sign_int8", "sparse_mc",
                                   "compress_adamw", "compress_sgd"])
 @pytest.mark.parametrize("framework", ["lightning", "accelerate"])
@@ -76,6 +78,8 @@ def test_hook_runs_and_resumes_exactly_through_the_frameworks_checkpoint(framewo
                            for message in rank["mismatched"]["optimizer_warnings"])
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 @pytest.mark.parametrize("example,launch,brief", [
     ("torchrun_example.py", "torchrun", ("--steps", "20")),

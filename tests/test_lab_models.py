@@ -39,6 +39,8 @@ def test_text_models_refuse_dropout():
         make_workload("gru", 32, seed=0, dropout=0.1)
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("options", [
     dict(model="resnet", hidden=128, optimizer="sgd", lr=0.05, global_batch=64),
     dict(model="gru", hidden=32, optimizer="adamw", lr=3e-3, global_batch=32),

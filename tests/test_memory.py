@@ -253,6 +253,7 @@ def small_profiles(draw):
                          draw(st.floats(10.0, 1000.0)), draw(st.booleans()))
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_profiles(), st.floats(0.3, 1.2))
 def test_the_integer_program_finds_the_exhaustive_optimum(profile, budget_share):
@@ -273,6 +274,7 @@ def test_the_integer_program_finds_the_exhaustive_optimum(profile, budget_share)
         assert seed.predicted_step_s >= plan.predicted_step_s - 1e-9
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(small_profiles(), st.floats(0.3, 1.2), st.integers(1, 4))
 def test_candidates_are_the_best_few_plans_that_fit(profile, budget_share, count):
@@ -488,6 +490,7 @@ def test_other_model_families_profile_plan_and_train_the_same(family, tmp_path):
     assert_same_steps(got, expected)
 
 
+@pytest.mark.slow
 def test_the_memory_plan_example_runs_as_written():
     """The example, briefly: profile, tune in turns on a copy, train with the plan, and the
     trained weights and statistics equal the unplanned run's."""

@@ -14,6 +14,8 @@ import pytest
 
 from lab.netlab import RateLimitedNetwork, netlab_unavailable, parse_rate
 
+pytestmark = pytest.mark.multirank  # every test here starts ranks in network namespaces
+
 needs_root = pytest.mark.skipif(netlab_unavailable() is not None,
                                 reason=f"no rate-limited links here: {netlab_unavailable()}")
 
@@ -36,6 +38,7 @@ def test_parse_rate():
             parse_rate(bad)
 
 
+@pytest.mark.slow
 @needs_root
 @pytest.mark.parametrize("num_ranks", [2, 3])
 def test_links_are_rate_limited_and_removed(num_ranks):
@@ -67,6 +70,7 @@ def transfer_seconds(net, source: int, sink: int) -> float:
     return seconds
 
 
+@pytest.mark.slow
 @needs_root
 def test_sites_are_fast_inside_and_slow_between():
     """Two sites of two ranks, 20 Mbit/s between sites, unshaped inside: 2.5 MB takes about 1 s
@@ -79,6 +83,7 @@ def test_sites_are_fast_inside_and_slow_between():
     assert net.leftovers() == []
 
 
+@pytest.mark.slow
 @needs_root
 def test_two_level_bytes_between_machines_are_the_bytes_on_the_uplinks():
     """Two machines of two ranks (sites), 100 Mbit/s between them: over 8 steps of the
@@ -139,6 +144,7 @@ def run_wire_worker(net=None, **settings) -> list:
     return reports
 
 
+@pytest.mark.slow
 @needs_root
 def test_hook_bytes_are_the_bytes_on_the_wire():
     """Two ranks, 100 Mbit/s: over 8 steps of the sparse hook, each rank's interface sends
@@ -153,6 +159,7 @@ def test_hook_bytes_are_the_bytes_on_the_wire():
         assert report["tx_bytes"] == pytest.approx(report["hook_bytes_sent"], rel=0.10)
 
 
+@pytest.mark.slow
 @needs_root
 def test_dropped_units_are_not_on_the_wire():
     """Two ranks, 100 Mbit/s, unit dropout p = 0.5 with the dense hook skipping dropped

@@ -157,6 +157,7 @@ def dropped_mask(kept_per_layer):
                            last[:, :17].ravel(), last[:, 17]])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_dense_sync_of_kept_rows_equals_the_allreduce_of_masked_gradients(world_size):
     results = run_ranks(world_size, train_unit_dropout, "dense", {}, 6)
@@ -177,6 +178,8 @@ def test_dense_sync_of_kept_rows_equals_the_allreduce_of_masked_gradients(world_
     assert plain[0]["stats"]["bytes_sent"] == stats["bytes_dense"]
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("hook, settings_", [
     ("sparse", SPARSE), ("sparse", dict(SPARSE, basis="dct", dct_block_size=4)),
     ("sparse", dict(SPARSE, momentum=0.9)), ("sparse", dict(SPARSE, wire_dtype="int8")),
@@ -200,6 +203,7 @@ def test_compressed_sync_of_kept_rows_keeps_error_feedback_exact(hook, settings_
     assert results[0]["stats"]["bytes_dense"] == plain[0]["stats"]["bytes_dense"]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("hook, settings_", [("dense", {}), ("sparse", SPARSE)])
 def test_unequal_rank_weights(hook, settings_):
     """Ranks weighted 0.7 / 0.3 (as unequal batches are): the kept part is the weighted sum."""
@@ -213,6 +217,7 @@ def test_unequal_rank_weights(hook, settings_):
         np.testing.assert_allclose(results[0]["applied"], produced, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("device_side_checks", [False, True])
 @pytest.mark.parametrize("settings_", [SPARSE, dict(SPARSE, momentum=0.9)])
 def test_non_finite_gradient_in_the_kept_part(settings_, device_side_checks):
@@ -232,6 +237,7 @@ def test_non_finite_gradient_in_the_kept_part(settings_, device_side_checks):
         assert not result["warned_masks"]  # the skipped step kept the masks: no false alarm
 
 
+@pytest.mark.multirank
 def test_resume_continues_the_masks_and_error_feedback_exactly():
     straight = run_ranks(2, train_unit_dropout, "sparse", SPARSE, 8)
     resumed = run_ranks(2, train_unit_dropout, "sparse", SPARSE, 8, dict(resume_at=5))
@@ -240,6 +246,7 @@ def test_resume_continues_the_masks_and_error_feedback_exactly():
         assert a["units_step"] == b["units_step"] == 8
 
 
+@pytest.mark.multirank
 def test_ranks_agree_on_the_seed_or_say_they_do_not():
     drawn = run_ranks(3, agree_on_seed, [None, None, None])
     assert drawn[0] == drawn[1] == drawn[2]
@@ -248,6 +255,7 @@ def test_ranks_agree_on_the_seed_or_say_they_do_not():
     assert all("every rank must pass the same seed" in e for e in errors)
 
 
+@pytest.mark.multirank
 def test_masks_that_never_change_are_reported():
     """Without attach(optimizer) the same units stay dropped: the hook state warns."""
     results = run_ranks(2, train_unit_dropout, "dense", {}, 3, dict(attach=False))

@@ -64,6 +64,7 @@ def check_against_single_process(results, config):
 
 
 # ------------------------------------------------------------------ 2 machines x 2 stages
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", list(DATA_PARALLEL_CONFIGS))
 def test_two_machines_match_single_process_training(data_parallel_results, name):
     """Every rank's stage gradient equals that of the whole model on the global batch (mean
@@ -92,6 +93,7 @@ def test_comm_hook_runs_once_per_step(data_parallel_results, name):
 
 
 # ------------------------------------------------------------------ 1 machine x 2 stages
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", list(SINGLE_MACHINE_CONFIGS))
 def test_one_machine_matches_single_process_training(single_machine_results, name):
     results = single_machine_results[name]

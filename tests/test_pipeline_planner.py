@@ -114,6 +114,7 @@ def test_capability_order_puts_the_largest_ratio_of_compute_to_sync_first():
         "sluggish", "quick"]
 
 
+@pytest.mark.slow
 def test_planner_time_grows_gently_with_layers_and_devices():
     # Not a timing test: the 100-layer, 8-device case must be solved to optimality (the bench
     # times it); here it must simply return a valid plan under the cost model.

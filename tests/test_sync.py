@@ -349,6 +349,7 @@ def test_sparseloco_baseline_sends_k_values_a_chunk_on_four_levels_of_its_scale(
             torch.testing.assert_close(sent_row[top][kept[top]], nearest[kept[top]])
 
 
+@pytest.mark.multirank
 def test_sparseloco_baseline_leaves_every_rank_with_the_same_model():
     sites = ((0,), (1, 2))
     results = run_ranks(3, sync_workers.sparseloco_run, sites, 6, timeout=120)
@@ -360,11 +361,13 @@ def test_sparseloco_baseline_leaves_every_rank_with_the_same_model():
 
 
 # ----- real gloo ranks -------------------------------------------------------------------------
+@pytest.mark.multirank
 def test_one_group_is_exactly_ddp():
     for with_sync, plain in run_ranks(2, sync_workers.one_group_against_ddp, 5, timeout=120):
         assert torch.equal(with_sync, plain)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("groups", [((0,), (1,)), ((0, 1), (2, 3))], ids=["2x1", "2x2"])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_lockstep_groups_equal_synchronous_training(groups, momentum):
@@ -376,6 +379,7 @@ def test_lockstep_groups_equal_synchronous_training(groups, momentum):
         assert result["stats"]["mean_staleness"] == 0.0
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("wire_dtype, layer_deadline", [
     ("float32", False), ("bfloat16", False), ("int8", False), ("float32", True), ("int8", True),
     (SparseWire(0.25, 2, 4), False), (SparseWire(0.25, 4, 4), True),
@@ -413,6 +417,7 @@ def test_no_contribution_is_lost_or_counted_twice(wire_dtype, layer_deadline):
     np.testing.assert_array_equal(results[1]["final"], results[2]["final"])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("wire_dtype", [None, SparseWire(0.25, 2, 4)], ids=str)
 def test_resume_equals_an_uninterrupted_run(tmp_path, wire_dtype):
     groups = ((0,), (1, 2))
@@ -426,6 +431,8 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, wire_dtype):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_a_stalled_group_raises_a_clear_error():
     message, _ = run_ranks(2, sync_workers.stalled_group, timeout=120)
     # The training thread's wait or the receiver's (both 3 s) runs out first.
@@ -433,6 +440,7 @@ def test_a_stalled_group_raises_a_clear_error():
                                             "waited 3 s for the staleness bound" in message)
 
 
+@pytest.mark.multirank
 def test_bad_settings_raise_clear_errors():
     messages = run_ranks(2, sync_workers.bad_settings, timeout=120)[0]
     assert "covers 3 ranks; the job has 2" in messages["world_size"]
@@ -449,6 +457,7 @@ def test_bad_settings_raise_clear_errors():
     assert "part_bytes" in messages["part_bytes"]
 
 
+@pytest.mark.multirank
 def test_dynamic_batches_inside_groups_keep_the_step_exact():
     """The batch controller on each group's process group: unequal, re-planned splits inside a
     group, and the lockstep groups still make exactly the synchronous step on both groups'

@@ -79,6 +79,7 @@ def test_a_message_that_does_not_fit_its_part_is_not_encoded():
         Framing(2, ())
 
 
+@pytest.mark.multirank
 def test_typed_messages_between_two_leaders_and_a_malformed_frame_fails_the_link():
     _, received = run_ranks(2, sync_workers.link_exchange, timeout=120)
     sent = list(sync_workers.link_messages())

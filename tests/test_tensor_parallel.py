@@ -58,6 +58,8 @@ def split_results():
     return results
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("chunks,uneven", [(1, False), (3, True)])
@@ -69,6 +71,7 @@ def test_split_mlps_equal_the_whole_model(split_results, world_size, dtype, chun
             assert result["sizes"]["1"] == shard_sizes(13, [1.0, 2.0, 3.0][:world_size])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_column_and_row_parallel_linear_equal_the_whole_layers(world_size):
     for rank, result in enumerate(run_ranks(world_size, single_layers_match_whole, torch.float64,
@@ -77,12 +80,14 @@ def test_column_and_row_parallel_linear_equal_the_whole_layers(world_size):
             assert error <= 1e-12, (rank, name, error)
 
 
+@pytest.mark.multirank
 def test_tensor_times_data_parallel_trains_like_the_whole_model():
     for rank, result in enumerate(run_ranks(4, two_dimensional_matches_whole, 2, timeout=300)):
         for name, error in result["errors"].items():
             assert error <= 1e-12, (rank, name, error)
 
 
+@pytest.mark.multirank
 def test_bad_setups_are_clear_errors():
     messages = run_ranks(2, bad_input_messages, timeout=120)[0]
     expected = {
@@ -102,6 +107,7 @@ def test_bad_setups_are_clear_errors():
         assert messages[case].startswith(start), (case, messages[case])
 
 
+@pytest.mark.multirank
 def test_tune_chunks_sets_one_count_every_rank_agrees_on():
     results = run_ranks(2, tune_chunks_agrees, timeout=300)
     chosen = {result[0] for result in results}

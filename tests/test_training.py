@@ -22,6 +22,8 @@ def dense_accuracy():
     return record["final_accuracy"]
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("overrides,min_compression,allowed_drop", [
     (dict(hook="sparse", hook_settings=dict(density=0.01)), 40.0, 0.01),
     (dict(hook="dct", hook_settings=dict(keep_ratio=0.125, bits=8)), 8.0, 0.01),
@@ -34,6 +36,8 @@ def test_compressed_hooks_reach_dense_accuracy(dense_accuracy, overrides, min_co
     assert record["final_accuracy"] >= dense_accuracy - allowed_drop
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_demo_writes_table_json_and_plot(tmp_path, capsys):
     assert main(["--workloads", "mlp_sgd", "--hooks", "dense,sparse", "--epochs", "1",
                  "--out", str(tmp_path)]) == 0
@@ -45,6 +49,8 @@ def test_demo_writes_table_json_and_plot(tmp_path, capsys):
     assert (tmp_path / "demo.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_demo_default_hooks_on_two_workloads(tmp_path, capsys):
     """The demo's default hooks (dense, the one call's recipe, PowerSGD) on two workloads, one
     epoch each: a row per workload and hook, the recipe at about its nominal ratio."""
@@ -61,6 +67,7 @@ def test_demo_default_hooks_on_two_workloads(tmp_path, capsys):
     assert "hetero_comm.compress" in out and "torch powerSGD_hook" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags,message", [
     (["--hooks", "dense,zip"], "unknown hook"),
     (["--workers", "0"], "workers must be an integer >= 1; got 0"),
@@ -86,6 +93,8 @@ def test_demo_rejects_bad_flags(flags, message):
     assert message in result.stderr or pytest.fail(result.stderr)
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_text_workload_trains_with_adamw_and_a_cosine_schedule():
     """The transformer on text (the convergence benchmark's workload, narrower), 40 steps: the
     byte-level validation loss falls well below uniform guessing (ln 256 = 5.55 nats; measured
@@ -97,6 +106,8 @@ def test_text_workload_trains_with_adamw_and_a_cosine_schedule():
     assert record["epochs"]["test_loss"][-1] < 4.5
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_dct_sign_recipe_keeps_a_transformer_with_adamw_near_dense():
     """Issue 17's aim in small: the transformer on text, AdamW with warm-up, cosine schedule and
     clipping, 200 steps at 2 ranks. The plain sparse hook at ~25x ends far above dense (measured
@@ -140,6 +151,7 @@ def test_train_config_rejects_bad_settings(overrides, message):
         TrainConfig(**overrides).validate()
 
 
+@pytest.mark.multirank
 def test_evaluations_every_few_steps_and_progress(tmp_path):
     progress = tmp_path / "progress"
     record = run_training(TrainConfig(hook="two_level", hook_settings=dict(machines=1, density=0.1),
@@ -160,6 +172,8 @@ SGD_RECIPE = dict(hook="sparse", prepare_optimizer=True, momentum=0.9,
                                      min_segments_per_bucket=150))
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("options,epochs", [(dict(hook="dense"), 3), (dict(hook="sparse"), 3), (SGD_RECIPE, 6)],
                          ids=["dense", "sparse", "sgd_recipe"])
 def test_dynamic_batches_train_the_same_model_as_equal_batches(options, epochs):
@@ -186,6 +200,8 @@ def test_dynamic_batches_train_the_same_model_as_equal_batches(options, epochs):
         assert dynamic["final_accuracy"] >= equal["final_accuracy"] - 0.03
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.skipif(cpu_quota_unavailable() is not None,
                     reason=f"CPU quota unavailable: {cpu_quota_unavailable()}")
 def test_demo_with_a_slow_worker_gives_it_a_smaller_batch(tmp_path, capsys):

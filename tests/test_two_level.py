@@ -28,6 +28,7 @@ def assert_ranks_identical(results):
         np.testing.assert_array_equal(r["applied"], results[0]["applied"])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size,machines", [(4, 2), (4, 1), (2, 2), (4, 4)])
 def test_without_compression_equals_flat_dense_allreduce_bitwise(world_size, machines):
     """Integer gradients in float64 and weights 1/4 or 1/2: every order of summing is exact,
@@ -40,6 +41,8 @@ def test_without_compression_equals_flat_dense_allreduce_bitwise(world_size, mac
     assert np.abs(flat[0]).max() > 1  # the gradients are not trivial
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("optimizer_name, kept", [
     ("adamw", dict(betas=[0.9, 0.999])),
     ("sgd_momentum", dict(momentum=0.9)),
@@ -54,6 +57,8 @@ def test_dense_between_machines_leaves_the_optimizer_as_dense_training_has_it(op
     assert sparse[0] != kept
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size,machines", [(4, 2), (6, 3), (6, 2)])
 def test_without_compression_matches_flat_dense_on_a_real_model(world_size, machines):
     """The plain sum is handed on, its dense warm-up step's too."""
@@ -65,6 +70,8 @@ def test_without_compression_matches_flat_dense_on_a_real_model(world_size, mach
     np.testing.assert_allclose(two_level[0]["applied"], flat[0]["applied"], rtol=0, atol=1e-15)
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("settings_", [
     SPARSE,
     dict(SPARSE, wire_dtype="int8"),
@@ -96,6 +103,7 @@ def test_conservation_law(settings_, world_size, machines):
     assert stats["bytes_inside_machines"] > 0
 
 
+@pytest.mark.multirank
 def test_each_rank_holds_back_only_its_share():
     results = run_ranks(4, train, "two_level", dict(SPARSE, machines=2), 6)
     held = np.stack([r["held_back"] for r in results])
@@ -104,6 +112,7 @@ def test_each_rank_holds_back_only_its_share():
     assert nonzero[0].any() and nonzero[1].any()
 
 
+@pytest.mark.multirank
 def test_unequal_rank_weights():
     weights = [0.1, 0.2, 0.3, 0.4]
     flat = run_ranks(4, train, "dense", {}, 4, dict(weights=weights, dtype=torch.float64))
@@ -112,6 +121,8 @@ def test_unequal_rank_weights():
     np.testing.assert_allclose(two_level[0]["applied"], flat[0]["applied"], rtol=0, atol=1e-15)
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("checkpoint_from", ["rank0", "own"])
 @pytest.mark.parametrize("settings_", [SPARSE, dict(SPARSE, wire_dtype="int8", momentum=0.9)])
 def test_resume_continues_exactly(settings_, checkpoint_from):
@@ -124,6 +135,7 @@ def test_resume_continues_exactly(settings_, checkpoint_from):
         np.testing.assert_array_equal(a["held_back"], b["held_back"])
 
 
+@pytest.mark.multirank
 def test_non_finite_gradient_is_handed_on_as_nan_on_every_rank():
     """A NaN in rank 1's gradient at step 4: every rank of both machines gets the bucket as
     NaN (the worker skips that step, as a GradScaler would), one warning and one count each;
@@ -144,6 +156,7 @@ def test_non_finite_gradient_is_handed_on_as_nan_on_every_rank():
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.multirank
 def test_automatic_density_stays_in_its_bounds_and_ranks_agree():
     settings_ = dict(SPARSE, machines=2, density="auto", density_floor=0.02, density_ceiling=0.3,
                      wire_dtype="int8")
@@ -153,6 +166,7 @@ def test_automatic_density_stays_in_its_bounds_and_ranks_agree():
     assert len(densities) == 1 and 0.02 <= densities.pop() <= 0.3
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("resume_at", [5, 6])  # with an agreement in flight, or just read
 def test_the_agreement_takes_each_rails_least_seconds_every_few_steps_and_resumes_exactly(resume_at):
     """Two machines of two rails (four ranks): every AGREE_EVERY-th proposal is agreed (the
@@ -176,6 +190,7 @@ def test_the_agreement_takes_each_rails_least_seconds_every_few_steps_and_resume
     assert results[1]["expected"][4] != pytest.approx(results[0]["expected"][4])  # rails differ
 
 
+@pytest.mark.multirank
 def test_a_rank_that_exchanges_nothing_has_no_say():
     """A rank whose shares are all empty measures nothing and would propose its density as it
     is, holding every rank below there; the other moves it up from the floor alike."""
@@ -185,6 +200,7 @@ def test_a_rank_that_exchanges_nothing_has_no_say():
     assert agreed == sorted(agreed) and agreed[-1] > 0.1  # up towards 25 KB a step
 
 
+@pytest.mark.multirank
 def test_int4_baseline_is_close_to_dense_and_identical_on_every_rank():
     flat = run_ranks(4, train, "dense", {}, 4)
     int4 = run_ranks(4, train, "int4_qgz", dict(machines=2, block=32), 4)
@@ -193,6 +209,8 @@ def test_int4_baseline_is_close_to_dense_and_identical_on_every_rank():
     assert 0 < error < 0.3  # two int4 roundings of 7 levels, no error feedback
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_composes_with_dropped_units_and_dynamic_batches():
     config = TrainConfig(hook="two_level", hook_settings=dict(density=0.1, segment_size=16, machines=2),
                          workers=4, epochs=1, max_steps=8, global_batch=64, dropout=0.5,
@@ -202,6 +220,7 @@ def test_composes_with_dropped_units_and_dynamic_batches():
     assert math.isfinite(record["history"]["loss"][-1])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size,settings_,pattern", [
     (3, dict(machines=[0, 0, 1]), "machines of unequal rank counts are not supported"),
     (2, dict(machines=[0]), "machines has 1 labels but the process group has 2 ranks"),
