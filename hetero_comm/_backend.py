@@ -39,8 +39,8 @@ try:
     from . import _C  # noqa: F401  (importing runs the TORCH_LIBRARY registrations)
 except (ImportError, OSError) as error:  # missing build, or built against another torch
     load_error = error
-    logger.warning("hetero_comm runs on its pure-PyTorch reference kernels (slower, same "
-                   "results): %s", why_not_loaded(error, os.path.dirname(os.path.abspath(__file__))))
+    logger.warning("hetero_comm runs on its pure-PyTorch reference kernels, which are slower: "
+                   "%s", why_not_loaded(error, os.path.dirname(os.path.abspath(__file__))))
 
 _backend_by_type: dict = {}
 
