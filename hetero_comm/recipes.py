@@ -206,7 +206,9 @@ def _recipe_state(recipe: Recipe, ratio, machines, process_group, ddp_model):
         process_group = ddp_model.process_group
     if machines is None and ratio != "auto":
         return SegmentSparseState(process_group=process_group, **recipe.settings), segment_sparse_hook
-    layout = MachineLayout.resolve(machines or "auto", process_group)  # raises for a bad layout
+    # machines=None with ratio="auto": the layout is found; any other value is taken as given
+    # (0, [] or "" raise, as they do for TwoLevelState).
+    layout = MachineLayout.resolve("auto" if machines is None else machines, process_group)
     if layout.machines == 1:
         warnings.warn(f"hetero_comm.compress(machines={machines!r}, ratio={ratio!r}): all "
                       f"{layout.world_size} ranks are on one machine (machines='auto' reads the "

@@ -50,6 +50,9 @@ BAD_CALLS = {
                                                     dict(machines=[0, 0, 1])),
     "machines not dividing the ranks": lambda ddp: (ddp, torch.optim.AdamW(ddp.parameters()),
                                                     dict(machines=3)),
+    "machines zero": lambda ddp: (ddp, torch.optim.AdamW(ddp.parameters()), dict(machines=0)),
+    "machines empty": lambda ddp: (ddp, torch.optim.AdamW(ddp.parameters()), dict(machines=[])),
+    "machines empty text": lambda ddp: (ddp, torch.optim.AdamW(ddp.parameters()), dict(machines="")),
     "adam coupled decay": lambda ddp: (ddp, torch.optim.Adam(ddp.parameters(), weight_decay=0.01), {}),
     "sgd nesterov in one group": lambda ddp: (ddp, torch.optim.SGD(
         [{"params": ddp.module[0].parameters(), "nesterov": True},
