@@ -147,6 +147,7 @@ def bad_input_messages(rank, world_size):
         "named block not linear": message(lambda: parallelize_mlps(
             nn.Sequential(nn.Sequential(nn.Conv1d(4, 6, 1), nn.GELU(), nn.Linear(6, 4))), names=["0"])),
         "missing block": message(lambda: parallelize_mlps(mlp, names=["head"])),
+        "the model is the block": message(lambda: parallelize_mlps(mlp)),
         "speeds per rank": message(lambda: parallelize_mlps(mlp, speeds=[1.0])),
         "groups do not divide": message(lambda: tensor_data_groups(3)),
     }

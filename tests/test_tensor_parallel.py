@@ -100,6 +100,8 @@ def test_bad_setups_are_clear_errors():
         "not an mlp": "ValueError: the model has no nn.Sequential(Linear, activation, Linear) block",
         "named block not linear": "TypeError: 0.0 is a Conv1d, not an nn.Linear",
         "missing block": "ValueError: the model has no submodule 'head'",
+        "the model is the block": "ValueError: the model itself is an nn.Sequential(Linear, "
+                                  "activation, Linear) block, which parallelize_mlps cannot replace",
         "speeds per rank": "ValueError: 1 speeds for 2 ranks in the group",
         "groups do not divide": "ValueError: tensor_parallel_size must be an integer in [1, 2]; got 3",
     }

@@ -79,6 +79,10 @@ def parallelize_mlps(model: nn.Module, group=None, *, speeds: Optional[Sequence[
     if not names:
         raise ValueError("the model has no nn.Sequential(Linear, activation, Linear) block; name "
                          "the blocks to split with names=")
+    if "" in names:
+        raise ValueError("the model itself is an nn.Sequential(Linear, activation, Linear) block, "
+                         "which parallelize_mlps cannot replace in place: split a model that holds "
+                         "it (e.g. nn.Sequential(mlp)), or build a TensorParallelMLP from its layers")
     replaced = {}
     for name in names:
         block = _mlp_parts(model, name)
