@@ -143,6 +143,10 @@ def bad_input_messages(rank, world_size):
             lambda: TensorParallelMLP(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 4), (3, 3))),
         "mismatched mlp": message(
             lambda: TensorParallelMLP(nn.Linear(4, 6), nn.GELU(), nn.Linear(5, 4), (3, 3))),
+        "in-place activation": message(
+            lambda: TensorParallelMLP(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 4), (3, 3))),
+        "random activation": message(lambda: TensorParallelMLP(
+            nn.Linear(4, 6), nn.Sequential(nn.GELU(), nn.Dropout(0.1)), nn.Linear(6, 4), (3, 3))),
         "not an mlp": message(lambda: parallelize_mlps(nn.Sequential(nn.Linear(2, 2)))),
         "named block not linear": message(lambda: parallelize_mlps(
             nn.Sequential(nn.Sequential(nn.Conv1d(4, 6, 1), nn.GELU(), nn.Linear(6, 4))), names=["0"])),

@@ -97,6 +97,9 @@ def test_bad_setups_are_clear_errors():
         "not linear": "TypeError: ColumnParallelLinear's layer must be an nn.Linear; got Conv1d",
         "activation with parameters": "TypeError: the activation must be a module without parameters",
         "mismatched mlp": "ValueError: fc1 gives 6 features, fc2 takes 5",
+        "in-place activation": "ValueError: the activation ReLU(inplace=True) works in place",
+        "random activation": "ValueError: the activation Dropout(p=0.1, inplace=False) (at '1' in the "
+                             "activation) draws random numbers",
         "not an mlp": "ValueError: the model has no nn.Sequential(Linear, activation, Linear) block",
         "named block not linear": "TypeError: 0.0 is a Conv1d, not an nn.Linear",
         "missing block": "ValueError: the model has no submodule 'head'",

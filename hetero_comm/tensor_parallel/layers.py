@@ -203,6 +203,26 @@ class _ChunkedMLP(torch.autograd.Function):
         return rows_grad, weight1_grad, bias1_grad, weight2_grad, None, None, None
 
 
+# Modules that draw random numbers in training: recomputed in the backward, they would draw anew.
+RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                  nn.FeatureAlphaDropout, nn.RReLU)
+
+
+def _check_replayable(activation: nn.Module) -> None:
+    """Raise ``ValueError`` for an activation the backward cannot recompute as the forward ran
+    it: one that works in place (it overwrites the pre-activations kept for the backward) or
+    one that draws random numbers (the backward would draw a new mask)."""
+    for name, module in activation.named_modules():
+        where = f"{module!r}" + (f" (at {name!r} in the activation)" if name else "")
+        if getattr(module, "inplace", False):
+            raise ValueError(f"the activation {where} works in place, which overwrites the "
+                             f"pre-activations the backward recomputes it from: use inplace=False")
+        if isinstance(module, RANDOM_MODULES):
+            raise ValueError(f"the activation {where} draws random numbers, and the backward, "
+                             f"which recomputes the activation, would draw new ones: put it "
+                             f"outside the MLP block")
+
+
 class TensorParallelMLP(_TensorParallelLayer):
     """``fc2(activation(fc1(x)))`` with the hidden neurons split over the group's ranks
     (``sizes``, e.g. by speed), the communication overlapped with the compute in ``chunks``.
@@ -227,6 +247,7 @@ class TensorParallelMLP(_TensorParallelLayer):
             raise ValueError(f"fc1 gives {fc1.out_features} features, fc2 takes {fc2.in_features}")
         if not isinstance(activation, nn.Module) or any(True for _ in activation.parameters()):
             raise TypeError(f"the activation must be a module without parameters; got {activation!r}")
+        _check_replayable(activation)
         chunks = check_int("chunks", chunks, 1)  # before the collective in the base class
         super().__init__(sizes, fc1.out_features, group, [fc1, fc2])
         self.chunks, self.activation = chunks, activation
