@@ -189,6 +189,31 @@ def test_a_scheduler_cycling_momentum_cannot_give_the_optimizer_its_momentum_bac
     assert used == [[0.0, 0.0]] * 4
 
 
+@pytest.mark.parametrize("kind, settings, hook, changed", [
+    ("AdamW", dict(betas=(0.9, 0.999)), SIGN, "betas"),
+    ("SGD", dict(momentum=0.9), MOMENTUM_CORRECTION, "momentum"),
+])
+@pytest.mark.parametrize("scheduler_first", [True, False])
+def test_a_scheduler_cycling_momentum_is_refused_at_the_step_after_it_changed_it(
+        kind, settings, hook, changed, scheduler_first):
+    """OneCycleLR's default cycle_momentum=True rewrites what the recipe fixed (AdamW's betas,
+    SGD's momentum): preparing the optimizer or the next step raises, naming the scheduler
+    setting; without the cycle the run trains on."""
+    def prepare_and_train(cycle_momentum):
+        optimizer = make(kind, 0.05, **settings)
+        make_cycle = lambda: torch.optim.lr_scheduler.OneCycleLR(  # noqa: E731
+            optimizer, max_lr=0.1, total_steps=10, cycle_momentum=cycle_momentum)
+        cycle = make_cycle() if scheduler_first else None
+        SegmentSparseState(**hook).prepare_optimizer(optimizer)
+        train(optimizer, cycle or make_cycle(), steps=3, sign=kind == "AdamW")
+        return optimizer
+
+    with pytest.raises(ValueError, match=f"{changed}.*cycle_momentum=False"):
+        prepare_and_train(cycle_momentum=True)
+    optimizer = prepare_and_train(cycle_momentum=False)
+    assert all(group[changed] in ((0.0, 0.0), 0.0) for group in optimizer.param_groups)
+
+
 @pytest.mark.parametrize("scheduler", [None, "exponential"])
 def test_a_step_that_raises_does_not_leave_the_rate_scaled(scheduler):
     make_scheduler = {None: lambda o: None,

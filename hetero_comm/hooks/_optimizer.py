@@ -229,6 +229,8 @@ class OptimizerFit:
         self.optimizer, self.settings, self.lr_scale = optimizer, dict(settings), lr_scale
         self._check, self._weight_decay_scale = check, weight_decay_scale
         self._user_values: List[tuple] = []  # (group, the user's rate and decay) while a step runs
+        # id(group) -> (group, its values of the settings before the fit first set them)
+        self._before_fit: Dict[int, tuple] = {}
         self._active = True
         self._load_hook = optimizer.register_load_state_dict_post_hook(self._apply_settings)
         self._original_step = optimizer.step
@@ -261,9 +263,30 @@ class OptimizerFit:
 
     def _apply_settings(self, optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
+            if id(group) not in self._before_fit:
+                self._before_fit[id(group)] = (group, {name: _hashable(group.get(name))
+                                                       for name in self.settings})
             group.update(self.settings)
 
+    def _check_settings_kept(self) -> None:
+        """Raise ``ValueError`` where a setting the fit put into a group has changed since to
+        anything but the group's own value before the fit (a scheduler cycling momentum writes
+        AdamW's betas and SGD's momentum at every step)."""
+        for index, group in enumerate(self.optimizer.param_groups):
+            known = self._before_fit.get(id(group))
+            if known is None or known[0] is not group:  # a group added since: fitted below
+                continue
+            for name, value in self.settings.items():
+                current = _hashable(group.get(name))
+                if current not in (_hashable(value), known[1][name]):
+                    raise ValueError(
+                        f"parameter group {index} has {name}={group.get(name)!r}, but the hook "
+                        f"set {name}={value!r} and needs it kept: something changed it between "
+                        f"steps. A scheduler cycling momentum (OneCycleLR, CyclicLR) does; give "
+                        f"it cycle_momentum=False")
+
     def _before_step(self) -> None:
+        self._check_settings_kept()
         self._check(self.optimizer)
         self._apply_settings(self.optimizer)
         lr_scale = self.lr_scale() if callable(self.lr_scale) else self.lr_scale
