@@ -363,6 +363,11 @@ def two_level_construction_error(rank, world_size, settings):
     return "no error", ""
 
 
+def two_level_with_this_ranks_layout(rank, world_size, layouts):
+    """Build a TwoLevelState with ``machines=layouts[rank]``; the error's type and message."""
+    return two_level_construction_error(rank, world_size, dict(machines=layouts[rank]))
+
+
 def prepared_by_two_level(rank, world_size, settings, optimizer_name):
     """A TwoLevelState with ``settings`` prepares a fresh ``optimizer_name`` ("adamw" or
     "sgd_momentum"); its first group's hyperparameters, as lists."""

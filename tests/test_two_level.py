@@ -17,7 +17,8 @@ from lab.baselines import dequantize_int4, quantize_int4
 from lab.launch import run_ranks
 from lab.training import TrainConfig, run_training
 from hook_workers import (auto_density_agreement, integer_gradient_steps, prepared_by_two_level, train,
-                          train_recording_warnings, two_level_construction_error)
+                          train_recording_warnings, two_level_construction_error,
+                          two_level_with_this_ranks_layout)
 
 SPARSE = dict(segment_size=16, density=0.05, warmup_steps=2)
 
@@ -238,6 +239,14 @@ def test_composes_with_dropped_units_and_dynamic_batches():
 def test_bad_layouts_and_settings_raise_clear_errors(world_size, settings_, pattern):
     for kind, message in run_ranks(world_size, two_level_construction_error, settings_):
         assert kind == "ValueError" and re.search(pattern, message), message
+
+
+@pytest.mark.multirank
+def test_ranks_passing_different_layouts_all_raise_instead_of_waiting():
+    layouts = [[0, 0, 1, 1], [0, 0, 1, 1], [0, 1, 0, 1], [0, 0, 1, 1]]
+    for kind, message in run_ranks(4, two_level_with_this_ranks_layout, layouts, timeout=120):
+        assert kind == "ValueError", message
+        assert "rank 2: [0, 1, 0, 1]" in message and "every rank must pass the same machines" in message
 
 
 @pytest.mark.parametrize("numel,local_size,unit", [(1, 2, 16), (100, 2, 16), (4096, 3, 64),

@@ -123,6 +123,16 @@ class MachineLayout:
                              f"{world_size} ranks: give one machine label per rank")
         return cls(machines)
 
+    def _check_every_rank_agrees(self, group: dist.ProcessGroup) -> None:
+        """Raise ``ValueError`` on every rank when the ranks' layouts differ (one gather of the
+        labels): groups made from different layouts would wait for each other forever."""
+        layouts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(layouts, list(self.machine_of_rank), group=group)
+        if any(layout != layouts[0] for layout in layouts):
+            described = "; ".join(f"rank {rank}: {layout}" for rank, layout in enumerate(layouts))
+            raise ValueError(f"the ranks' machine layouts differ ({described}): every rank must "
+                             f"pass the same machines")
+
     def groups(self, process_group: Optional[dist.ProcessGroup] = None) -> MachineGroups:
         """Create this rank's groups (a collective: every rank of the world calls it, in the
         same order, as ``torch.distributed.new_group`` requires)."""
@@ -131,6 +141,7 @@ class MachineLayout:
         if self.world_size != dist.get_world_size(group):
             raise ValueError(f"this layout covers {self.world_size} ranks; the process group has "
                              f"{dist.get_world_size(group)}")
+        self._check_every_rank_agrees(group)
 
         def new_group(ranks):
             return dist.new_group([dist.get_global_rank(group, r) for r in ranks])
