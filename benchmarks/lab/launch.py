@@ -2,10 +2,10 @@
 
 import io
 import os
-import queue
 import socket
 import time
 import traceback
+from multiprocessing.connection import wait
 from typing import Callable, List, Optional
 
 import torch
@@ -68,20 +68,28 @@ def run_ranks(world_size: int, target: Callable, *args, timeout: float = 600.0,
         RuntimeError: a rank raised (its traceback is in the message) or died.
     """
     context = _start_context()
-    results, progress = context.Queue(), context.Queue()
+    progress = context.Queue()
+    # One pipe per rank for its result, written by the rank's own thread: no lock shared between
+    # processes and no feeder thread that could be left holding one.
+    pipes = [context.Pipe(duplex=False) for _ in range(world_size)]
     port = free_port()
     environment = dict(os.environ)
     processes = [context.Process(target=_rank_entry, daemon=True,
-                                 args=(rank, world_size, port, target, args, results, progress,
-                                       environment))
+                                 args=(rank, world_size, port, target, args, pipes[rank][1],
+                                       progress, environment))
                  for rank in range(world_size)]
     for process in processes:
         process.start()
+    for _, writer in pipes:
+        writer.close()  # the ranks hold theirs: a rank that dies closes its pipe
     try:
         if on_start is not None:
             on_start(processes)
-        collected = _collect(processes, results, progress, on_progress, time.monotonic() + timeout)
+        collected = _collect(processes, [reader for reader, _ in pipes], progress, on_progress,
+                             time.monotonic() + timeout)
     finally:
+        for reader, _ in pipes:
+            reader.close()
         for process in processes:
             process.join(timeout=30)
             if process.is_alive():
@@ -90,25 +98,25 @@ def run_ranks(world_size: int, target: Callable, *args, timeout: float = 600.0,
     return [collected[rank] for rank in range(world_size)]
 
 
-def _collect(processes, results, progress, on_progress, deadline: float) -> dict:
+def _collect(processes, readers, progress, on_progress, deadline: float) -> dict:
     collected = {}
     while len(collected) < len(processes):
-        try:
-            rank, ok, value = results.get(timeout=0.2)
-        except queue.Empty:
-            _drain(progress, on_progress)
-            died = [(r, p.exitcode) for r, p in enumerate(processes)
-                    if p.exitcode not in (None, 0) and r not in collected]
-            if died:
-                raise RuntimeError(f"rank {died[0][0]} exited with code {died[0][1]} before "
-                                   f"reporting (see its output above)") from None
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(len(processes))) - set(collected))
-                raise TimeoutError(f"ranks {missing} did not finish in time") from None
-            continue
-        if not ok:
-            raise RuntimeError(f"rank {rank} failed:\n{value}")
-        collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        ready = wait([r for rank, r in enumerate(readers) if rank not in collected], timeout=0.2)
+        _drain(progress, on_progress)
+        for reader in ready:
+            rank = readers.index(reader)
+            try:
+                ok, value = reader.recv()
+            except EOFError:  # the rank closed its pipe without a result: it died
+                processes[rank].join(timeout=5)
+                raise RuntimeError(f"rank {rank} exited with code {processes[rank].exitcode} "
+                                   f"before reporting (see its output above)") from None
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        if not ready and time.monotonic() > deadline:
+            missing = sorted(set(range(len(processes))) - set(collected))
+            raise TimeoutError(f"ranks {missing} did not finish in time")
     return collected
 
 
@@ -117,7 +125,7 @@ def _drain(progress, on_progress) -> None:
         on_progress(progress.get())
 
 
-def _rank_entry(rank, world_size, port, target, args, results, progress, environment) -> None:
+def _rank_entry(rank, world_size, port, target, args, result, progress, environment) -> None:
     global _progress
     _progress = progress
     if os.environ != environment:  # forked: the server's environment until now
@@ -131,8 +139,9 @@ def _rank_entry(rank, world_size, port, target, args, results, progress, environ
         # this process, which may exit before the parent has read it.
         buffer = io.BytesIO()
         torch.save(target(rank, world_size, *args), buffer)
-        results.put((rank, True, buffer.getvalue()))
+        result.send((True, buffer.getvalue()))
     except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        result.send((False, traceback.format_exc()))
     finally:
+        result.close()
         dist.destroy_process_group()
