@@ -107,6 +107,8 @@ class _CostModel:
             program.constrain(combine(*[(1, var(flag[l])) for flag in self.flags.values()]), 1, 1)
             if not allow_swap:
                 program.constrain(var(self.swap[l]), 0, 0)
+            if not partial_frees_memory(self.profile, l):
+                program.constrain(var(self.partial[l]), 0, 0)
             for reason in self.held_reasons(l):
                 program.constrain(combine((1, var(self.held[l])), (-1, reason)), 0, math.inf)
 
@@ -297,11 +299,20 @@ def candidate_plans(profile: MemoryProfile, budget_bytes: float, count: int = 4,
     return sorted(plans, key=lambda plan: plan.predicted_step_s)
 
 
+def partial_frees_memory(profile: MemoryProfile, block: int) -> bool:
+    """Whether a partial recomputation of ``block`` keeps less than keeping it does. A block torch
+    cannot recompute partially is profiled as keeping everything, so no plan chooses it."""
+    return profile.partial_kept_bytes[block] < profile.internal_bytes[block]
+
+
 def exhaustive_memory_plan(profile: MemoryProfile, budget_bytes: float) -> Optional[Tuple[str, ...]]:
-    """The fastest choices under the budget by trying all ``4 ** blocks``: the check of
-    :func:`plan_memory` on small models. ``None`` when nothing fits."""
+    """The fastest choices under the budget by trying all ``4 ** blocks`` (partial only where it
+    frees memory): the check of :func:`plan_memory` on small models. ``None`` when nothing fits."""
     best = None
     for choices in itertools.product(CHOICES, repeat=profile.num_blocks):
+        if any(choice == "partial" and not partial_frees_memory(profile, l)
+               for l, choice in enumerate(choices)):
+            continue
         peak, seconds = predict(profile, choices)
         if peak <= budget_bytes and (best is None or seconds < best[0]):
             best = (seconds, choices)
