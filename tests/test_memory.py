@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hetero_comm.memory.plan import partial_frees_memory
 from hetero_comm.memory import (CHOICES, FileSwap, MemoryMeter, MemoryPlan, MemoryProfile,
                                 apply_memory_plan, candidate_plans, chain_blocks, exhaustive_memory_plan,
                                 plan_memory, predict, profile_memory, rule_choices, tune_memory_plan)
@@ -281,8 +282,9 @@ def test_candidates_are_the_best_few_plans_that_fit(profile, budget_share, count
     """The first ``count`` candidates are the exhaustive search's ``count`` fastest predicted
     (or all that fit); the rest are the no-swap optimum and the swap-or-recompute rule; all distinct."""
     budget = budget_share * predict(profile, ("keep",) * profile.num_blocks)[0]
-    fitting = sorted(predict(profile, choices)[1] for choices in itertools.product(CHOICES, repeat=profile.num_blocks)
-                     if predict(profile, choices)[0] <= budget)
+    allowed = [choices for choices in itertools.product(CHOICES, repeat=profile.num_blocks)
+               if all(choice != "partial" or partial_frees_memory(profile, l) for l, choice in enumerate(choices))]
+    fitting = sorted(predict(profile, choices)[1] for choices in allowed if predict(profile, choices)[0] <= budget)
     if not fitting:
         with pytest.raises(ValueError, match="no plan fits"):
             candidate_plans(profile, budget, count)
