@@ -36,6 +36,7 @@ import time
 from statistics import mean
 from typing import Optional
 
+from hetero_comm.hooks import DCT
 from lab.training import TrainConfig, run_training
 
 WORKLOADS = {
@@ -78,8 +79,8 @@ ROWS = {
                                           wire_dtype="bfloat16"))
        for p in (3, 5, 6)},
     "sparse_dct_sign_5_bf16_b128": ("segment_sparse 5% DCT blocks of 128, sign, bfloat16", "sparse",
-                                    dict(density=0.05, basis="dct", output="sign", wire_dtype="bfloat16",
-                                         dct_block_size=128)),
+                                    dict(density=0.05, basis=DCT(block_size=128), output="sign",
+                                         wire_dtype="bfloat16")),
     # The int8 wire: a byte per value, so about twice bfloat16's density at the same bytes.
     **{f"sparse_dct_sign_{p}_int8_s512": (f"segment_sparse {p}% DCT basis, sign, int8, segments of 512",
                                           "sparse", dict(density=p / 100, basis="dct", output="sign",

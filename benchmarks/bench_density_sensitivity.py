@@ -43,13 +43,13 @@ def train_row(rank: int, world_size: int, row: str, seed: int, max_steps, worklo
     from lab.training import TrainConfig, train_rank
 
     if not row.startswith("fixed"):
-        measured_propose = _auto_density.AutoDensity.propose
+        measured_propose = _auto_density.DensityController.propose
 
         def propose(self, window_seconds, compute_seconds, density):
             measured_propose(self, window_seconds, compute_seconds, density)  # keeps its clock
             return scheduled_density(row, self._steps - 1, self.ceiling)
 
-        _auto_density.AutoDensity.propose = propose  # this rank's process only
+        _auto_density.DensityController.propose = propose  # this rank's process only
     ratio = float(row[len("fixed"):]) if row.startswith("fixed") else "auto"
     record = train_rank(rank, TrainConfig(hook="recipe", hook_settings=dict(machines=2, ratio=ratio),
                                            seed=seed, max_steps=max_steps, workers=world_size,

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from hetero_comm.hooks import DCT
 from lab.launch import run_ranks
 from lab.training import TrainConfig, train_rank
 
@@ -28,7 +29,7 @@ CONFIGS = {
     "sparse_bf16": dict(hook="sparse", hook_settings=dict(SPARSE, wire_dtype="bfloat16")),
     "sparse_fp16": dict(hook="sparse", hook_settings=dict(SPARSE, wire_dtype="float16")),
     "sparse_int8": dict(hook="sparse", hook_settings=dict(SPARSE, wire_dtype="int8")),
-    "sparse_dct": dict(hook="sparse", hook_settings=dict(SPARSE, basis="dct", dct_block_size=16)),
+    "sparse_dct": dict(hook="sparse", hook_settings=dict(SPARSE, basis=DCT(16))),
     "sparse_sign_adamw": dict(hook="sparse", optimizer="adamw", lr=1e-3, prepare_optimizer=True,
                               hook_settings=dict(SPARSE, output="sign")),
     "sparse_dct_sign_int8_adamw": dict(hook="sparse", optimizer="adamw", lr=1e-3,
@@ -86,7 +87,7 @@ def main() -> None:
     if mode == "list":
         print("\n".join(CONFIGS))
         return
-    path = sys.argv[2]
+    path = sys.argv[2] if sys.argv[2].endswith(".npz") else sys.argv[2] + ".npz"  # (as savez names it)
     names = sys.argv[3:] or list(CONFIGS)
     began = time.perf_counter()
     results = run_ranks(2, _worker, names, timeout=3000)[0]

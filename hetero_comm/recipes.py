@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ._checks import check_float
-from .hooks import (AllreduceState, MachineLayout, SegmentSparseState, TwoLevelState, allreduce_hook,
-                    segment_sparse_hook, two_level_hook)
+from .hooks import (DCT, AllreduceState, AutoDensity, MachineLayout, SegmentSparseState,
+                    TwoLevelState, allreduce_hook, segment_sparse_hook, two_level_hook)
 from .hooks._optimizer import unwrap_optimizer
 
 __all__ = ["Recipe", "recipe_for", "compress", "density_for_ratio", "MIN_RATIO", "MAX_RATIO",
@@ -112,7 +112,7 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
     density = None if ratio is None or ratio == "auto" else density_for_ratio(ratio)
     if isinstance(inner, torch.optim.Adam):  # AdamW subclasses Adam
         return Recipe("adamw", dict(density=ADAMW_DENSITY if density is None else density,
-                                    segment_size=SEGMENT_SIZE, wire_dtype="int8", basis="dct",
+                                    segment_size=SEGMENT_SIZE, wire_dtype="int8", basis=DCT(),
                                     output="sign"))
     if isinstance(inner, torch.optim.SGD):
         momenta = sorted({float(group.get(USER_MOMENTUM_KEY, group["momentum"]))
@@ -222,8 +222,8 @@ def _recipe_state(recipe: Recipe, ratio, machines, process_group, ddp_model):
     settings = dict(recipe.settings)
     if ratio == "auto":
         high, low = AUTO_RATIOS
-        settings.update(density="auto", density_floor=density_for_ratio(low),
-                        density_ceiling=density_for_ratio(high))
+        settings.update(density=AutoDensity(floor=density_for_ratio(low),
+                                            ceiling=density_for_ratio(high)))
     return (TwoLevelState(process_group=process_group, machines=list(layout.machine_of_rank),
                           **settings), two_level_hook)
 

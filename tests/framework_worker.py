@@ -20,14 +20,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hetero_comm.hooks import DCT
 from hetero_comm.hooks.segment_sparse import momentum_correction_lr_scale
 from lab.registry import HOOKS
 
 CASES = {"sparse": ("sparse", dict(density=0.05, segment_size=16, warmup_steps=2)),
          "dct": ("dct", dict(block_size=16, keep_ratio=0.25, bits=8, warmup_steps=2)),
-         "dct_sign": ("sparse", dict(density=0.05, segment_size=4, basis="dct", dct_block_size=8,
+         "dct_sign": ("sparse", dict(density=0.05, segment_size=4, basis=DCT(8),
                                      wire_dtype="bfloat16", output="sign", warmup_steps=2)),
-         "dct_sign_int8": ("sparse", dict(density=0.1, segment_size=4, basis="dct", dct_block_size=8,
+         "dct_sign_int8": ("sparse", dict(density=0.1, segment_size=4, basis=DCT(8),
                                           wire_dtype="int8", output="sign", warmup_steps=2)),
          "sparse_mc": ("sparse", dict(density=0.05, segment_size=16, momentum=0.9, warmup_steps=2))}
 # The one call (hetero_comm.compress; Lightning's CompressCallback, Accelerate's compress),

@@ -353,11 +353,12 @@ def _host_syncs_of_a_steady_step(ddp, optimizer, warmup_steps):
         ops.set_strict_checks(previous)
 
 
-def two_level_construction_error(rank, world_size, settings):
-    """Build a TwoLevelState with ``settings``; the error's type and message."""
+def two_level_construction_error(rank, world_size, settings, dense=False):
+    """Build a TwoLevelState (``dense``: with :meth:`TwoLevelState.dense`) with ``settings``;
+    the error's type and message."""
     from hetero_comm.hooks import TwoLevelState
     try:
-        TwoLevelState(**settings)
+        (TwoLevelState.dense if dense else TwoLevelState)(**settings)
     except (TypeError, ValueError) as error:
         return type(error).__name__, str(error)
     return "no error", ""
@@ -368,12 +369,13 @@ def two_level_with_this_ranks_layout(rank, world_size, layouts):
     return two_level_construction_error(rank, world_size, dict(machines=layouts[rank]))
 
 
-def prepared_by_two_level(rank, world_size, settings, optimizer_name):
-    """A TwoLevelState with ``settings`` prepares a fresh ``optimizer_name`` ("adamw" or
-    "sgd_momentum"); its first group's hyperparameters, as lists."""
+def prepared_by_two_level(rank, world_size, settings, optimizer_name, dense=False):
+    """A TwoLevelState (``dense``: :meth:`TwoLevelState.dense`) with ``settings`` prepares a
+    fresh ``optimizer_name`` ("adamw" or "sgd_momentum"); its first group's hyperparameters,
+    as lists."""
     from hetero_comm.hooks import TwoLevelState
     optimizer = OPTIMIZERS[optimizer_name]([nn.Parameter(torch.ones(3))])
-    TwoLevelState(**settings).prepare_optimizer(optimizer)
+    (TwoLevelState.dense if dense else TwoLevelState)(**settings).prepare_optimizer(optimizer)
     group = optimizer.param_groups[0]
     return {name: list(group[name]) if isinstance(group[name], tuple) else group[name]
             for name in ("betas", "momentum") if name in group}
@@ -410,7 +412,8 @@ def auto_density_agreement(rank, world_size, steps, resume_at, rails, silent=Non
     ``silent`` exchanges nothing (its shares empty). The density starts at ``start``. Returns,
     per copy, what each step's agree() returned, the least seconds in its history, and the
     least seconds this rank's rail should have found."""
-    from hetero_comm.hooks._auto_density import AutoDensity
+    from hetero_comm.hooks import AutoDensity
+    from hetero_comm.hooks._auto_density import DensityController
 
     rail, values = rank % rails, (100_000, 80_000)[rank % rails]
 
@@ -418,7 +421,7 @@ def auto_density_agreement(rank, world_size, steps, resume_at, rails, silent=Non
         return sent / 1e6 + 0.001 * rail + 0.0005 * (step % 3) + (0.002 * (1 + step % 2) if waits else 0.0)
 
     def build():
-        auto = AutoDensity(0.02, 0.5, wire_bytes_per_value=1, segment_size=256)
+        auto = DensityController(AutoDensity(0.02, 0.5), wire_bytes_per_value=1, segment_size=256)
         auto.rail, auto.rails = rail, rails
         return auto
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import compress_workers
 from lab.launch import run_ranks
 from lab.training import TrainConfig, run_training
+from hetero_comm.hooks import DCT
 from hetero_comm.recipes import AUTO_RATIOS, MAX_RATIO, MIN_RATIO, Recipe, density_for_ratio, recipe_for
 
 
@@ -23,9 +24,9 @@ def params():
 
 @pytest.mark.parametrize("make,name,expected", [
     (lambda: torch.optim.AdamW(params(), lr=1e-3), "adamw",
-     dict(density=0.10, segment_size=512, wire_dtype="int8", basis="dct", output="sign")),
+     dict(density=0.10, segment_size=512, wire_dtype="int8", basis=DCT(), output="sign")),
     (lambda: torch.optim.Adam(params(), lr=1e-3), "adamw",
-     dict(density=0.10, segment_size=512, wire_dtype="int8", basis="dct", output="sign")),
+     dict(density=0.10, segment_size=512, wire_dtype="int8", basis=DCT(), output="sign")),
     (lambda: torch.optim.SGD(params(), lr=0.1, momentum=0.9), "sgd",
      dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150,
           momentum=0.9)),

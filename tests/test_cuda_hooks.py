@@ -73,8 +73,8 @@ def test_two_level_runs_end_bitwise_equal_on_every_rank(settings):
 
 def test_two_level_without_compression_matches_the_flat_allreduce():
     flat = run_ranks(4, train_on_cuda, "dense", {}, 6)
-    two_level = run_ranks(4, train_on_cuda, "two_level",
-                          dict(machines=2, between_machines="dense", warmup_steps=1), 6)
+    two_level = run_ranks(4, train_on_cuda, "two_level_dense",
+                          dict(machines=2, warmup_steps=1), 6)
     np.testing.assert_allclose(two_level[0], flat[0], rtol=0, atol=1e-6)
     assert not np.array_equal(flat[0], run_ranks(4, train_on_cuda, "dense", {}, 1)[0])  # it trained
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hetero_comm.hooks import (AllreduceState, DCTQuantState, SegmentSparseState, allreduce_hook,
+from hetero_comm.hooks import (DCT, AllreduceState, DCTQuantState, SegmentSparseState, allreduce_hook,
                                dct_quant_hook, segment_sparse_hook)
 from hetero_comm import reference
 from hetero_comm.hooks._sparse_parts import DctSegments
@@ -21,7 +21,7 @@ from hook_workers import (hook_warnings, load_into_another_model, loaded, loaded
                           share_one_state, train, train_recording_warnings)
 
 SPARSE = dict(segment_size=16, density=0.05, warmup_steps=2)
-DCT = dict(block_size=16, keep_ratio=0.25, bits=8, warmup_steps=2)
+DCT_QUANT = dict(block_size=16, keep_ratio=0.25, bits=8, warmup_steps=2)
 
 
 def weighted_sum(results):
@@ -39,8 +39,8 @@ def assert_ranks_identical(results):
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("basis", ["elements", "dct"])
 def test_sparse_at_full_density_equals_dense_allreduce(world_size, basis):
-    settings_ = dict(segment_size=16, density=1.0, warmup_steps=1, basis=basis,
-                     **(dict(dct_block_size=8) if basis == "dct" else {}))
+    settings_ = dict(segment_size=16, density=1.0, warmup_steps=1,
+                     basis=DCT(block_size=8) if basis == "dct" else basis)
     results = run_ranks(world_size, train, "sparse", settings_, 5)
     dense = run_ranks(world_size, train, "dense", {}, 5)
     # The DCT basis adds the float32 rounding of a transform and its inverse.
@@ -76,13 +76,13 @@ def test_dct_keeping_every_coefficient_is_within_quantization_error(world_size, 
 @pytest.mark.parametrize("hook,settings_", [
     ("sparse", SPARSE),
     ("sparse", dict(SPARSE, wire_dtype="float16", density_warmup_steps=3)),
-    ("sparse", dict(SPARSE, basis="dct", dct_block_size=8)),
-    ("sparse", dict(SPARSE, basis="dct", dct_block_size=4)),
+    ("sparse", dict(SPARSE, basis=DCT(8))),
+    ("sparse", dict(SPARSE, basis=DCT(4))),
     ("sparse", dict(SPARSE, wire_dtype="int8")),
-    ("sparse", dict(SPARSE, wire_dtype="int8", basis="dct", dct_block_size=8)),
-    ("dct", DCT),
-    ("dct", dict(DCT, bits=16)),
-    ("dct", dict(DCT, bits=32)),
+    ("sparse", dict(SPARSE, wire_dtype="int8", basis=DCT(8))),
+    ("dct", DCT_QUANT),
+    ("dct", dict(DCT_QUANT, bits=16)),
+    ("dct", dict(DCT_QUANT, bits=32)),
 ])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_conservation_law(hook, settings_, world_size):
@@ -141,7 +141,7 @@ def blocks_of_segments(by_segment: torch.Tensor, blocks: int, block: int) -> tor
 def test_dct_segments_are_one_frequency_of_a_group_of_blocks(numel, block, group):
     generator = torch.Generator().manual_seed(numel)
     residual, contribution, other = (torch.randn(numel, generator=generator) for _ in range(3))
-    state = SegmentSparseState(basis="dct", dct_block_size=block, segment_size=group)
+    state = SegmentSparseState(basis=DCT(block), segment_size=group)
     segments = DctSegments(state, residual, torch.empty(numel))
     blocks, size = -(-numel // block), segments.segment
     importance = torch.empty(segments.count)
@@ -168,9 +168,9 @@ def test_dct_segments_are_one_frequency_of_a_group_of_blocks(numel, block, group
 @pytest.mark.multirank
 @pytest.mark.parametrize("variant", [
     dict(basis="elements"),
-    dict(basis="dct", dct_block_size=4),
+    dict(basis=DCT(4)),
     dict(wire_dtype="int8", segment_size=512, min_segments_per_bucket=150),  # the SGD recipe's wire and cut
-    dict(basis="dct", dct_block_size=8, segment_size=64, min_segments_per_bucket=40),  # fewer blocks
+    dict(basis=DCT(8), segment_size=64, min_segments_per_bucket=40),  # fewer blocks
 ])
 def test_unequal_rank_weights_and_uneven_buckets(variant):
     weights = [0.2, 0.3, 0.5]
@@ -190,7 +190,7 @@ def test_unequal_rank_weights_and_uneven_buckets(variant):
 @pytest.mark.multirank
 @pytest.mark.parametrize("hook,settings_", [("sparse", dict(SPARSE, density=1.0)),
                                             ("sparse", dict(SPARSE, density=1.0, basis="dct")),
-                                            ("dct", dict(DCT, keep_ratio=1.0, bits=32))])
+                                            ("dct", dict(DCT_QUANT, keep_ratio=1.0, bits=32))])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_gradients(hook, settings_, dtype):
     results = run_ranks(2, train, hook, settings_, 4, dict(dtype=dtype))
@@ -201,7 +201,7 @@ def test_half_precision_gradients(hook, settings_, dtype):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("hook,settings_", [("sparse", SPARSE), ("dct", DCT)])
+@pytest.mark.parametrize("hook,settings_", [("sparse", SPARSE), ("dct", DCT_QUANT)])
 def test_no_sync_gradient_accumulation(hook, settings_):
     results = run_ranks(2, train, hook, settings_, 12, dict(no_sync_every=3))
     produced = weighted_sum(results).sum(axis=0)
@@ -215,12 +215,12 @@ def test_no_sync_gradient_accumulation(hook, settings_):
 @pytest.mark.parametrize("hook,settings_", [
     ("sparse", SPARSE),
     ("sparse", dict(SPARSE, momentum=0.9)),
-    ("sparse", dict(SPARSE, basis="dct", dct_block_size=8, output="sign")),
+    ("sparse", dict(SPARSE, basis=DCT(8), output="sign")),
     ("sparse", dict(SPARSE, wire_dtype="int8", momentum=0.9)),
-    ("sparse", dict(SPARSE, basis="dct", dct_block_size=8, momentum=0.9)),
+    ("sparse", dict(SPARSE, basis=DCT(8), momentum=0.9)),
     # each bucket's segment size from its own size (0.002 MB: buckets of a few hundred elements)
     ("sparse", dict(SPARSE, wire_dtype="int8", momentum=0.9, segment_size=512, min_segments_per_bucket=150)),
-    ("dct", DCT),
+    ("dct", DCT_QUANT),
 ])
 @pytest.mark.parametrize("bucket_cap_mb", [25, 0.002])
 def test_resume_from_state_dict_continues_exactly(hook, settings_, bucket_cap_mb):
@@ -258,7 +258,7 @@ def test_non_finite_gradient_in_a_bucket_of_several_plan_buckets(device_side_che
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("nesterov", [False, True])
-@pytest.mark.parametrize("basis", [dict(basis="elements"), dict(basis="dct", dct_block_size=4)])
+@pytest.mark.parametrize("basis", [dict(basis="elements"), dict(basis=DCT(4))])
 def test_momentum_correction_at_full_density_clears_the_whole_velocity(basis, nesterov):
     """Every segment sent: momentum correction clears the whole velocity each step (in the
     DCT basis, every coefficient), so the result is the weighted sum of the gradients (with
@@ -337,7 +337,7 @@ def test_one_state_serves_one_model(hook, settings_):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("hook,settings_", [("sparse", SPARSE), ("sparse", dict(SPARSE, basis="dct")),
-                                            ("sparse", dict(SPARSE, wire_dtype="int8")), ("dct", DCT)])
+                                            ("sparse", dict(SPARSE, wire_dtype="int8")), ("dct", DCT_QUANT)])
 def test_steady_state_steps_allocate_no_pool_storage(hook, settings_):
     results = run_ranks(2, train, hook, settings_, 10)
     allocations = results[0]["pool_allocations"]
@@ -348,9 +348,9 @@ def test_steady_state_steps_allocate_no_pool_storage(hook, settings_):
 NON_FINITE_CASES = [
     ("sparse", SPARSE),
     ("sparse", dict(SPARSE, density=1.0, wire_dtype="float16")),
-    ("sparse", dict(SPARSE, basis="dct", dct_block_size=8)),
+    ("sparse", dict(SPARSE, basis=DCT(8))),
     ("sparse", dict(SPARSE, wire_dtype="int8")),
-    ("dct", DCT),
+    ("dct", DCT_QUANT),
 ]
 
 
@@ -483,9 +483,7 @@ def test_check_optimizer_warns_when_the_step_does_not_suit_the_output(output, op
     (lambda: SegmentSparseState(min_compress_numel=-1), "min_compress_numel"),
     (lambda: SegmentSparseState(rank_weight=-0.5), "rank_weight"),
     (lambda: SegmentSparseState(density_warmup_steps=-1), "density_warmup_steps"),
-    (lambda: SegmentSparseState(basis="wavelet"), "basis must be one of"),
-    (lambda: SegmentSparseState(basis="dct", dct_block_size=48), "dct_block_size must be a power of two"),
-    (lambda: SegmentSparseState(dct_block_size=16), "dct_block_size is a setting of basis='dct'"),
+    (lambda: SegmentSparseState(basis="wavelet"), "basis must be 'elements', 'dct' or a DCT"),
     (lambda: SegmentSparseState(output="mean"), "output must be one of"),
     (lambda: SegmentSparseState(min_segments_per_bucket=-1), "min_segments_per_bucket"),
     (lambda: DCTQuantState(block_size=100), "block_size must be a power of two"),
@@ -578,7 +576,7 @@ def test_min_segments_per_bucket_picks_the_largest_power_of_two_that_gives_them(
 def test_dct_groups_share_the_blocks_evenly(numel, block, expected):
     """The DCT basis cuts as many groups as segments of ``segment_size`` blocks would, then
     shares the blocks evenly among them, so the last group is not mostly padding."""
-    state = SegmentSparseState(segment_size=512, basis="dct", dct_block_size=block)
+    state = SegmentSparseState(segment_size=512, basis=DCT(block))
     group = state.segment_size_for(numel)
     assert group == expected
     blocks = math.ceil(numel / block)
@@ -593,7 +591,7 @@ def test_min_segments_per_bucket_cuts_dct_segments_into_fewer_blocks(numel, bloc
     """With basis="dct" a segment is one frequency of ``segment_size`` blocks: the option cuts
     segments of fewer blocks, a power of two before the groups are evened out, so that the
     bucket has ``minimum`` of them."""
-    state = SegmentSparseState(segment_size=512, basis="dct", dct_block_size=block,
+    state = SegmentSparseState(segment_size=512, basis=DCT(block),
                                min_segments_per_bucket=minimum)
     group = state.segment_size_for(numel)
     blocks = math.ceil(numel / block)

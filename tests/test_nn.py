@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hetero_comm.hooks import AllreduceState, SegmentSparseState
+from hetero_comm.hooks import DCT, AllreduceState, SegmentSparseState
 from hetero_comm.hooks._dropped import KeptPart, kept_layout
 from hetero_comm.hooks._plan import PlanBucket
 from lab.launch import run_ranks
@@ -14,7 +14,7 @@ from hetero_comm.nn import SlicedLinear, UnitDropout, UnitDropoutSet, convert_dr
 from dropout_workers import agree_on_seed, make_dropout_model, train_unit_dropout
 
 SPARSE = dict(segment_size=4, density=0.1, warmup_steps=2)
-DCT = dict(block_size=8, keep_ratio=0.25, bits=8, warmup_steps=2)
+DCT_QUANT = dict(block_size=8, keep_ratio=0.25, bits=8, warmup_steps=2)
 
 
 # ------------------------------------------------------------------ the layers, one process
@@ -181,9 +181,9 @@ def test_dense_sync_of_kept_rows_equals_the_allreduce_of_masked_gradients(world_
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("hook, settings_", [
-    ("sparse", SPARSE), ("sparse", dict(SPARSE, basis="dct", dct_block_size=4)),
+    ("sparse", SPARSE), ("sparse", dict(SPARSE, basis=DCT(4))),
     ("sparse", dict(SPARSE, momentum=0.9)), ("sparse", dict(SPARSE, wire_dtype="int8")),
-    ("dct", DCT),
+    ("dct", DCT_QUANT),
 ])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_compressed_sync_of_kept_rows_keeps_error_feedback_exact(hook, settings_, world_size):

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from hetero_comm.hooks import MachineLayout
-from hetero_comm.hooks._auto_density import (AGREE_EVERY, FIT_STEPS, MAX_BANDWIDTH, AutoDensity,
+from hetero_comm.hooks import DCT, AutoDensity, MachineLayout
+from hetero_comm.hooks._auto_density import (AGREE_EVERY, FIT_STEPS, MAX_BANDWIDTH, DensityController,
                                              bandwidth_bounds)
 from hetero_comm.hooks.two_level import Shares
 from lab.baselines import dequantize_int4, quantize_int4
@@ -35,8 +35,8 @@ def test_without_compression_equals_flat_dense_allreduce_bitwise(world_size, mac
     """Integer gradients in float64 and weights 1/4 or 1/2: every order of summing is exact,
     so the two-level sum must equal the flat allreduce bit for bit."""
     flat = run_ranks(world_size, integer_gradient_steps, "dense", {}, 4)
-    two_level = run_ranks(world_size, integer_gradient_steps, "two_level",
-                          dict(machines=machines, between_machines="dense", warmup_steps=1), 4)
+    two_level = run_ranks(world_size, integer_gradient_steps, "two_level_dense",
+                          dict(machines=machines, warmup_steps=1), 4)
     for result in two_level:
         np.testing.assert_array_equal(result, flat[0])
     assert np.abs(flat[0]).max() > 1  # the gradients are not trivial
@@ -51,8 +51,8 @@ def test_without_compression_equals_flat_dense_allreduce_bitwise(world_size, mac
 def test_dense_between_machines_leaves_the_optimizer_as_dense_training_has_it(optimizer_name, kept):
     """The exchange hands the plain sum, so preparing an optimizer changes nothing (the sparse
     exchange with a sign step or momentum correction does change it)."""
-    settings_ = dict(machines=2, between_machines="dense")
-    assert run_ranks(4, prepared_by_two_level, settings_, optimizer_name) == [kept] * 4
+    dense = run_ranks(4, prepared_by_two_level, dict(machines=2), optimizer_name, True)
+    assert dense == [kept] * 4
     sparse_settings = dict(output="sign") if optimizer_name == "adamw" else dict(momentum=0.9)
     sparse = run_ranks(4, prepared_by_two_level, dict(sparse_settings, machines=2), optimizer_name)
     assert sparse[0] != kept
@@ -65,8 +65,8 @@ def test_without_compression_matches_flat_dense_on_a_real_model(world_size, mach
     """The plain sum is handed on, its dense warm-up step's too."""
     options = dict(dtype=torch.float64)
     flat = run_ranks(world_size, train, "dense", {}, 5, options)
-    two_level = run_ranks(world_size, train, "two_level",
-                          dict(machines=machines, between_machines="dense"), 5, options)
+    two_level = run_ranks(world_size, train, "two_level_dense",
+                          dict(machines=machines), 5, options)
     assert_ranks_identical(two_level)
     np.testing.assert_allclose(two_level[0]["applied"], flat[0]["applied"], rtol=0, atol=1e-15)
 
@@ -76,7 +76,7 @@ def test_without_compression_matches_flat_dense_on_a_real_model(world_size, mach
 @pytest.mark.parametrize("settings_", [
     SPARSE,
     dict(SPARSE, wire_dtype="int8"),
-    dict(SPARSE, basis="dct", dct_block_size=8, segment_size=4),
+    dict(SPARSE, basis=DCT(block_size=8), segment_size=4),
     dict(SPARSE, momentum=0.9),
     dict(SPARSE, inside_dtype="bfloat16"),
 ])
@@ -117,7 +117,7 @@ def test_each_rank_holds_back_only_its_share():
 def test_unequal_rank_weights():
     weights = [0.1, 0.2, 0.3, 0.4]
     flat = run_ranks(4, train, "dense", {}, 4, dict(weights=weights, dtype=torch.float64))
-    two_level = run_ranks(4, train, "two_level", dict(machines=2, between_machines="dense"), 4,
+    two_level = run_ranks(4, train, "two_level_dense", dict(machines=2), 4,
                           dict(weights=weights, dtype=torch.float64))
     np.testing.assert_allclose(two_level[0]["applied"], flat[0]["applied"], rtol=0, atol=1e-15)
 
@@ -159,7 +159,7 @@ def test_non_finite_gradient_is_handed_on_as_nan_on_every_rank():
 
 @pytest.mark.multirank
 def test_automatic_density_stays_in_its_bounds_and_ranks_agree():
-    settings_ = dict(SPARSE, machines=2, density="auto", density_floor=0.02, density_ceiling=0.3,
+    settings_ = dict(SPARSE, machines=2, density=AutoDensity(floor=0.02, ceiling=0.3),
                      wire_dtype="int8")
     results = run_ranks(4, train, "two_level", settings_, 10)
     assert_ranks_identical(results)
@@ -227,14 +227,8 @@ def test_composes_with_dropped_units_and_dynamic_batches():
     (2, dict(machines=[0]), "machines has 1 labels but the process group has 2 ranks"),
     (4, dict(machines=3), "does not divide the 4 ranks"),
     (2, dict(machines="two"), "one label per rank"),
-    (2, dict(machines=1, density="auto", density_floor=0.5, density_ceiling=0.1),
-     r"density_floor \(0.5\) is above density_ceiling \(0.1\)"),
-    (2, dict(machines=1, between_machines="int2"), "between_machines must be one of"),
+    (2, dict(machines=1, density="fast"), "density must be a number"),
     (2, dict(machines=1, inside_dtype="float8"), "inside_dtype must be one of"),
-    (2, dict(machines=1, between_machines="dense", momentum=0.9, output="sign"),
-     "between_machines='dense' allreduces each share as it is, so momentum, output would do nothing"),
-    (2, dict(machines=1, between_machines="dense", density=0.1), "so density would do nothing"),
-    (2, dict(machines=1, density=0.1, density_floor=0.01), "density_floor and density_ceiling bound"),
 ])
 def test_bad_layouts_and_settings_raise_clear_errors(world_size, settings_, pattern):
     for kind, message in run_ranks(world_size, two_level_construction_error, settings_):
@@ -276,7 +270,7 @@ def test_machine_layout_groups_ranks_by_label():
 
 def test_automatic_density_hides_the_exchange_and_follows_a_changing_link():
     """Synthetic measurements: a link of 1 MB/s and a 0.1 s window afford 100 KB a step."""
-    auto = AutoDensity(0.01, 0.5, wire_bytes_per_value=1, segment_size=512)
+    auto = DensityController(AutoDensity(0.01, 0.5), wire_bytes_per_value=1, segment_size=512)
     values = 2_000_000  # per step, between machines
     density = 0.5
 
@@ -301,7 +295,7 @@ def test_automatic_density_hides_the_exchange_and_follows_a_changing_link():
 def test_one_step_whose_codec_ate_the_window_does_not_move_the_density():
     """Such a step affords nothing; the median of the last five steps ignores it (a running
     mean in log space halved the density, seen at 1 Gbit/s in bench_two_level)."""
-    auto = AutoDensity(0.01, 0.5, wire_bytes_per_value=1, segment_size=512)
+    auto = DensityController(AutoDensity(0.01, 0.5), wire_bytes_per_value=1, segment_size=512)
     values, density = 2_000_000, 0.5
     for step in range(14):
         sent = values * auto.bytes_per_value(density)
@@ -312,7 +306,7 @@ def test_one_step_whose_codec_ate_the_window_does_not_move_the_density():
     assert math.isclose(values * auto.bytes_per_value(density), 1e5, rel_tol=0.05)
 
 
-def drive_link(auto: AutoDensity, values: int, density: float, steps: int, seconds_for) -> float:
+def drive_link(auto: DensityController, values: int, density: float, steps: int, seconds_for) -> float:
     """``steps`` steps of ``values`` values a step over a synthetic link whose exchange of
     ``sent`` bytes takes ``seconds_for(sent)``, a 0.1 s window each: the density they end at."""
     for _ in range(steps):
@@ -326,11 +320,11 @@ def test_automatic_density_sees_through_a_latency_that_does_not_grow_with_the_by
     """A 1 Gbit/s link (125 MB/s) whose collectives also wait 37 ms (latency, the other
     machine's ranks): a 0.1 s window affords 12.5 MB. Bytes over seconds would settle at 7.9 MB
     (where 0.037 + bytes / 125e6 = 0.1); the slope of seconds against bytes finds 125 MB/s."""
-    auto = AutoDensity(0.01, 1.0, wire_bytes_per_value=1, segment_size=512)
+    auto = DensityController(AutoDensity(0.01, 1.0), wire_bytes_per_value=1, segment_size=512)
     values = 20_000_000
     density = drive_link(auto, values, 1.0, 30, lambda sent: 0.037 + sent / 125e6)
     assert math.isclose(values * auto.bytes_per_value(density), 12.5e6, rel_tol=0.05)
-    resumed = AutoDensity(0.01, 1.0, wire_bytes_per_value=1, segment_size=512)
+    resumed = DensityController(AutoDensity(0.01, 1.0), wire_bytes_per_value=1, segment_size=512)
     resumed.load_state_dict(auto.state_dict())
     for run in (auto, resumed):  # the fit is part of the checkpoint: both continue alike
         run.add_exchange(int(values * run.bytes_per_value(density)), 0.2, 0.0)
@@ -340,7 +334,7 @@ def test_automatic_density_sees_through_a_latency_that_does_not_grow_with_the_by
 def test_a_fast_reading_gives_way_when_the_link_slows_under_noise():
     """Read on a fast link, then the link is 10x slower with seconds jittered around the wire
     time: the old reading is dropped and the density follows the slow link."""
-    auto = AutoDensity(0.01, 1.0, wire_bytes_per_value=1, segment_size=512)
+    auto = DensityController(AutoDensity(0.01, 1.0), wire_bytes_per_value=1, segment_size=512)
     values = 20_000_000
     density = drive_link(auto, values, 1.0, 30, lambda sent: 0.037 + sent / 125e6)
     noise = torch.Generator().manual_seed(1)
@@ -379,7 +373,7 @@ def test_the_bandwidth_is_read_from_the_slope_taken_high_and_low_by_its_error():
     assert flat_exact == (MAX_BANDWIDTH, math.inf)
 
 
-def drive_with_agreement_lag(auto: AutoDensity, values: int, density: float, steps: int,
+def drive_with_agreement_lag(auto: DensityController, values: int, density: float, steps: int,
                              seconds_for, window: float = 0.04, codec: float = 0.0) -> list:
     """As the hook runs it: the proposal of every AGREE_EVERY-th step is agreed at the next
     step's end and runs from the step after that. The densities the steps ran at."""
@@ -402,7 +396,7 @@ def test_a_latency_bound_exchange_pinned_at_the_floor_probes_and_rises(segment_s
     reads a slow link and pins the floor, where the bytes never spread. One probe at twice the
     bytes (proposed at the first agreement once FIT_STEPS steps are kept, it runs until the
     next one applies) shows the seconds do not grow, and the density climbs to the ceiling."""
-    auto = AutoDensity(0.01, 0.25, wire_bytes_per_value=1, segment_size=segment_size)
+    auto = DensityController(AutoDensity(0.01, 0.25), wire_bytes_per_value=1, segment_size=segment_size)
     ran = drive_with_agreement_lag(auto, 1_000_000, 0.01, 40, lambda sent: 0.05 + sent / 125e6)
     probe = 2 * 0.01 + 4 / segment_size / 1  # twice the floor's bytes
     start = math.ceil((FIT_STEPS - 1) / AGREE_EVERY) * AGREE_EVERY + 2
@@ -416,7 +410,7 @@ def test_a_slow_link_at_the_floor_pays_one_probe_in_40_steps(segment_size):
     """A link that is slow for real (100 KB/s): each probe reads it and the floor returns; the
     reading lasts until the probe leaves the last FIT_STEPS steps and FIT_STEPS more, and a
     probe runs from one agreement to the next (AGREE_EVERY steps)."""
-    auto = AutoDensity(0.01, 0.25, wire_bytes_per_value=1, segment_size=segment_size)
+    auto = DensityController(AutoDensity(0.01, 0.25), wire_bytes_per_value=1, segment_size=segment_size)
     ran = drive_with_agreement_lag(auto, 1_000_000, 0.01, 120, lambda sent: sent / 1e5)
     probes = [step for step, density in enumerate(ran) if density > 0.01]
     assert max(ran) == 2 * 0.01 + 4 / segment_size
@@ -428,7 +422,7 @@ def test_a_slow_link_at_the_floor_pays_one_probe_in_40_steps(segment_size):
 def test_no_probe_above_the_floor():
     """A density settled between the bounds whose bytes stop spreading: the lower bound takes
     over when the fit expires, no probe step."""
-    auto = AutoDensity(0.01, 0.5, wire_bytes_per_value=1, segment_size=512)
+    auto = DensityController(AutoDensity(0.01, 0.5), wire_bytes_per_value=1, segment_size=512)
     ran = drive_with_agreement_lag(auto, 2_000_000, 0.5, 120, lambda sent: sent / 1e6, window=0.1)
     assert 0.01 < ran[20] < 0.5  # settled, and never probed:
     assert all(math.isclose(density, ran[20], rel_tol=1e-9) for density in ran[20:])
@@ -447,7 +441,7 @@ def test_kilobytes_lost_in_jitter_run_at_the_middle_not_the_floor(seed, codec):
     latency and 0-4 ms of waiting, 1 ms a step to give the exchange (all of it, or less than
     the codec's 2 ms). No reading shows the link fast enough (bytes over seconds: 2 MB/s), nor
     too slow for the middle: the middle, after the first probe."""
-    auto = AutoDensity(0.055, 0.242, wire_bytes_per_value=1, segment_size=256)
+    auto = DensityController(AutoDensity(0.055, 0.242), wire_bytes_per_value=1, segment_size=256)
     ran = drive_with_agreement_lag(auto, 42_500, 0.242, 120,
                                    jittered(lambda sent: 0.0015 + sent / 125e6, seed),
                                    window=0.001, codec=codec)
@@ -459,7 +453,7 @@ def test_kilobytes_lost_in_jitter_run_at_the_middle_not_the_floor(seed, codec):
 def test_a_link_shown_too_slow_for_the_middle_goes_below_it(seed):
     """The same exchange over 0.5 MB/s: the middle's 5.6 KB take 11 ms, the floor's 3.2 KB
     6.4 ms, a difference the 0-4 ms of waiting cannot hide: the floor."""
-    auto = AutoDensity(0.055, 0.242, wire_bytes_per_value=1, segment_size=256)
+    auto = DensityController(AutoDensity(0.055, 0.242), wire_bytes_per_value=1, segment_size=256)
     ran = drive_with_agreement_lag(auto, 42_500, 0.242, 120,
                                    jittered(lambda sent: 0.0015 + sent / 0.5e6, seed), window=0.001)
     assert statistics.median(ran[40:]) == 0.055
@@ -467,7 +461,7 @@ def test_a_link_shown_too_slow_for_the_middle_goes_below_it(seed):
 
 def test_without_a_window_the_exchange_takes_a_quarter_of_the_compute():
     """One bucket leaves no backward window: 0.4 s of compute affords 0.1 s of a 1 MB/s link."""
-    auto = AutoDensity(0.01, 0.5, wire_bytes_per_value=1, segment_size=512)
+    auto = DensityController(AutoDensity(0.01, 0.5), wire_bytes_per_value=1, segment_size=512)
     density, values = 0.5, 2_000_000
     for _ in range(12):
         sent = values * auto.bytes_per_value(density)

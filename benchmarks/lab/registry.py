@@ -20,7 +20,8 @@ __all__ = ["HookSpec", "HOOKS", "WEIGHTED_HOOKS", "make_hook"]
 class HookSpec:
     """A hook and how to build its state.
 
-    ``state_class(**defaults, **settings)`` builds the state (``None``: the hook takes no
+    ``state_class(**defaults, **settings)`` builds the state (a class or a function that
+    builds it; ``None``: the hook takes no
     state and no settings); ``weighted``: the state takes a ``rank_weight``, so ranks with
     unequal batches can be weighted exactly; ``one_call``: :func:`hetero_comm.compress` builds
     the state and registers the hook from the model and its optimizer (settings: ``ratio``,
@@ -40,8 +41,8 @@ class HookSpec:
     @property
     def is_hetero_comm(self) -> bool:
         """Whether the state is a hetero_comm one (else the hook is torch's)."""
-        return self.one_call or (isinstance(self.state_class, type)
-                                 and issubclass(self.state_class, HookState))
+        owner = getattr(self.state_class, "__self__", self.state_class)  # (a classmethod's class)
+        return self.one_call or (isinstance(owner, type) and issubclass(owner, HookState))
 
     def make_state(self, settings: Optional[dict] = None):
         """The hook's state from ``settings`` (``None`` for a hook without one; a one-call
@@ -66,9 +67,12 @@ class HookSpec:
         return self.state_class(**dict(self.defaults, **settings))
 
 
-def _settings_of(state_class: type) -> set:
-    """The keyword arguments ``state_class`` takes, through the ``**settings`` it hands on to
-    the classes it derives from."""
+def _settings_of(state_class) -> set:
+    """The keyword arguments ``state_class`` (a class, or a function that builds one) takes,
+    through the ``**settings`` a class hands on to the classes it derives from."""
+    if not isinstance(state_class, type):
+        parameters = inspect.signature(state_class).parameters.values()
+        return {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
     names = set()
     for klass in state_class.__mro__:
         if "__init__" not in vars(klass):
@@ -103,6 +107,8 @@ HOOKS: Dict[str, HookSpec] = {spec.name: spec for spec in (
     HookSpec("dct", "dct_quant_hook", dct_quant_hook, DCTQuantState, weighted=True),
     HookSpec("two_level", "two_level_hook", two_level_hook, TwoLevelState, weighted=True,
              collective=True),
+    HookSpec("two_level_dense", "two_level_hook, dense between machines", two_level_hook,
+             TwoLevelState.dense, weighted=True, collective=True),
     HookSpec("int4_qgz", "ZeRO++ qgZ scheme: int4 between machines (baseline from the paper)",
              int4_between_machines_hook, Int4BetweenMachinesState, weighted=True, collective=True),
     *_torch_hooks(),

@@ -23,7 +23,8 @@ Modules: ``_state.py`` (the states' shared settings, statistics, checkpoints and
 (what a hook hands the optimizer, and fitting the optimizer to it), ``_dropped.py`` (sending
 only what kept units touch), ``_sparse_parts.py`` (the parts the sparse hook's steps call),
 ``_machines.py`` (which ranks share a machine, and their groups), ``_auto_density.py`` (the
-density chosen from the link), one module per hook.
+density chosen from the link), ``variants.py`` (the config objects of variants with settings
+of their own: :class:`DCT`, :class:`AutoDensity`), one module per hook.
 """
 
 from ._state import ErrorFeedbackState, HookState
@@ -32,7 +33,8 @@ from .dct_quant import DCTQuantState, dct_quant_hook
 from .segment_sparse import SegmentSparseState, segment_sparse_hook
 from .two_level import TwoLevelState, two_level_hook
 from ._machines import MachineLayout
+from .variants import DCT, AutoDensity
 
 __all__ = ["HookState", "ErrorFeedbackState", "AllreduceState", "allreduce_hook",
            "SegmentSparseState", "segment_sparse_hook", "DCTQuantState", "dct_quant_hook",
-           "TwoLevelState", "two_level_hook", "MachineLayout"]
+           "TwoLevelState", "two_level_hook", "MachineLayout", "DCT", "AutoDensity"]

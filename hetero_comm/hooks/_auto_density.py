@@ -53,12 +53,10 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .._checks import check_float
+from .variants import AutoDensity
 
-__all__ = ["AutoDensity", "DEFAULT_FLOOR", "DEFAULT_CEILING", "bandwidth_bounds"]
+__all__ = ["DensityController", "bandwidth_bounds"]
 
-DEFAULT_FLOOR = 0.01
-DEFAULT_CEILING = 0.25
 # The wire's time is the median of the last steps' (one step whose codec or wait ate its window,
 # affording nothing, moves nothing).
 MEDIAN_STEPS = 5
@@ -82,7 +80,7 @@ MAX_BANDWIDTH = 1e12  # bytes per second: what flat seconds read as (no link is 
 AGREE_EVERY = 4
 
 
-class AutoDensity:
+class DensityController:
     """Proposes each step's density within ``[floor, ceiling]`` and agrees on it.
 
     Args:
@@ -95,12 +93,9 @@ class AutoDensity:
             rails there are (the two-level sync sets them; by default one).
     """
 
-    def __init__(self, floor: float, ceiling: float, wire_bytes_per_value: int,
+    def __init__(self, bounds: AutoDensity, wire_bytes_per_value: int,
                  segment_size: int) -> None:
-        self.floor = check_float("density_floor", floor, 0.0, 1.0, low_open=True)
-        self.ceiling = check_float("density_ceiling", ceiling, 0.0, 1.0, low_open=True)
-        if self.floor > self.ceiling:
-            raise ValueError(f"density_floor ({floor}) is above density_ceiling ({ceiling})")
+        self.floor, self.ceiling = bounds.floor, bounds.ceiling
         self.wire_bytes = wire_bytes_per_value
         self.importance_bytes = 4.0 / segment_size
         self.middle = math.sqrt(self.floor * self.ceiling)  # (see the module's docstring)

@@ -24,12 +24,12 @@ from ._plan import PlanBucket
 from ._sparse_parts import (INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, SEGMENTS, WIRE_DTYPES, WIRES,
                             AgreedNow, add_contribution, int8_levels, restart_sent_velocity)
 from ._state import ErrorFeedbackState, check_state
+from .variants import DCT, Basis, resolve_basis, resolve_density
 
 __all__ = ["SegmentSparseState", "segment_sparse_hook", "momentum_correction_lr_scale",
            "int8_levels", "fitting_segment_size", "MIN_SEGMENTS_PER_BUCKET", "SIGN_LR_SCALE",
            "INT8_CLIP_RMS", "WIRE_DTYPES"]
 
-BASES = tuple(SEGMENTS)
 OUTPUTS = ("sum", "sign")
 
 
@@ -73,13 +73,11 @@ class SegmentSparseState(ErrorFeedbackState):
             integer sum cannot overflow and is exact; the rounding and clipping error stays in
             the residual. At most 63 ranks.
         basis: ``"elements"`` (default): a segment is ``segment_size`` consecutive gradient
-            elements; ``"dct"``: each block of ``dct_block_size`` elements goes through an
-            orthonormal DCT and a segment is one frequency of ``segment_size`` consecutive
-            blocks (at most: a bucket's blocks are shared evenly among its groups), so every
-            selected segment touches all their elements (momentum correction then clears the
-            velocity's sent coefficients).
-        dct_block_size: with ``basis="dct"``, the DCT's block, a power of two in [2, 4096]
-            (``None``: 64); with ``basis="elements"`` it must stay ``None``.
+            elements; ``DCT(block_size=64)`` (:class:`~hetero_comm.hooks.DCT`; ``"dct"`` is
+            ``DCT()``): each block goes through an orthonormal DCT and a segment is one
+            frequency of ``segment_size`` consecutive blocks (at most: a bucket's blocks are
+            shared evenly among its groups), so every selected segment touches all their
+            elements (momentum correction then clears the velocity's sent coefficients).
         output: ``"sum"`` (default): the bucket becomes the (weighted) sum of what was sent;
             ``"sign"``: its elementwise sign (-1, 0 or 1), a sign step for AdamW with
             ``betas=(0.0, 0.0)`` (it then moves each coordinate by ``lr`` in the direction of
@@ -94,8 +92,7 @@ class SegmentSparseState(ErrorFeedbackState):
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
                  density: float = 0.01, segment_size: int = 256,
                  min_segments_per_bucket: int = 0, momentum: float = 0.0, nesterov: bool = False, density_warmup_steps: int = 0,
-                 wire_dtype: str = "float32", basis: str = "elements",
-                 dct_block_size: Optional[int] = None,
+                 wire_dtype: str = "float32", basis: Basis = "elements",
                  output: str = "sum", rank_weight: Optional[float] = None,
                  warmup_steps: int = 1, min_compress_numel: int = 0) -> None:
         self.momentum = check_float("momentum", momentum, 0.0, 0.999)
@@ -108,20 +105,16 @@ class SegmentSparseState(ErrorFeedbackState):
         super().__init__(process_group=process_group, rank_weight=rank_weight,
                          warmup_steps=warmup_steps, min_compress_numel=min_compress_numel,
                          plan_tensors=("residual", "momentum") if self.momentum else ("residual",))
-        self.density = check_float("density", density, 0.0, 1.0, low_open=True)
+        self.density = resolve_density(density, automatic=False)
         self.segment_size = check_int("segment_size", segment_size, 1, 1 << 20)
         self.min_segments_per_bucket = check_int("min_segments_per_bucket", min_segments_per_bucket,
                                                  0, 1 << 20)
         self.density_warmup_steps = check_int("density_warmup_steps", density_warmup_steps, 0)
         self.wire_dtype = check_choice("wire_dtype", wire_dtype, WIRE_DTYPES)
-        self.basis = check_choice("basis", basis, BASES)
-        if dct_block_size is not None and basis != "dct":
-            raise ValueError(f"dct_block_size is a setting of basis='dct'; got dct_block_size="
-                             f"{dct_block_size} with basis={basis!r}")
-        dct_block_size = 64 if dct_block_size is None else dct_block_size
-        self.dct_block_size = check_int("dct_block_size", dct_block_size, 2, 4096)
-        if dct_block_size & (dct_block_size - 1):
-            raise ValueError(f"dct_block_size must be a power of two in [2, 4096]; got {dct_block_size}")
+        basis = resolve_basis(basis)
+        # kept as plain values (the checkpoint's settings): the basis' name and DCT block
+        self.basis = "dct" if isinstance(basis, DCT) else basis
+        self.dct_block_size = basis.block_size if isinstance(basis, DCT) else DCT().block_size
         self.output = check_choice("output", output, OUTPUTS)
         if self.wire_dtype == "int8" and dist.is_initialized():
             int8_levels(self.exchange_size())  # a clear error now rather than at the first step
@@ -144,8 +137,12 @@ class SegmentSparseState(ErrorFeedbackState):
                     min_segments_per_bucket=self.min_segments_per_bucket,
                     momentum=self.momentum, nesterov=self.nesterov,
                     density_warmup_steps=self.density_warmup_steps, wire_dtype=self.wire_dtype,
-                    basis=self.basis, dct_block_size=self.dct_block_size, output=self.output,
+                    basis=self.basis_setting(), output=self.output,
                     **super().settings())
+
+    def basis_setting(self) -> Basis:
+        """The ``basis`` as the constructor takes it: ``"elements"`` or a :class:`DCT`."""
+        return DCT(self.dct_block_size) if self.basis == "dct" else self.basis
 
     def exchange_group(self) -> Optional[dist.ProcessGroup]:
         """The group the compressed values are summed in (the two-level sync: this rank's

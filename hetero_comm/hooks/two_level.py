@@ -13,15 +13,15 @@ import math
 import queue
 import threading
 import time
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from .._checks import check_choice, check_float
+from .._checks import check_choice
 from .._collectives import all_gather_single, reduce_scatter_single
 from .._layout import GRADIENT_DTYPES
-from ._auto_density import DEFAULT_CEILING, DEFAULT_FLOOR, AutoDensity
+from ._auto_density import DensityController
 from ._machines import MachineLayout, MachinesArgument
 from ._optimizer import HandedMomentumCorrectedSum, HandedSum
 from ._plan import PlanBucket
@@ -29,10 +29,10 @@ from ._sparse_parts import WIRE_DTYPES
 from ._non_finite import DeviceFiniteChecks, NonFiniteGradient
 from ._state import check_state
 from .segment_sparse import SegmentSparseState, sparse_allreduce
+from .variants import AutoDensity, Density, resolve_density
 
-__all__ = ["TwoLevelState", "two_level_hook", "BETWEEN_MACHINES", "INSIDE_DTYPES"]
+__all__ = ["TwoLevelState", "two_level_hook", "INSIDE_DTYPES"]
 
-BETWEEN_MACHINES = ("sparse", "dense")
 INSIDE_DTYPES = {None: None, "bfloat16": torch.bfloat16}
 # plan_bucket.extra: the share layout its error feedback is gathered for (see _gather_held_back)
 SHARES_KEY = "two_level_shares"
@@ -134,28 +134,6 @@ class _ShareOfPlanBucket(PlanBucket):
         self.whole.reset()
 
 
-# Settings of TwoLevelState that apply whichever the exchange between machines is.
-SETTINGS_OF_EVERY_EXCHANGE = ("rank_weight", "warmup_steps", "min_compress_numel")
-
-
-def _check_settings_apply(between_machines: str, density, density_floor, density_ceiling,
-                          settings: dict) -> None:
-    """Raise ``ValueError`` for a setting the chosen exchange would ignore: any sparse setting
-    with ``between_machines="dense"``, density bounds without ``density="auto"``."""
-    if between_machines == "dense":
-        given = dict(settings, density=density, density_floor=density_floor,
-                     density_ceiling=density_ceiling)
-        ignored = sorted(name for name, value in given.items()
-                         if name not in SETTINGS_OF_EVERY_EXCHANGE and value is not None)
-        if ignored:
-            raise ValueError(f"between_machines='dense' allreduces each share as it is, so "
-                             f"{', '.join(ignored)} would do nothing: drop them, or use "
-                             f"between_machines='sparse'")
-    elif density != "auto" and (density_floor is not None or density_ceiling is not None):
-        raise ValueError(f"density_floor and density_ceiling bound density='auto'; got them with "
-                         f"density={density!r}")
-
-
 class TwoLevelState(SegmentSparseState):
     """State of :func:`two_level_hook`. A collective to build: every rank of the process
     group builds it, in the same order (it creates each machine's and each rail's group).
@@ -166,56 +144,64 @@ class TwoLevelState(SegmentSparseState):
             (default: the launcher's ``LOCAL_WORLD_SIZE``, else host names), ranks per
             machine (an int, consecutive ranks together), or one machine label per rank.
             Every machine must hold the same number of ranks.
-        between_machines: ``"sparse"`` (default): each share goes through the sparse hook's
-            steps with this state's settings, summed over one rank per machine (so the int8
-            wire's levels follow from the number of machines, at most 63); ``"dense"``: each
-            share is allreduced as it is (the two-level sum without compression).
         inside_dtype: ``None`` (default): the sums inside a machine are in the gradient's
             dtype; ``"bfloat16"``: half the bytes there (that rounding is not fed back).
         density: the fraction of segments sent per step, as for
-            :class:`SegmentSparseState` (default 0.10), or ``"auto"``: chosen each step within
-            ``[density_floor, density_ceiling]`` so that the exchange between machines hides
+            :class:`SegmentSparseState` (default 0.10), or an
+            :class:`~hetero_comm.hooks.AutoDensity` (``"auto"``: ``AutoDensity()``): chosen
+            each step within its floor and ceiling so that the exchange between machines hides
             behind the backward pass (:mod:`._auto_density`), starting at the ceiling.
-        density_floor, density_ceiling: the bounds of ``density="auto"``, ``0 < floor <=
-            ceiling <= 1`` (``None``: 0.01 and 0.25); only with ``density="auto"``.
         **settings: the other settings of :class:`SegmentSparseState` (segments, basis,
-            wire, output, momentum, rank weight, warm-up). With ``between_machines="dense"``
-            only ``rank_weight``, ``warmup_steps`` and ``min_compress_numel`` apply, and any
-            setting of the sparse exchange (``density`` and its bounds included) raises.
+            wire, output, momentum, rank weight, warm-up).
+
+    Each share goes through the sparse hook's steps with this state's settings, summed over
+    one rank per machine (so the int8 wire's levels follow from the number of machines, at
+    most 63). :meth:`dense` builds the two-level sum without compression.
 
     Raises:
         ValueError: a machine layout that does not cover the ranks, machines of unequal rank
-            counts, a floor above the ceiling, or any bad setting.
+            counts, or any bad setting.
     """
 
     device_finite_checks = _HostFiniteChecks  # the exchange thread finds non-finite values at once
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
-                 machines: MachinesArgument = "auto", between_machines: str = "sparse",
-                 inside_dtype: Optional[str] = None, density=None,
-                 density_floor: Optional[float] = None, density_ceiling: Optional[float] = None,
-                 **settings) -> None:
-        check_choice("between_machines", between_machines, BETWEEN_MACHINES)
+                 machines: MachinesArgument = "auto", inside_dtype: Optional[str] = None,
+                 density: Density = 0.10, **settings) -> None:
+        self._build(process_group, machines, "sparse", inside_dtype,
+                    resolve_density(density, automatic=True), settings)
+
+    @classmethod
+    def dense(cls, *, process_group: Optional[dist.ProcessGroup] = None,
+              machines: MachinesArgument = "auto", inside_dtype: Optional[str] = None,
+              rank_weight: Optional[float] = None, warmup_steps: int = 1,
+              min_compress_numel: int = 0) -> "TwoLevelState":
+        """The two-level sum without compression: each share is allreduced between machines
+        as it is (the settings as for the constructor; nothing of the sparse exchange)."""
+        state = cls.__new__(cls)
+        state._build(process_group, machines, "dense", inside_dtype, 0.10,
+                     dict(rank_weight=rank_weight, warmup_steps=warmup_steps,
+                          min_compress_numel=min_compress_numel))
+        return state
+
+    def _build(self, process_group, machines, between_machines: str, inside_dtype,
+               density: Union[float, AutoDensity], settings: dict) -> None:
         check_choice("inside_dtype", inside_dtype, INSIDE_DTYPES)
-        _check_settings_apply(between_machines, density, density_floor, density_ceiling, settings)
-        density = 0.10 if density is None else density
-        density_floor = DEFAULT_FLOOR if density_floor is None else density_floor
-        density_ceiling = DEFAULT_CEILING if density_ceiling is None else density_ceiling
-        auto = density == "auto"
-        auto_density = None
-        if auto:  # (its bad settings raise before any group is made)
-            wire = WIRE_DTYPES[check_choice("wire_dtype", settings.get("wire_dtype", "float32"), WIRE_DTYPES)]
-            auto_density = AutoDensity(density_floor, density_ceiling, wire.itemsize,
-                                       settings.get("segment_size", 256))
+        controller = None
+        if isinstance(density, AutoDensity):  # (its bad settings raise before any group is made)
+            wire = WIRE_DTYPES[check_choice("wire_dtype", settings.get("wire_dtype", "float32"),
+                                            WIRE_DTYPES)]
+            controller = DensityController(density, wire.itemsize,
+                                           settings.get("segment_size", 256))
         self.layout = MachineLayout.resolve(machines, process_group)
         self.groups = self.layout.groups(process_group)
-        if auto_density is not None:  # the least seconds are taken within each rail
-            auto_density.rail, auto_density.rails = self.groups.local_rank, self.groups.local_size
+        if controller is not None:  # the least seconds are taken within each rail
+            controller.rail, controller.rails = self.groups.local_rank, self.groups.local_size
         self.between_machines = between_machines
         self.inside_dtype = inside_dtype
-        self.auto_density = auto_density
+        self.auto_density = controller
         super().__init__(process_group=process_group,
-                         density=auto_density.ceiling if auto else density, **settings)
+                         density=controller.ceiling if controller else density, **settings)
         self._exchanges = _ExchangeThread()
         self._step_began: Optional[float] = None  # the first bucket of the step in flight
         self._result_at: Optional[float] = None  # when the last step's result was ready
@@ -229,8 +215,7 @@ class TwoLevelState(SegmentSparseState):
         extra = dict(machines=repr(self.layout), between_machines=self.between_machines,
                      inside_dtype=self.inside_dtype)
         if self.auto_density is not None:
-            extra.update(density="auto", density_floor=self.auto_density.floor,
-                         density_ceiling=self.auto_density.ceiling)
+            extra.update(density=AutoDensity(self.auto_density.floor, self.auto_density.ceiling))
         return dict(super().settings(), **extra)
 
     # ------------------------------------------------------------- the exchange's group
@@ -379,7 +364,7 @@ def two_level_hook(state: TwoLevelState, bucket: dist.GradBucket) -> torch.futur
     2. Exchange share ``j`` between machines, among the ranks of local index ``j`` (its
        rail): the sparse hook's steps (:func:`~.segment_sparse.segment_sparse_hook`: error
        feedback, importance, the agreed selection, the wire, the handed step) with one
-       contribution per machine; or, with ``between_machines="dense"``, a plain allreduce.
+       contribution per machine; or, for :meth:`TwoLevelState.dense`, a plain allreduce.
     3. All-gather the shares inside the machine, with one flag per share: a non-finite
        gradient on any rank hands the bucket on as NaN on every rank (as
        :func:`~.segment_sparse.segment_sparse_hook` does).
@@ -393,7 +378,7 @@ def two_level_hook(state: TwoLevelState, bucket: dist.GradBucket) -> torch.futur
 
     Example::
 
-        >>> state = TwoLevelState(machines=4, density="auto", **recipe.settings)
+        >>> state = TwoLevelState(machines=4, density=AutoDensity(), **recipe.settings)
         >>> ddp_model.register_comm_hook(state, two_level_hook)
     """
     check_state(state, TwoLevelState, "two_level_hook")
@@ -465,7 +450,7 @@ def _two_level_exchange(state: TwoLevelState, plan_bucket: PlanBucket, grad: tor
     calling thread; returns a completed future."""
     if not state.accepts(grad.dtype):
         raise TypeError(f"two_level_hook: bucket {index} has dtype {grad.dtype}; gradients must "
-                        f"be float32, bfloat16 or float16 (float64 with between_machines='dense')")
+                        f"be float32, bfloat16 or float16 (float64 with TwoLevelState.dense)")
     shares = state.shares_of(grad.numel())
     _gather_held_back(state, plan_bucket, shares)
     pool, device = state.pool, grad.device
