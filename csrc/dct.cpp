@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu_kernels.h"
 #include "kernels/dct.h"
 
 namespace hetero_comm {
@@ -217,6 +218,14 @@ void dct_decode_into_cpu(const at::Tensor& coeffs, int64_t block_size, at::Tenso
 }
 
 }  // namespace
+
+void cpu::dct_encode(const at::Tensor& x, int64_t block_size, at::Tensor& coeffs) {
+  encode_into(x, block_size, coeffs);
+}
+
+void cpu::dct_decode(const at::Tensor& coeffs, int64_t block_size, at::Tensor& x_hat) {
+  decode_into(coeffs, block_size, x_hat);
+}
 
 TORCH_LIBRARY_IMPL(hetero_comm, CPU, m) {
   m.impl("dct_encode", &dct_encode_cpu);

@@ -31,6 +31,16 @@ TORCH_LIBRARY(hetero_comm, m) {
   m.def("quantize_into_(Tensor x, Tensor scale, int levels, Tensor(a!) out) -> ()");
   m.def("dequantize(Tensor q, Tensor scale, int levels) -> Tensor");
   m.def("dequantize_into_(Tensor q, Tensor scale, int levels, Tensor(a!) out) -> ()");
+  // The sparse codec: the steps of one flat gradient's exchange, each writing given buffers.
+  m.def("sparse_encode_(Tensor(a!) residual, Tensor grad, float weight, Tensor(b!)? velocity, "
+        "float momentum, bool nesterov, int segment_size, int block_size, "
+        "Tensor(c!)? coefficients, Tensor(d!) importance) -> ()");
+  m.def("sparse_pack_(Tensor(a!) residual, Tensor(b!)? coefficients, Tensor(c!)? velocity, "
+        "Tensor importance, int segment_size, int block_size, float scale_factor, int levels, "
+        "Tensor(d!) indices, Tensor(e!)? scale, Tensor(f!) wire) -> bool");
+  m.def("sparse_unpack_(Tensor wire, Tensor indices, Tensor? scale, int levels, "
+        "int segment_size, int block_size, bool sign, Tensor(a!)? coefficients, "
+        "Tensor(b!) grad) -> ()");
   // The strict-checks switch (csrc/strict_checks.cpp); returns the previous setting.
   m.def("_set_strict_checks(bool enabled) -> bool");
   // Diagnostics: how many distinct threads at::parallel_for used (proves OpenMP is on).

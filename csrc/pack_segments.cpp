@@ -11,6 +11,7 @@
 #include <algorithm>
 
 #include "checks.h"
+#include "cpu_kernels.h"
 #include "kernels/segments.h"
 
 namespace hetero_comm {
@@ -152,6 +153,17 @@ void unpack_segments_into_cpu(const at::Tensor& packed, const at::Tensor& indice
 }
 
 }  // namespace
+
+void cpu::pack_segments(at::Tensor& values, const at::Tensor& indices, int64_t segment_size,
+                        at::Tensor& out) {
+  pack_into(values, indices, segment_size, out);
+}
+
+void cpu::pack_quantized_segments(at::Tensor& values, const at::Tensor& indices,
+                                  int64_t segment_size, const at::Tensor& scale, int64_t levels,
+                                  at::Tensor& out) {
+  pack_quantized_into(values, indices, segment_size, scale, levels, out);
+}
 
 TORCH_LIBRARY_IMPL(hetero_comm, CPU, m) {
   m.impl("pack_segments_", &pack_segments_cpu);

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu_kernels.h"
 #include "kernels/select.h"
 
 namespace hetero_comm {
@@ -158,6 +159,10 @@ void select_segments_into_cpu(const at::Tensor& importance, at::Tensor& out) {
 }
 
 }  // namespace
+
+void cpu::select_segments(const at::Tensor& importance, at::Tensor& out) {
+  select_into(importance, out);
+}
 
 TORCH_LIBRARY_IMPL(hetero_comm, CPU, m) {
   m.impl("select_segments", &select_segments_cpu);

@@ -2,12 +2,12 @@
 
 ``KERNELS`` lists every public kernel: ``hetero_comm.ops`` and ``hetero_comm.reference`` both
 export exactly these names. Each kernel is registered as two operators in
-``csrc/hetero_comm.cpp``: itself and its out= form (``*_into_``), which writes a given buffer;
-``KERNEL_OPS`` lists them all (a test checks it against the registered schemas). Imports
+``csrc/hetero_comm.cpp``: itself and its out= form (``*_into_``), which writes a given buffer
+(the sparse codec's steps, :data:`CODEC_KERNELS`, only as themselves); ``KERNEL_OPS`` lists them all (a test checks it against the registered schemas). Imports
 nothing of hetero_comm, so any module may import it.
 """
 
-__all__ = ["KERNELS", "KERNEL_OPS", "into_form"]
+__all__ = ["KERNELS", "CODEC_KERNELS", "KERNEL_OPS", "into_form"]
 
 KERNELS = (
     "segment_accumulate_",
@@ -19,7 +19,12 @@ KERNELS = (
     "dct_decode",
     "quantize",
     "dequantize",
+    "sparse_encode_",
+    "sparse_pack_",
+    "sparse_unpack_",
 )
+# The sparse codec's steps write only buffers they are given: one operator each, no out= form.
+CODEC_KERNELS = ("sparse_encode_", "sparse_pack_", "sparse_unpack_")
 
 
 def into_form(kernel: str) -> str:
@@ -27,4 +32,5 @@ def into_form(kernel: str) -> str:
     return kernel.rstrip("_") + "_into_"
 
 
-KERNEL_OPS = tuple(op for kernel in KERNELS for op in (kernel, into_form(kernel)))
+KERNEL_OPS = tuple(op for kernel in KERNELS
+                   for op in ((kernel,) if kernel in CODEC_KERNELS else (kernel, into_form(kernel))))

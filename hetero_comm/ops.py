@@ -296,6 +296,99 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, levels: int,
     return out
 
 
+def _codec_compiled(tensor: torch.Tensor) -> bool:
+    """The sparse codec's kernels are compiled for the CPU only (CUDA runs the reference)."""
+    return tensor.device.type == "cpu" and _compiled(tensor)
+
+
+def sparse_encode_(residual: torch.Tensor, grad: torch.Tensor, segment_size: int,
+                   importance: torch.Tensor, *, weight: float = 1.0,
+                   velocity: Optional[torch.Tensor] = None, momentum: float = 0.0,
+                   nesterov: bool = False, block_size: int = 0,
+                   coefficients: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The sparse codec's first step: this step's contribution (``weight * grad``, or with
+    ``velocity`` momentum correction's) into the residual, and each segment's importance
+    (``block_size`` > 0: of the residual's DCT coefficients, left in ``coefficients``).
+
+    Args:
+        residual: float32 [n], contiguous, updated in place.
+        grad: float32, bfloat16 or float16 [n] (not written).
+        segment_size: elements per segment (DCT: blocks per group), >= 1.
+        importance: float32 [S], contiguous, written.
+        weight, velocity, momentum, nesterov, block_size, coefficients: see
+            :func:`hetero_comm.reference.sparse_encode_`.
+
+    Returns:
+        ``importance``.
+    """
+    if not _codec_compiled(residual):
+        return _reference().sparse_encode_(residual, grad, segment_size, importance, weight=weight,
+                                           velocity=velocity, momentum=momentum, nesterov=nesterov,
+                                           block_size=block_size, coefficients=coefficients)
+    torch.ops.hetero_comm.sparse_encode_.default(residual, grad, weight, velocity, momentum, nesterov,
+                                                 segment_size, block_size, coefficients, importance)
+    return importance
+
+
+def sparse_pack_(residual: torch.Tensor, importance: torch.Tensor, segment_size: int,
+                 indices: torch.Tensor, wire: torch.Tensor, *, block_size: int = 0,
+                 coefficients: Optional[torch.Tensor] = None,
+                 velocity: Optional[torch.Tensor] = None, levels: int = 0,
+                 scale: Optional[torch.Tensor] = None, scale_factor: float = 0.0) -> bool:
+    """The sparse codec's second step: the ``indices.numel()`` most important segments onto
+    ``wire`` (``levels`` > 0: as integers with the agreed ``scale``), the rest kept in the
+    residual, the sent velocity restarted. Writes nothing and returns False if the importance
+    is not finite.
+
+    Args:
+        residual: float32 [n], contiguous, updated in place.
+        importance: float32 [S], summed over the ranks.
+        segment_size: as for :func:`sparse_encode_`.
+        indices: int64 [k], contiguous, written.
+        wire: [k * segment_size], contiguous, written.
+        block_size, coefficients, velocity, levels, scale, scale_factor: see
+            :func:`hetero_comm.reference.sparse_pack_`.
+
+    Returns:
+        Whether the importance was finite.
+    """
+    if not _codec_compiled(residual):
+        return _reference().sparse_pack_(residual, importance, segment_size, indices, wire,
+                                         block_size=block_size, coefficients=coefficients,
+                                         velocity=velocity, levels=levels, scale=scale,
+                                         scale_factor=scale_factor)
+    return torch.ops.hetero_comm.sparse_pack_.default(residual, coefficients, velocity, importance,
+                                                      segment_size, block_size, scale_factor, levels,
+                                                      indices, scale, wire)
+
+
+def sparse_unpack_(wire: torch.Tensor, indices: torch.Tensor, segment_size: int,
+                   grad: torch.Tensor, *, levels: int = 0, scale: Optional[torch.Tensor] = None,
+                   block_size: int = 0, coefficients: Optional[torch.Tensor] = None,
+                   sign: bool = False) -> torch.Tensor:
+    """The sparse codec's last step: the summed ``wire`` scattered back into every element of
+    ``grad`` (through the inverse DCT with ``block_size`` > 0), or its sign with ``sign``.
+
+    Args:
+        wire: [k * segment_size], as :func:`sparse_pack_` wrote it, summed.
+        indices: int64 [k], strictly increasing.
+        segment_size: as for :func:`sparse_encode_`.
+        grad: float32, bfloat16 or float16 [n], contiguous, written.
+        levels, scale, block_size, coefficients, sign: see
+            :func:`hetero_comm.reference.sparse_unpack_`.
+
+    Returns:
+        ``grad``.
+    """
+    if not _codec_compiled(grad):
+        return _reference().sparse_unpack_(wire, indices, segment_size, grad, levels=levels,
+                                           scale=scale, block_size=block_size,
+                                           coefficients=coefficients, sign=sign)
+    torch.ops.hetero_comm.sparse_unpack_.default(wire, indices, scale, levels, segment_size,
+                                                 block_size, sign, coefficients, grad)
+    return grad
+
+
 # Shape/dtype-only implementations, so the ops work under torch.compile and opcheck.
 if extension_loaded():
 
@@ -370,3 +463,15 @@ if extension_loaded():
     @torch.library.register_fake("hetero_comm::dequantize")
     def _dequantize_fake(q, scale, levels):
         return q.new_empty(q.shape, dtype=torch.float32)
+
+    @torch.library.register_fake("hetero_comm::sparse_encode_")
+    def _sparse_encode_fake(residual, grad, weight, velocity, momentum, nesterov, segment_size,
+                            block_size, coefficients, importance):
+        return None
+
+    @torch.library.register_fake("hetero_comm::sparse_unpack_")
+    def _sparse_unpack_fake(wire, indices, scale, levels, segment_size, block_size, sign,
+                            coefficients, grad):
+        return None
+
+    # sparse_pack_ has no fake: its result (whether the importance was finite) depends on values.

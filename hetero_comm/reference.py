@@ -509,3 +509,268 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, levels: int,
         _check_out(out, (torch.float32,), tuple(q.shape), q, "q")
     x_hat = _dequantized(q, scale, levels)
     return x_hat if out is None else out.copy_(x_hat)
+
+
+# ------------------------------------------------------------------------ the sparse codec
+# The three steps of a sparse exchange of one flat gradient, each one kernel: encode (before
+# the importance is summed over the ranks), pack (after: the agreed selection onto the wire)
+# and unpack (after the wire is summed: back into the gradient). ``block_size`` 0 selects
+# among segments of the residual's elements; a power of two, among segments of its grouped
+# DCT coefficients (frequency f of ``segment_size`` consecutive blocks).
+def _codec_segments(numel: int, segment_size: int, block_size: int) -> int:
+    """The number of segments the codec cuts ``numel`` values into."""
+    if block_size == 0:
+        return num_segments(numel, segment_size)
+    groups, keep, group = dct_coeffs_shape(numel, block_size, block_size, segment_size)
+    return groups * keep
+
+
+def _check_codec_settings(numel: int, segment_size: int, block_size: int,
+                          coefficients: Optional[torch.Tensor], like: torch.Tensor,
+                          like_name: str = "residual") -> None:
+    """``segment_size``, ``block_size`` and the coefficients buffer they ask for."""
+    check_int("segment_size", segment_size, 1)
+    if block_size != 0:
+        _check_block_size(block_size)
+    if block_size == 0:
+        if coefficients is not None:
+            raise ValueError("coefficients is the DCT's work buffer: give it only with block_size > 0")
+        return
+    if coefficients is None:
+        raise ValueError("block_size > 0 (the DCT basis) needs the coefficients buffer")
+    shape = dct_coeffs_shape(numel, block_size, block_size, segment_size)
+    _check_tensor("coefficients", coefficients, (torch.float32,), 3, writable=True)
+    if tuple(coefficients.shape) != shape:
+        raise ValueError(f"coefficients must have shape {list(shape)}; got {list(coefficients.shape)}")
+    _check_same_device(**{like_name: like}, coefficients=coefficients)
+    _check_no_overlap(coefficients, like, like_name, written_name="coefficients")
+
+
+def _check_velocity(velocity: Optional[torch.Tensor], residual: torch.Tensor) -> None:
+    if velocity is None:
+        return
+    _check_tensor("velocity", velocity, (torch.float32,), 1, writable=True)
+    if velocity.numel() != residual.numel():
+        raise ValueError(f"velocity must have as many elements as residual ({residual.numel()}); "
+                         f"got {velocity.numel()}")
+    _check_same_device(residual=residual, velocity=velocity)
+    _check_no_overlap(velocity, residual, "residual", written_name="velocity")
+
+
+def _segment_norms(values: torch.Tensor, segment_size: int) -> torch.Tensor:
+    """The L2 norm of each segment of the flat float32 ``values``."""
+    return _padded_segment_view(values, segment_size).square().sum(dim=1).sqrt()
+
+
+def sparse_encode_(residual: torch.Tensor, grad: torch.Tensor, segment_size: int,
+                   importance: torch.Tensor, *, weight: float = 1.0,
+                   velocity: Optional[torch.Tensor] = None, momentum: float = 0.0,
+                   nesterov: bool = False, block_size: int = 0,
+                   coefficients: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Add this step's contribution into the residual and measure every segment's importance.
+
+    The contribution is ``c = weight * float32(grad)``; with ``velocity`` (momentum
+    correction) first ``velocity = momentum * velocity + c`` and the contribution is the
+    velocity, or with ``nesterov`` ``c + momentum * velocity`` (each product and sum a float32
+    rounding of its own). ``residual += contribution``. ``block_size`` 0: ``importance`` is the
+    L2 norm of each segment of the residual; else the residual's grouped DCT coefficients go
+    into ``coefficients`` (:func:`dct_encode` with ``keep = block_size``, ``group =
+    segment_size``) and ``importance`` is the L2 norm of each of its ``segment_size``-value
+    rows. ``grad`` is not written.
+
+    Args:
+        residual: float32 [n], contiguous, updated in place.
+        grad: float32, bfloat16 or float16 [n].
+        segment_size: elements per segment (DCT: blocks per group), >= 1.
+        importance: float32 [S], contiguous, written.
+        weight: finite factor on the gradient (this rank's share).
+        velocity: optional float32 [n], contiguous, updated in place.
+        momentum: in [0, 1), with ``velocity``.
+        nesterov: with ``velocity``.
+        block_size: 0, or the DCT's block, a power of two.
+        coefficients: with ``block_size`` > 0, float32 of :func:`dct_encode`'s grouped shape,
+            contiguous, written.
+
+    Returns:
+        ``importance``.
+    """
+    _check_tensor("residual", residual, (torch.float32,), 1, writable=True)
+    _check_tensor("grad", grad, GRADIENT_DTYPES, 1)
+    _check_same_device(residual=residual, grad=grad)
+    if grad.numel() != residual.numel():
+        raise ValueError(f"grad must have as many elements as residual ({residual.numel()}); got {grad.numel()}")
+    _check_codec_settings(residual.numel(), segment_size, block_size, coefficients, residual)
+    if not math.isfinite(weight):
+        raise ValueError(f"weight must be finite; got {weight}")
+    _check_velocity(velocity, residual)
+    if velocity is not None and not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1); got {momentum}")
+    if velocity is None and (momentum or nesterov):
+        raise ValueError("momentum and nesterov need the velocity buffer")
+    count = _codec_segments(residual.numel(), segment_size, block_size)
+    _check_out_named("importance", importance, (torch.float32,), (count,), residual)
+    _check_no_overlap(importance, grad, "grad", written_name="importance")
+    contribution = grad.float() * weight
+    if velocity is not None:
+        velocity.mul_(momentum).add_(contribution)
+        contribution = contribution + momentum * velocity if nesterov else velocity
+    residual.add_(contribution)
+    if block_size == 0:
+        return importance.copy_(_segment_norms(residual, segment_size))
+    dct_encode(residual, block_size, block_size, segment_size, out=coefficients)
+    return importance.copy_(_segment_norms(coefficients.view(-1), segment_size))
+
+
+def sparse_pack_(residual: torch.Tensor, importance: torch.Tensor, segment_size: int,
+                 indices: torch.Tensor, wire: torch.Tensor, *, block_size: int = 0,
+                 coefficients: Optional[torch.Tensor] = None,
+                 velocity: Optional[torch.Tensor] = None, levels: int = 0,
+                 scale: Optional[torch.Tensor] = None, scale_factor: float = 0.0) -> bool:
+    """Put the ``k = indices.numel()`` most important segments on the wire; keep the rest.
+
+    If any importance value is NaN or infinite, nothing is written and the result is False.
+    Else ``indices`` gets :func:`select_segments` of ``importance``, and the selected segments
+    of the values (``block_size`` 0: the residual; else ``coefficients``, as
+    :func:`sparse_encode_` left them) go onto ``wire``: ``levels`` 0: as
+    :func:`pack_segments_` (a float wire); else as :func:`pack_quantized_segments_` with
+    ``scale[j] = min(importance[indices[j]] * scale_factor * t, float32 max)``, where ``t`` is
+    ``sqrt(segment_size / tail)`` for a last segment of ``tail < segment_size`` values and 1
+    elsewhere (each product a float32 rounding). What the wire does not carry stays in the
+    values; with the DCT the residual then becomes :func:`dct_decode` of ``coefficients``. With
+    ``velocity``, its selected segments (DCT: coefficients, through ``coefficients``) are set
+    to zero.
+
+    Args:
+        residual: float32 [n], contiguous, updated in place.
+        importance: float32 [S] (summed over the ranks).
+        segment_size, block_size, coefficients: as for :func:`sparse_encode_`.
+        indices: int64 [k], contiguous, written; 0 <= k <= S.
+        wire: [k * segment_size], contiguous, written: float32, bfloat16 or float16 with
+            ``levels`` 0, else int8, int16 or int32.
+        velocity: optional float32 [n], contiguous, updated in place.
+        levels: 0, or the integer steps each way, 1 <= levels <= the wire dtype's largest value.
+        scale: with ``levels`` > 0, float32 [k], contiguous, written.
+        scale_factor: with ``levels`` > 0, a finite factor >= 0.
+
+    Returns:
+        Whether the importance was finite (and anything was written).
+    """
+    _check_tensor("residual", residual, (torch.float32,), 1, writable=True)
+    _check_codec_settings(residual.numel(), segment_size, block_size, coefficients, residual)
+    _check_velocity(velocity, residual)
+    count = _codec_segments(residual.numel(), segment_size, block_size)
+    _check_tensor("importance", importance, (torch.float32,), 1)
+    if importance.numel() != count:
+        raise ValueError(f"importance must have one value per segment ({count}); got {importance.numel()}")
+    _check_same_device(residual=residual, importance=importance)
+    _check_tensor("indices", indices, (torch.int64,), 1, writable=True)
+    check_int("k = indices.numel() =", indices.numel(), 0, count)
+    k = indices.numel()
+    if levels == 0:
+        if scale is not None:
+            raise ValueError("scale is the integer wire's: give it only with levels > 0")
+        _check_out_named("wire", wire, GRADIENT_DTYPES, (k * segment_size,), residual)
+    else:
+        _check_out_named("wire", wire, tuple(QUANT_DTYPES.values()), (k * segment_size,), residual)
+        check_int("levels", levels, 1, torch.iinfo(wire.dtype).max)
+        if scale is None:
+            raise ValueError("levels > 0 (an integer wire) needs the scale buffer")
+        _check_out_named("scale", scale, (torch.float32,), (k,), residual)
+        if not (math.isfinite(scale_factor) and scale_factor >= 0):
+            raise ValueError(f"scale_factor must be finite and >= 0; got {scale_factor}")
+    for name, written in (("indices", indices), ("wire", wire), ("scale", scale)):
+        if written is not None:
+            _check_no_overlap(written, importance, "importance", written_name=name)
+    if count and not bool(torch.isfinite(importance).all()):
+        return False
+    indices.copy_(select_segments(importance, k))
+    values = residual if block_size == 0 else coefficients.view(-1)
+    if levels == 0:
+        pack_segments_(values, indices, segment_size, out=wire)
+    else:
+        tail = values.numel() - (count - 1) * segment_size
+        scale.copy_(importance[indices] * scale_factor)
+        if tail < segment_size:
+            scale.mul_(torch.where(indices == count - 1, math.sqrt(segment_size / tail), 1.0))
+        scale.clamp_(max=torch.finfo(torch.float32).max)
+        pack_quantized_segments_(values, indices, segment_size, scale, levels, wire.dtype, out=wire)
+    if block_size:
+        dct_decode(coefficients, block_size, residual.numel(), out=residual)
+    if velocity is not None and block_size == 0:
+        _padded_segment_positions_zeroed(velocity, indices, segment_size)
+    elif velocity is not None:
+        dct_encode(velocity, block_size, block_size, segment_size, out=coefficients)
+        coefficients.view(-1, segment_size)[indices] = 0.0
+        dct_decode(coefficients, block_size, velocity.numel(), out=velocity)
+    return True
+
+
+def _padded_segment_positions_zeroed(flat: torch.Tensor, indices: torch.Tensor, segment_size: int) -> None:
+    """Zero the selected segments of ``flat``."""
+    positions, inside = _segment_positions(indices, segment_size, flat.numel())
+    flat[positions[inside]] = 0.0
+
+
+def sparse_unpack_(wire: torch.Tensor, indices: torch.Tensor, segment_size: int,
+                   grad: torch.Tensor, *, levels: int = 0, scale: Optional[torch.Tensor] = None,
+                   block_size: int = 0, coefficients: Optional[torch.Tensor] = None,
+                   sign: bool = False) -> torch.Tensor:
+    """The summed wire back into the gradient: every element of ``grad`` is written.
+
+    The wire's values (``levels`` 0: as they are; else :func:`dequantize` with ``scale``)
+    are scattered to their segments, zeros elsewhere (:func:`unpack_segments`): ``block_size``
+    0: into ``grad``'s elements; else into ``coefficients``, whose :func:`dct_decode` is the
+    result. With ``sign`` the result is its float32 sign (-1, 0 or 1). Written into ``grad``
+    in its dtype.
+
+    Args:
+        wire: [k * segment_size]: float32, bfloat16 or float16 with ``levels`` 0, else int8,
+            int16 or int32.
+        indices: int64 [k], strictly increasing, each in [0, S).
+        segment_size, block_size, coefficients: as for :func:`sparse_encode_` (the
+            coefficients are a work buffer here).
+        grad: float32, bfloat16 or float16 [n], contiguous, written.
+        levels: 0, or the integer wire's steps each way (>= 1).
+        scale: with ``levels`` > 0, float32 [k], finite and >= 0.
+        sign: hand on the sign of the result.
+
+    Returns:
+        ``grad``.
+    """
+    _check_tensor("grad", grad, GRADIENT_DTYPES, 1, writable=True)
+    _check_codec_settings(grad.numel(), segment_size, block_size, coefficients, grad, "grad")
+    count = _codec_segments(grad.numel(), segment_size, block_size)
+    _check_indices(indices, count)
+    _check_same_device(grad=grad, indices=indices)
+    _check_same_device(grad=grad, wire=wire)
+    k = indices.numel()
+    if levels == 0:
+        _check_tensor("wire", wire, GRADIENT_DTYPES, 1)
+        if scale is not None:
+            raise ValueError("scale is the integer wire's: give it only with levels > 0")
+    else:
+        _check_tensor("wire", wire, tuple(QUANT_DTYPES.values()), 1)
+        check_int("levels", levels, 1)
+        if scale is None:
+            raise ValueError("levels > 0 (an integer wire) needs the scale buffer")
+        _check_scale(scale, k)
+    if wire.numel() != k * segment_size:
+        raise ValueError(f"wire must have k * segment_size = {k * segment_size} elements; got {wire.numel()}")
+    _check_no_overlap(grad, wire, "wire", written_name="grad")
+    values = wire.float() if levels == 0 else _dequantized(wire.view(k, segment_size), scale, levels).view(-1)
+    if block_size == 0:
+        result = unpack_segments(values, indices, segment_size, grad.numel())
+    else:
+        unpack_segments(values, indices, segment_size, coefficients.numel(), out=coefficients.view(-1))
+        result = dct_decode(coefficients, block_size, grad.numel())
+    return grad.copy_(result.sign() if sign else result)
+
+
+def _check_out_named(name: str, out: torch.Tensor, dtypes, shape, like: torch.Tensor) -> None:
+    """A written buffer ``name``: dtype, exact shape, contiguous, on ``like``'s device and not
+    sharing its memory."""
+    _check_tensor(name, out, dtypes, len(shape), writable=True)
+    _check_same_device(residual=like, **{name: out})
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}; got {list(out.shape)}")
+    _check_no_overlap(out, like, "residual", written_name=name)
