@@ -124,8 +124,9 @@ def train(rank, world_size, hook, settings, steps, options=None):
                     p.sub_(0.05 * p.grad)
                 p.grad = None
         pending = [torch.zeros_like(p, dtype=torch.float32) for p in model.parameters()]
-        if hasattr(state, "pool"):
-            pool_allocations.append(state.pool.stats()["allocations"])
+        if hasattr(state, "pool"):  # the pool's storage and the sparse codec's buffer sets
+            pool_allocations.append(state.pool.stats()["allocations"]
+                                    + (state.codecs.builds if hasattr(state, "codecs") else 0))
     return {
         "produced": np.stack(produced), "applied": np.stack(applied),
         "held_back": flat(state.held_back(list(model.parameters())) if hasattr(state, "held_back")

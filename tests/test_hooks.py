@@ -338,7 +338,7 @@ def test_one_state_serves_one_model(hook, settings_):
 @pytest.mark.multirank
 @pytest.mark.parametrize("hook,settings_", [("sparse", SPARSE), ("sparse", dict(SPARSE, basis="dct")),
                                             ("sparse", dict(SPARSE, wire_dtype="int8")), ("dct", DCT_QUANT)])
-def test_steady_state_steps_allocate_no_pool_storage(hook, settings_):
+def test_steady_state_steps_allocate_no_work_buffers(hook, settings_):
     results = run_ranks(2, train, hook, settings_, 10)
     allocations = results[0]["pool_allocations"]
     assert allocations[3] > 0

@@ -100,6 +100,10 @@ class KeptPart(PlanBucket):
         super().__init__(("kept",), (numel,))
         self.part = part
 
+    @property
+    def origin(self) -> PlanBucket:
+        return self.part.origin
+
     def reset(self) -> None:
         """Reset the bucket it was gathered from (its own tensors are scratch, already back in
         the pool when a flag read later on the device calls this)."""
@@ -136,7 +140,12 @@ def send_kept_part(send, units):
             layout.scatter(compact.tensors[name], tensor)
 
         def expand(fut) -> torch.Tensor:
-            layout.expand(fut.value(), grad)
+            value = fut.value()
+            # again: a send that finishes its agreement later (the CPU's pipelined codec)
+            # updates them after it returned
+            for name, tensor in part.tensors.items():
+                layout.scatter(compact.tensors[name], tensor)
+            layout.expand(value, grad)
             state.callbacks.release(buffers, grad.device)
             return grad
 

@@ -51,6 +51,11 @@ class PlanBucket:
         self.tensors: Dict[str, torch.Tensor] = {}
         self.extra: Dict[str, object] = {}
 
+    @property
+    def origin(self) -> "PlanBucket":
+        """The plan bucket whose state this one holds or views (itself here)."""
+        return self
+
     def slice_of(self, name: str, key: str) -> torch.Tensor:
         position = self.keys.index(key)
         start = self.offsets[position]

@@ -23,6 +23,7 @@ from ._optimizer import (HandedMomentumCorrectedSum, HandedSign, HandedSum, SIGN
 from ._plan import PlanBucket
 from ._sparse_parts import (INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, SEGMENTS, WIRE_DTYPES, WIRES,
                             AgreedNow, add_contribution, int8_levels, restart_sent_velocity)
+from ._codec import CodecBuffers, codec_allreduce
 from ._state import ErrorFeedbackState, check_state
 from .variants import DCT, Basis, resolve_basis, resolve_density
 
@@ -121,10 +122,19 @@ class SegmentSparseState(ErrorFeedbackState):
         self._warned_coarse_segments = False
         self._log_settings()
 
+    def _start_process_parts(self) -> None:
+        """:meth:`ErrorFeedbackState._start_process_parts` plus each bucket's codec buffers
+        and the agreements in flight."""
+        super()._start_process_parts()
+        self.codecs = CodecBuffers()
+        self._agreements: list = []  # buckets whose importance sum is in flight
+
     def __getstate__(self) -> dict:
-        """:meth:`ErrorFeedbackState.__getstate__`; the coarse-segment warning is per process."""
+        """:meth:`ErrorFeedbackState.__getstate__`; the coarse-segment warning and the codec
+        buffers are per process."""
         state = super().__getstate__()
         state.pop("_warned_coarse_segments", None)
+        del state["codecs"], state["_agreements"]
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -139,6 +149,39 @@ class SegmentSparseState(ErrorFeedbackState):
                     density_warmup_steps=self.density_warmup_steps, wire_dtype=self.wire_dtype,
                     basis=self.basis_setting(), output=self.output,
                     **super().settings())
+
+    # ---------------------------------------------------------------- the pipelined agreement
+    def pipelines_agreement(self, grad: torch.Tensor) -> bool:
+        """Whether buckets go through the codec with their agreement pipelined: on the CPU,
+        where waiting for the importance's sum would stop the backward pass for a round trip
+        per bucket (on a GPU the wait is the stream's, not the host's)."""
+        return grad.device.type == "cpu" and not self.non_finite.device_checks.on_device(grad.device)
+
+    def run(self, bucket: dist.GradBucket, send) -> torch.futures.Future[torch.Tensor]:
+        """:meth:`ErrorFeedbackState.run`. On the CPU the codec sends the bucket
+        (:func:`._codec.codec_allreduce`) with its agreement pipelined: this bucket's
+        importance sum is issued, then the previous bucket's is read, its segments packed
+        and its wire issued (at the step's last bucket, this one's too). Every rank issues the
+        collectives in that one order, and the backward pass computes the next bucket while
+        an agreement makes its round trip. The future completes when the bucket's sum has
+        been delivered into it."""
+        if not self.pipelines_agreement(bucket.buffer()):
+            return super().run(bucket, send)
+        earlier = len(self._agreements)
+        try:
+            return super().run(bucket, self._send_pipelined)
+        finally:  # the earlier buckets' agreements; at the step's last bucket, all
+            self._finish_agreements(len(self._agreements) if bucket.is_last() else earlier)
+
+    def _send_pipelined(self, state, plan_bucket, grad: torch.Tensor,
+                        index: int) -> torch.futures.Future:
+        return codec_allreduce(state, plan_bucket, grad, index, agreements=self._agreements)
+
+    def _finish_agreements(self, count: int) -> None:
+        """Finish the first ``count`` agreements in flight, in the order they were issued."""
+        finishing, self._agreements = self._agreements[:count], self._agreements[count:]
+        for agreement in finishing:
+            agreement.finish()
 
     def basis_setting(self) -> Basis:
         """The ``basis`` as the constructor takes it: ``"elements"`` or a :class:`DCT`."""
@@ -296,7 +339,10 @@ def segment_sparse_hook(state: SegmentSparseState, bucket: dist.GradBucket) -> t
 
 def sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: torch.Tensor,
                       index: int) -> torch.futures.Future[torch.Tensor]:
-    """Steps 1-5 of :func:`segment_sparse_hook` for ``grad``, laid out like ``plan_bucket``."""
+    """Steps 1-5 of :func:`segment_sparse_hook` for ``grad``, laid out like ``plan_bucket``:
+    on the CPU by the codec's kernels (:func:`._codec.codec_allreduce`), on a GPU part by part."""
+    if not state.non_finite.device_checks.on_device(grad.device):
+        return codec_allreduce(state, plan_bucket, grad, index)
     step, pool, device = state.step, state.pool, grad.device
     wire_format_class = WIRES[state.wire_dtype]
     wire_format_class.check_world_size(state.exchange_size())  # before anything is written

@@ -9,9 +9,8 @@ exchange thread per rank, bucket after bucket, so the backward pass goes on whil
 travel and every group's collectives are issued in the same order on every rank.
 """
 
+import functools
 import math
-import queue
-import threading
 import time
 from typing import Optional, Union
 
@@ -27,7 +26,8 @@ from ._optimizer import HandedMomentumCorrectedSum, HandedSum
 from ._plan import PlanBucket
 from ._sparse_parts import WIRE_DTYPES
 from ._non_finite import DeviceFiniteChecks, NonFiniteGradient
-from ._state import check_state
+from ._exchange_thread import ExchangeThread
+from ._state import ErrorFeedbackState, check_state
 from .segment_sparse import SegmentSparseState, sparse_allreduce
 from .variants import AutoDensity, Density, resolve_density
 
@@ -36,49 +36,6 @@ __all__ = ["TwoLevelState", "two_level_hook", "INSIDE_DTYPES"]
 INSIDE_DTYPES = {None: None, "bfloat16": torch.bfloat16}
 # plan_bucket.extra: the share layout its error feedback is gathered for (see _gather_held_back)
 SHARES_KEY = "two_level_shares"
-
-
-class _ExchangeThread:
-    """One background thread running submitted jobs in order; each job's result (or
-    exception) completes the future :meth:`submit` returned."""
-
-    def __init__(self) -> None:
-        self._jobs: "queue.Queue" = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
-        self._outstanding = 0
-        self._lock = threading.Lock()
-        self._idle = threading.Event()
-        self._idle.set()
-
-    def submit(self, job) -> torch.futures.Future:
-        future = torch.futures.Future()
-        with self._lock:
-            self._outstanding += 1
-            self._idle.clear()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, daemon=True,
-                                                name="hetero_comm-two-level")
-                self._thread.start()
-        self._jobs.put((job, future))
-        return future
-
-    def wait_idle(self) -> None:
-        """Return once every submitted job has finished."""
-        self._idle.wait()
-
-    def _loop(self) -> None:
-        while True:
-            job, future = self._jobs.get()
-            try:
-                result = job()
-            except BaseException as error:  # handed to whoever waits on the future
-                future.set_exception(error)
-            else:
-                future.set_result(result)
-            with self._lock:
-                self._outstanding -= 1
-                if not self._outstanding:
-                    self._idle.set()
 
 
 class _HostFiniteChecks(DeviceFiniteChecks):
@@ -129,6 +86,10 @@ class _ShareOfPlanBucket(PlanBucket):
         self.whole = whole
         self.tensors = {name: tensor[start:stop] for name, tensor in whole.tensors.items()}
         self.extra = whole.extra
+
+    @property
+    def origin(self) -> PlanBucket:
+        return self.whole.origin
 
     def reset(self) -> None:
         self.whole.reset()
@@ -202,7 +163,7 @@ class TwoLevelState(SegmentSparseState):
         self.auto_density = controller
         super().__init__(process_group=process_group,
                          density=controller.ceiling if controller else density, **settings)
-        self._exchanges = _ExchangeThread()
+        self._exchanges = ExchangeThread()
         self._step_began: Optional[float] = None  # the first bucket of the step in flight
         self._result_at: Optional[float] = None  # when the last step's result was ready
         self.statistics.add_counter("bytes_inside_machines")
@@ -267,7 +228,7 @@ class TwoLevelState(SegmentSparseState):
         if bucket.is_last():
             timing = (now - self._step_began, now - (self._result_at or self._step_began))
             self._step_began = None
-        base_run = super().run
+        base_run = functools.partial(ErrorFeedbackState.run, self)
 
         def job() -> torch.Tensor:
             result = base_run(bucket, send).wait()
@@ -350,7 +311,7 @@ class TwoLevelState(SegmentSparseState):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self._exchanges = _ExchangeThread()
+        self._exchanges = ExchangeThread()
 
 
 def two_level_hook(state: TwoLevelState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

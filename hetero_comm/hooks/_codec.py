@@ -1,0 +1,165 @@
+"""The sparse exchange of one flat gradient in three kernels and two allreduces: the sparse
+hook's steps where the gradient is on the CPU (the codec's kernels are compiled for the CPU; a
+GPU takes the steps part by part, :func:`~.segment_sparse.sparse_allreduce`).
+
+Per plan bucket the buffers (importance, indices, scales, wire, DCT coefficients) are made once
+and reused every step while the bucket's shape and ``k`` stay, so a step allocates nothing and
+issues five operator calls: :func:`hetero_comm.ops.sparse_encode_`, the importance's allreduce,
+:func:`hetero_comm.ops.sparse_pack_`, the wire's allreduce and, once the sum arrives,
+:func:`hetero_comm.ops.sparse_unpack_`.
+"""
+
+import math
+import weakref
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from .._layout import dct_coeffs_shape, num_segments
+from ._non_finite import NonFiniteGradient
+from ._plan import PlanBucket
+from ._sparse_parts import INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, WIRE_DTYPES, int8_levels
+
+__all__ = ["BucketCodec", "CodecBuffers", "AgreementInFlight", "codec_allreduce"]
+
+
+class BucketCodec:
+    """The settings and buffers of one plan bucket's exchange at one ``k``."""
+
+    def __init__(self, state, numel: int, k: int, segment: int, count: int,
+                 device: torch.device) -> None:
+        self.numel, self.k, self.segment, self.count = numel, k, segment, count
+        self.block_size = state.dct_block_size if state.basis == "dct" else 0
+        integer = state.wire_dtype == "int8"
+        self.levels = int8_levels(state.exchange_size()) if integer else 0
+        self.scale_factor = (INT8_CLIP_RMS / (state.exchange_size() * math.sqrt(segment))
+                             if integer else 0.0)
+        coefficients = (math.prod(dct_coeffs_shape(numel, self.block_size, self.block_size, segment))
+                        if self.block_size else 0)
+        # one float32 arena: importance, scales, coefficients
+        arena = torch.empty(count + (k if integer else 0) + coefficients, device=device)
+        self.importance = arena[:count]
+        self.scale = arena[count:count + k] if integer else None
+        self.coefficients = (arena[arena.numel() - coefficients:].view(
+            dct_coeffs_shape(numel, self.block_size, self.block_size, segment))
+            if self.block_size else None)
+        self.indices = torch.empty(k, dtype=torch.int64, device=device)
+        self.wire = torch.empty(k * segment, dtype=WIRE_DTYPES[state.wire_dtype], device=device)
+        self.sign = state.output == "sign"
+
+    def wire_bytes(self) -> int:
+        """Bytes handed to the collectives per step: the importance and the wire."""
+        return self.importance.numel() * 4 + self.wire.numel() * self.wire.element_size()
+
+
+class CodecBuffers:
+    """Each plan bucket's :class:`BucketCodec` (made anew when its ``k`` or layout changes)."""
+
+    def __init__(self) -> None:
+        self._codecs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.builds = 0  # buffer sets made (a steady step makes none)
+
+    def codec_for(self, state, plan_bucket: PlanBucket, grad: torch.Tensor, index: int) -> BucketCodec:
+        owner = plan_bucket.origin  # (the two-level sync's share, the kept part of one)
+        numel = grad.numel()
+        segment = state.segment_size_for(numel)
+        block = state.dct_block_size if state.basis == "dct" else 0
+        count = (num_segments(numel, segment) if not block
+                 else math.prod(dct_coeffs_shape(numel, block, block, segment)[:2]))
+        k = state.segments_to_send(count, state.step)
+        if not block and k < count < MIN_SEGMENTS_PER_BUCKET:
+            state.warn_coarse_segments(index, numel, segment, count)
+        codec = self._codecs.get(owner)
+        if codec is None or (codec.numel, codec.k, codec.segment) != (numel, k, segment) \
+                or codec.importance.device != grad.device:
+            codec = self._codecs[owner] = BucketCodec(state, numel, k, segment, count, grad.device)
+            self.builds += 1
+        return codec
+
+
+def codec_allreduce(state, plan_bucket: PlanBucket, grad: torch.Tensor, index: int,
+                    agreements: Optional[list] = None) -> torch.futures.Future:
+    """Steps 1-5 of :func:`~.segment_sparse.segment_sparse_hook` for ``grad`` (on the CPU),
+    laid out like ``plan_bucket``. Encodes and issues the importance's sum; without
+    ``agreements`` it waits for that sum and goes on (a non-finite one raises
+    :class:`NonFiniteGradient`); with it, the rest is appended there as an
+    :class:`AgreementInFlight` for the caller to finish later, in order."""
+    if state.wire_dtype == "int8":
+        int8_levels(state.exchange_size())  # too many ranks: raise before anything is written
+    codec = state.codecs.codec_for(state, plan_bucket, grad, index)
+    velocity: Optional[torch.Tensor] = plan_bucket.tensors["momentum"] if state.momentum else None
+    with state.statistics.timer("encode_seconds"):
+        ops.sparse_encode_(plan_bucket.tensors["residual"], grad, codec.segment, codec.importance,
+                           weight=state.contribution_weight(), velocity=velocity,
+                           momentum=state.momentum, nesterov=state.nesterov,
+                           block_size=codec.block_size, coefficients=codec.coefficients)
+    work = dist.all_reduce(codec.importance, group=state.exchange_group(), async_op=True)
+    agreement = AgreementInFlight(state, codec, plan_bucket, grad, index, velocity, work)
+    if agreements is None:
+        return agreement.finish(raise_non_finite=True)
+    agreements.append(agreement)
+    return agreement.delivered
+
+
+class AgreementInFlight:
+    """A bucket whose importance's sum was issued: :meth:`finish` waits for it, packs the
+    agreed segments, issues the wire's sum and unpacks it into the bucket when it arrives
+    (completing :attr:`delivered`)."""
+
+    def __init__(self, state, codec: BucketCodec, plan_bucket: PlanBucket, grad: torch.Tensor,
+                 index: int, velocity: Optional[torch.Tensor], work) -> None:
+        self.state, self.codec, self.plan_bucket, self.grad = state, codec, plan_bucket, grad
+        self.index, self.step, self.velocity, self.work = index, state.step, velocity, work
+        self.delivered = torch.futures.Future()
+
+    def finish(self, raise_non_finite: bool = False) -> torch.futures.Future:
+        """Pack and send; returns :attr:`delivered`. Importance that is not finite (every
+        rank summed the same, so all find it): the bucket's error feedback restarts and the
+        bucket is handed on as NaN (``raise_non_finite``: :class:`NonFiniteGradient` is raised
+        instead, for the state's ``run`` to do that)."""
+        state, codec, grad = self.state, self.codec, self.grad
+        try:
+            self.work.wait()
+            with state.statistics.timer("encode_seconds"):
+                finite = ops.sparse_pack_(self.plan_bucket.tensors["residual"], codec.importance,
+                                          codec.segment, codec.indices, codec.wire,
+                                          block_size=codec.block_size,
+                                          coefficients=codec.coefficients, velocity=self.velocity,
+                                          levels=codec.levels, scale=codec.scale,
+                                          scale_factor=codec.scale_factor)
+            if not finite:  # its own tensors too: a kept part's are scattered back later
+                for tensor in self.plan_bucket.tensors.values():
+                    tensor.zero_()
+                self.plan_bucket.reset()
+                found = NonFiniteGradient(type(state).__name__, self.index, self.step)
+                if raise_non_finite:
+                    raise found
+                self.delivered.set_result(state.non_finite.hand_on(grad, found).wait())
+                return self.delivered
+            state.statistics.count_bytes(grad.numel() * grad.element_size(), codec.wire_bytes(), True)
+            work = dist.all_reduce(codec.wire, group=state.exchange_group(), async_op=True)
+        except NonFiniteGradient:
+            raise
+        except BaseException as error:  # e.g. the group failed: whoever waits on the bucket sees it
+            if raise_non_finite:
+                raise
+            self.delivered.set_exception(error)
+            return self.delivered
+        work.get_future().add_done_callback(self._unpack)
+        return self.delivered
+
+    def _unpack(self, summed: torch.futures.Future) -> None:
+        codec = self.codec
+        try:
+            summed.wait()
+            with self.state.statistics.timer("decode_seconds"):
+                ops.sparse_unpack_(codec.wire, codec.indices, codec.segment, self.grad,
+                                   levels=codec.levels, scale=codec.scale,
+                                   block_size=codec.block_size, coefficients=codec.coefficients,
+                                   sign=codec.sign)
+        except BaseException as error:
+            self.delivered.set_exception(error)
+        else:
+            self.delivered.set_result(self.grad)
