@@ -29,6 +29,7 @@ import argparse
 import datetime
 import itertools
 import json
+import math
 import os
 import signal
 import statistics
@@ -39,6 +40,9 @@ import time
 
 HOOK_RUNS = [
     ("float32 allreduce", dict(hook="dense")),
+    # The compute alone: each bucket handed back as it is (what a hook that hides all of its
+    # communication would cost).
+    ("no communication", dict(hook="none")),
     ("torch fp16_compress", dict(hook="fp16")),
     ("torch PowerSGD rank 1", dict(hook="powersgd", hook_settings=dict(matrix_approximation_rank=1))),
     ("torch PowerSGD rank 4", dict(hook="powersgd", hook_settings=dict(matrix_approximation_rank=4))),
@@ -158,7 +162,8 @@ def step_summary(record: dict) -> dict:
     hook_ms = (1000 * (stats["encode_seconds"] + stats["decode_seconds"]) / stats["steps"]
                if stats.get("steps") else None)  # hetero_comm's hooks only
     return dict(step_seconds=statistics.median(seconds), bytes_per_step=bytes_per_step,
-                compression=record["dense_bytes_per_step"] / bytes_per_step,
+                compression=(record["dense_bytes_per_step"] / bytes_per_step if bytes_per_step
+                             else float("inf")),
                 hook_ms_per_step=hook_ms)
 
 
@@ -214,6 +219,10 @@ def main() -> int:
                         help="comma-separated hook names of the table (default: all; "
                              "'float32 allreduce' is always run, as the baseline)")
     parser.add_argument("--target", type=float, default=0.9, help="target test accuracy")
+    parser.add_argument("--bucket-mb", type=float, default=BUCKET_CAP_MB,
+                        help=f"DDP's bucket_cap_mb (default {BUCKET_CAP_MB}: one bucket per model, "
+                             f"which PyTorch's PowerSGD hook needs on gloo; smaller buckets let a "
+                             f"hook overlap the backward pass)")
     parser.add_argument("--quick", action="store_true",
                         help="2 ranks, loopback/1gbit/100mbit, 5 hooks, 8 steps, 2 epochs")
     parser.add_argument("--out", default="netbench_out", help="folder for JSON and PNG")
@@ -246,7 +255,7 @@ def main() -> int:
         for link in links:
             entries = [dict(key=f"{workload}|{name}", config=dict(
                 workers=num_ranks, global_batch=GLOBAL_BATCH_PER_RANK * num_ranks, epochs=10,
-                max_steps=steps * STEP_SCALE[workload], bucket_cap_mb=BUCKET_CAP_MB,
+                max_steps=steps * STEP_SCALE[workload], bucket_cap_mb=args.bucket_mb,
                 **WORKLOADS[workload],
                 **overrides))
                 for workload in workloads for name, overrides in hooks]
@@ -260,7 +269,7 @@ def main() -> int:
     accuracy_link = links[-1]
     entries = [dict(key=f"{workload}|{name}", config=dict(
         workers=2, global_batch=GLOBAL_BATCH_PER_RANK * 2, epochs=epochs,
-        bucket_cap_mb=BUCKET_CAP_MB, **WORKLOADS[workload], **overrides))
+        bucket_cap_mb=args.bucket_mb, **WORKLOADS[workload], **overrides))
         for workload in workloads for name, overrides in hooks] if epochs else []
     for key, record in (run_workers(2, accuracy_link, entries) if entries else {}).items():
         workload, name = key.split("|")
@@ -297,7 +306,9 @@ def report(results, hooks, links, accuracy_link, target, epochs) -> None:
                 row = by_hook[name]
                 first = row[links[0]]
                 hook_ms = first.get("hook_ms_per_step")
-                cells = [name, f"{first['bytes_per_step']:,.0f}", f"{first['compression']:.1f}x",
+                compression = ("-" if math.isinf(first["compression"])
+                               else f"{first['compression']:.1f}x")
+                cells = [name, f"{first['bytes_per_step']:,.0f}", compression,
                          "-" if hook_ms is None else f"{hook_ms:.1f}"]
                 for link in links:
                     speedup = dense[link]["step_seconds"] / row[link]["step_seconds"]

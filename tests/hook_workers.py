@@ -444,3 +444,63 @@ def auto_density_agreement(rank, world_size, steps, resume_at, rails, silent=Non
     return dict(agreed=agreed, expected=expected,
                 least={index: [entry.get("least_link_seconds") for entry in run.history]
                        for index, run in enumerate(runs)})
+
+
+OP_PREFIXES = ("aten::", "hetero_comm::", "c10d::")
+
+
+def _top_level_op_calls(events) -> int:
+    """Operator calls in profiler ``events`` that no other operator call made."""
+    calls = 0
+    for event in events:
+        if not event.name.startswith(OP_PREFIXES):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith(OP_PREFIXES):
+            parent = parent.cpu_parent
+        calls += parent is None
+    return calls
+
+
+def op_calls_per_bucket(rank, world_size, optimizer_name, steps=3):
+    """The operator calls a recipe's hook adds per DDP bucket, on every thread (the profiler
+    with ``profile_all_threads``): a steady backward's calls with ``hetero_comm.compress``
+    less those with a hook that hands each bucket back as it is, over the buckets. Also the
+    buckets a step and the compression ratio reached."""
+    import hetero_comm
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    def backward_calls(setup):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(8)])
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.016)
+        optimizer = OPTIMIZERS[optimizer_name](ddp.parameters())
+        state = setup(ddp, optimizer)
+        inputs = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+        for _ in range(3):  # past the dense warm-up and DDP's bucket rebuild
+            optimizer.zero_grad()
+            ddp(inputs).square().mean().backward()
+            optimizer.step()
+        handed.clear()
+        with profile(activities=[ProfilerActivity.CPU],
+                     experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+            for _ in range(steps):
+                ddp(inputs).square().mean().backward()
+        ratio = state.stats()["compression_ratio"] if state is not None else None
+        return _top_level_op_calls(prof.events()), ratio
+
+    handed = []  # the buckets the baseline's hook handed back
+
+    def hand_back(ddp, optimizer):
+        def hook(_, bucket):
+            handed.append(bucket.index())
+            future = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
+        ddp.register_comm_hook(None, hook)
+
+    baseline, _ = backward_calls(hand_back)
+    buckets = len(handed)
+    recipe, ratio = backward_calls(hetero_comm.compress)
+    return dict(per_bucket=(recipe - baseline) / buckets, buckets=buckets / steps, ratio=ratio)

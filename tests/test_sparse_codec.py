@@ -302,3 +302,16 @@ def test_unpack_rejects_bad_input_untouched(backend, changes, match):
     tensors = [value for value in args.values() if isinstance(value, torch.Tensor)]
     with untouched(*tensors), pytest.raises((ValueError, TypeError), match=match):
         backend.sparse_unpack_(**args)
+
+
+def test_encode_and_unpack_pass_opcheck():
+    residual, grad, importance = torch.randn(100), torch.randn(100), torch.empty(7)
+    torch.library.opcheck(torch.ops.hetero_comm.sparse_encode_.default,
+                          (residual, grad, 0.5, torch.randn(100), 0.9, False, 16, 0, None, importance))
+    coefficients = torch.empty(dct_coeffs_shape(100, 8, 8, 4))
+    torch.library.opcheck(torch.ops.hetero_comm.sparse_encode_.default,
+                          (residual, grad, 1.0, None, 0.0, False, 4, 8, coefficients,
+                           torch.empty(coefficients.shape[0] * 8)))
+    wire, indices, scale = torch.randint(-5, 6, (32,), dtype=torch.int8), torch.tensor([1, 4]), torch.rand(2)
+    torch.library.opcheck(torch.ops.hetero_comm.sparse_unpack_.default,
+                          (wire, indices, scale, 5, 16, 0, True, None, torch.empty(100)))

@@ -5,6 +5,7 @@ import dataclasses
 import inspect
 from typing import Callable, Dict, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from hetero_comm._checks import check_choice, check_int
@@ -99,8 +100,18 @@ def _torch_hooks() -> Tuple[HookSpec, ...]:
                      powersgd_state, weighted=False, defaults=(("start_powerSGD_iter", 2),)))
 
 
+def hand_back_hook(_, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Each bucket handed back as it is, nothing sent: the compute alone (a baseline for what
+    a hook that hides all of its communication would cost; ranks do not stay in sync)."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
 HOOKS: Dict[str, HookSpec] = {spec.name: spec for spec in (
     HookSpec("dense", "dense allreduce", allreduce_hook, AllreduceState, weighted=True),
+    HookSpec("none", "no communication (the compute alone; a baseline)", hand_back_hook, None,
+             weighted=False),
     HookSpec("recipe", "hetero_comm.compress (the optimizer's recipe)", segment_sparse_hook,
              None, weighted=False, one_call=True),
     HookSpec("sparse", "segment_sparse_hook", segment_sparse_hook, SegmentSparseState, weighted=True),

@@ -114,11 +114,14 @@ class AgreementInFlight:
         self.index, self.step, self.velocity, self.work = index, state.step, velocity, work
         self.delivered = torch.futures.Future()
 
-    def finish(self, raise_non_finite: bool = False) -> torch.futures.Future:
-        """Pack and send; returns :attr:`delivered`. Importance that is not finite (every
-        rank summed the same, so all find it): the bucket's error feedback restarts and the
-        bucket is handed on as NaN (``raise_non_finite``: :class:`NonFiniteGradient` is raised
-        instead, for the state's ``run`` to do that)."""
+    def finish(self, raise_non_finite: bool = False,
+               wires: Optional[list] = None) -> torch.futures.Future:
+        """Pack and send; returns :attr:`delivered`. The sum is unpacked by a callback when it
+        arrives, or with ``wires`` by :meth:`deliver`, called by whoever keeps that list (this
+        agreement is appended to it). Importance that is not finite (every rank summed the
+        same, so all find it): the bucket's error feedback restarts and the bucket is handed on
+        as NaN (``raise_non_finite``: :class:`NonFiniteGradient` is raised instead, for the
+        state's ``run`` to do that)."""
         state, codec, grad = self.state, self.codec, self.grad
         try:
             self.work.wait()
@@ -147,13 +150,23 @@ class AgreementInFlight:
                 raise
             self.delivered.set_exception(error)
             return self.delivered
-        work.get_future().add_done_callback(self._unpack)
+        self.wire_work = work
+        if wires is None:
+            work.get_future().add_done_callback(self.deliver)
+        else:
+            wires.append(self)
         return self.delivered
 
-    def _unpack(self, summed: torch.futures.Future) -> None:
+    def arrived(self) -> bool:
+        """Whether the wire's sum has arrived (after :meth:`finish`)."""
+        return self.wire_work.is_completed()
+
+    def deliver(self, summed: Optional[torch.futures.Future] = None) -> None:
+        """Wait for the wire's sum (``summed``: its completed future, in a callback) and unpack
+        it into the bucket, completing :attr:`delivered`."""
         codec = self.codec
         try:
-            summed.wait()
+            (self.wire_work if summed is None else summed).wait()
             with self.state.statistics.timer("decode_seconds"):
                 ops.sparse_unpack_(codec.wire, codec.indices, codec.segment, self.grad,
                                    levels=codec.levels, scale=codec.scale,

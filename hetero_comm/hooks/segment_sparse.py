@@ -128,13 +128,14 @@ class SegmentSparseState(ErrorFeedbackState):
         super()._start_process_parts()
         self.codecs = CodecBuffers()
         self._agreements: list = []  # buckets whose importance sum is in flight
+        self._wires: list = []  # buckets whose wire's sum is in flight
 
     def __getstate__(self) -> dict:
         """:meth:`ErrorFeedbackState.__getstate__`; the coarse-segment warning and the codec
         buffers are per process."""
         state = super().__getstate__()
         state.pop("_warned_coarse_segments", None)
-        del state["codecs"], state["_agreements"]
+        del state["codecs"], state["_agreements"], state["_wires"]
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -167,11 +168,12 @@ class SegmentSparseState(ErrorFeedbackState):
         been delivered into it."""
         if not self.pipelines_agreement(bucket.buffer()):
             return super().run(bucket, send)
-        earlier = len(self._agreements)
+        earlier, last = len(self._agreements), bucket.is_last()
         try:
             return super().run(bucket, self._send_pipelined)
         finally:  # the earlier buckets' agreements; at the step's last bucket, all
-            self._finish_agreements(len(self._agreements) if bucket.is_last() else earlier)
+            self._finish_agreements(len(self._agreements) if last else earlier)
+            self._deliver_wires(wait=last)
 
     def _send_pipelined(self, state, plan_bucket, grad: torch.Tensor,
                         index: int) -> torch.futures.Future:
@@ -181,7 +183,18 @@ class SegmentSparseState(ErrorFeedbackState):
         """Finish the first ``count`` agreements in flight, in the order they were issued."""
         finishing, self._agreements = self._agreements[:count], self._agreements[count:]
         for agreement in finishing:
-            agreement.finish()
+            agreement.finish(wires=self._wires)
+
+    def _deliver_wires(self, wait: bool) -> None:
+        """Unpack every wire whose sum has arrived (``wait``: every wire, waiting for it), on
+        this thread: no callback on the communication thread competes for the interpreter."""
+        waiting = []
+        for agreement in self._wires:
+            if wait or agreement.arrived():
+                agreement.deliver()
+            else:
+                waiting.append(agreement)
+        self._wires = waiting
 
     def basis_setting(self) -> Basis:
         """The ``basis`` as the constructor takes it: ``"elements"`` or a :class:`DCT`."""
