@@ -2,7 +2,8 @@
 
 On one GPU (or the CPU), a 25.2M-parameter MLP (6 x Linear(2048, 2048), 101 MB of float32
 gradient a step) trains with DDP, and each configuration gets the median of its timed steps
-(forward, backward with the hook, optimizer; the device synchronised around each step):
+(forward, backward with the hook, optimizer; the device synchronised around each step; the
+configurations take turns, ten rounds of a tenth of the steps each):
 
 - ``allreduce``: DDP's own hook;
 - ``no communication``: a hook that returns the bucket as it is (the compute alone);
@@ -73,18 +74,37 @@ def _build(config: str, device: torch.device, width: int, layers: int, group, bu
     return ddp, optimizer
 
 
-def _median_step_ms(ddp, optimizer, batch, device, warmup: int, steps: int) -> float:
-    times = []
-    for step in range(warmup + steps):
-        _synchronize(device)
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=False)
-        ddp(batch).square().mean().backward()
-        optimizer.step()
-        _synchronize(device)
-        if step >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def _step_ms(ddp, optimizer, batch, device) -> float:
+    _synchronize(device)
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=False)
+    ddp(batch).square().mean().backward()
+    optimizer.step()
+    _synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+ROUNDS = 10
+
+
+def _timed_steps(steps: int) -> int:
+    """The steps each configuration is timed for: whole rounds."""
+    return max(1, steps // ROUNDS) * ROUNDS
+
+
+def _median_step_ms(built: dict, batch, device, warmup: int, steps: int) -> dict:
+    """Each configuration's median step time: ``warmup`` steps each, then :data:`ROUNDS` turns
+    in which every configuration runs a round's share of the steps, so that a slow spell of
+    the machine falls on all of them alike."""
+    for ddp, optimizer in built.values():
+        for _ in range(warmup):
+            _step_ms(ddp, optimizer, batch, device)
+    times = {config: [] for config in built}
+    per_round = _timed_steps(steps) // ROUNDS
+    for _ in range(ROUNDS):
+        for config, (ddp, optimizer) in built.items():
+            times[config] += [_step_ms(ddp, optimizer, batch, device) for _ in range(per_round)]
+    return {config: statistics.median(values) for config, values in times.items()}
 
 
 def _median_allreduce_ms(numel: int, device, group, repeats: int) -> float:
@@ -123,19 +143,21 @@ def measure_rank(rank, world_size, device_name, width, layers, batch_size, warmu
         torch.cuda.set_device(device)
     group = dist.new_group(list(range(world_size)), backend="nccl") if nccl else None
     batch = torch.randn(batch_size, width, generator=torch.Generator().manual_seed(rank)).to(device)
-    times, profiles, calls = {}, {}, []
-    for config in CONFIGS:
-        ddp, optimizer = _build(config, device, width, layers, group, bucket_mb, calls)
-        times[config] = _median_step_ms(ddp, optimizer, batch, device, warmup, steps)
+    profiles, calls = {}, []
+    built = {config: _build(config, device, width, layers, group, bucket_mb, calls)
+             for config in CONFIGS}
+    times = _median_step_ms(built, batch, device, warmup, steps)
+    calls_per_step = len(calls) / (warmup + _timed_steps(steps))  # the "no communication" hook's
+    for config, (ddp, optimizer) in built.items():
         if profile and config.endswith("recipe"):
             trace = trace_path if config == "AdamW recipe" else None
             profiles[config] = _profile_table(ddp, optimizer, batch, device, trace)
-        del ddp, optimizer
+    del built
     numel = layers * (width * width + width)
     times["bare allreduce"] = _median_allreduce_ms(numel, device, group, steps)
     # DDP's buckets in a steady step (the "no communication" hook saw every step's)
     return {"parameters": numel, "times_ms": times, "profiles": profiles,
-            "buckets": len(calls) // (warmup + steps)}
+            "buckets": round(calls_per_step)}
 
 
 def print_run(title: str, result: dict) -> dict:
