@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ._checks import check_float
 from .hooks import (DCT, AllreduceState, AutoDensity, MachineLayout, SegmentSparseState,
-                    TwoLevelState, allreduce_hook, segment_sparse_hook, two_level_hook)
-from .hooks._optimizer import unwrap_optimizer
+                    TwoLevelState, allreduce_hook, segment_sparse_hook, two_level_hook,
+                    unwrap_optimizer)
 
 __all__ = ["Recipe", "recipe_for", "compress", "density_for_ratio", "MIN_RATIO", "MAX_RATIO",
            "AUTO_RATIOS"]

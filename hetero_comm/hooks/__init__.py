@@ -33,8 +33,9 @@ from .dct_quant import DCTQuantState, dct_quant_hook
 from .segment_sparse import SegmentSparseState, segment_sparse_hook
 from .two_level import TwoLevelState, two_level_hook
 from ._machines import MachineLayout
+from ._optimizer import unwrap_optimizer
 from .variants import DCT, AutoDensity
 
 __all__ = ["HookState", "ErrorFeedbackState", "AllreduceState", "allreduce_hook",
            "SegmentSparseState", "segment_sparse_hook", "DCTQuantState", "dct_quant_hook",
-           "TwoLevelState", "two_level_hook", "MachineLayout", "DCT", "AutoDensity"]
+           "TwoLevelState", "two_level_hook", "MachineLayout", "DCT", "AutoDensity", "unwrap_optimizer"]

@@ -122,6 +122,8 @@ class Plan:
         self._param_of_key: Dict[str, torch.Tensor] = {}  # also keeps those ids valid
         self._numel_of_key: Dict[str, int] = {}
         self._fallback_layouts: set = set()
+        # (the bucket's parameter ids, device) -> its route, while the plan buckets stay
+        self._routes: Dict[tuple, Route] = {}
 
     # ---------------------------------------------------------------------- keys
     def keys_of(self, bucket: dist.GradBucket) -> Tuple[Tuple[str, ...], Tuple[int, ...], bool]:
@@ -153,10 +155,20 @@ class Plan:
     # ------------------------------------------------------------------- routing
     def route(self, bucket: dist.GradBucket) -> Optional[Route]:
         """The plan buckets that hold this bucket's state, created or re-laid-out where
-        needed; ``None``: send this bucket dense this time (see the module docstring)."""
+        needed; ``None``: send this bucket dense this time (see the module docstring).
+        A route found is kept until a plan bucket is added."""
+        device = bucket.buffer().device
+        known = (tuple(map(id, bucket.parameters())), device)
+        route = self._routes.get(known)
+        if route is None:
+            route = self._route(bucket, device)
+            if route is not None:
+                self._routes[known] = route
+        return route
+
+    def _route(self, bucket: dist.GradBucket, device: torch.device) -> Optional[Route]:
         keys, numels, provisional = self.keys_of(bucket)
         owners = [self._bucket_of_key.get(key) for key in keys]
-        device = bucket.buffer().device
         if all(owner is None for owner in owners):
             return Route([self._new_bucket(keys, numels, device)], keys, numels, device)
         if all(owner is not None for owner in owners):
@@ -186,6 +198,7 @@ class Plan:
         return plan_bucket
 
     def _add(self, plan_bucket: PlanBucket) -> None:
+        self._routes.clear()
         self.buckets.append(plan_bucket)
         for key, numel in zip(plan_bucket.keys, plan_bucket.numels):
             self._bucket_of_key[key] = plan_bucket
@@ -221,6 +234,7 @@ class Plan:
         """Replace the plan buckets by the saved ones; parameter keys are learnt again at the
         next first iteration (a new model's parameters are new objects)."""
         self.buckets, self._bucket_of_key, self._fallback_layouts = [], {}, set()
+        self._routes.clear()
         for saved in saved_buckets:
             plan_bucket = PlanBucket(tuple(saved["keys"]), tuple(int(n) for n in saved["numels"]))
             plan_bucket.tensors = {k: v.detach().clone() for k, v in saved["tensors"].items()}
@@ -231,8 +245,12 @@ class Plan:
         """Pickle without the parameter objects: they belong to this process's model, and
         the keys are learnt again at the next first iteration."""
         state = dict(self.__dict__)
-        state["_key_of_param"], state["_param_of_key"] = {}, {}
+        state["_key_of_param"], state["_param_of_key"], state["_routes"] = {}, {}, {}
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_routes", {})  # pickled before routes were kept
 
 
 def _cpu_copy(value):
