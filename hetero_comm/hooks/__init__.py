@@ -21,7 +21,9 @@ and a resumed run.
 Modules: ``_state.py`` (the states' shared settings, statistics, checkpoints and running),
 ``_plan.py`` (the parameter-keyed error-feedback layout and its routing), ``_optimizer.py``
 (what a hook hands the optimizer, and fitting the optimizer to it), ``_dropped.py`` (sending
-only what kept units touch), ``_sparse_parts.py`` (the parts the sparse hook's steps call),
+only what kept units touch), ``_codec.py`` (the sparse hook's exchange on the CPU: three
+kernels a bucket, the agreement pipelined), ``_sparse_parts.py`` (the parts the sparse hook's
+steps call on a GPU), ``_exchange_thread.py`` (the two-level sync's background thread),
 ``_machines.py`` (which ranks share a machine, and their groups), ``_auto_density.py`` (the
 density chosen from the link), ``variants.py`` (the config objects of variants with settings
 of their own: :class:`DCT`, :class:`AutoDensity`), one module per hook.

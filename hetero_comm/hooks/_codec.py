@@ -141,7 +141,8 @@ class AgreementInFlight:
                     raise found
                 self.delivered.set_result(state.non_finite.hand_on(grad, found).wait())
                 return self.delivered
-            state.statistics.count_bytes(grad.numel() * grad.element_size(), codec.wire_bytes(), True)
+            state.count_exchange(self.index, grad.numel(), grad.numel() * grad.element_size(),
+                                 codec.wire_bytes())
             work = dist.all_reduce(codec.wire, group=state.exchange_group(), async_op=True)
         except NonFiniteGradient:
             raise

@@ -127,6 +127,8 @@ class SegmentSparseState(ErrorFeedbackState):
         and the agreements in flight."""
         super()._start_process_parts()
         self.codecs = CodecBuffers()
+        self._costly_buckets: dict = {}  # this step's buckets that sent >= dense: index -> values
+        self._warned_costly_buckets = False
         self._agreements: list = []  # buckets whose importance sum is in flight
         self._wires: list = []  # buckets whose wire's sum is in flight
 
@@ -136,6 +138,7 @@ class SegmentSparseState(ErrorFeedbackState):
         state = super().__getstate__()
         state.pop("_warned_coarse_segments", None)
         del state["codecs"], state["_agreements"], state["_wires"]
+        del state["_costly_buckets"], state["_warned_costly_buckets"]
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -166,14 +169,45 @@ class SegmentSparseState(ErrorFeedbackState):
         collectives in that one order, and the backward pass computes the next bucket while
         an agreement makes its round trip. The future completes when the bucket's sum has
         been delivered into it."""
+        last = bucket.is_last()
         if not self.pipelines_agreement(bucket.buffer()):
-            return super().run(bucket, send)
-        earlier, last = len(self._agreements), bucket.is_last()
+            try:
+                return super().run(bucket, send)
+            finally:
+                if last:
+                    self._warn_costly_buckets()
+        earlier = len(self._agreements)
         try:
             return super().run(bucket, self._send_pipelined)
         finally:  # the earlier buckets' agreements; at the step's last bucket, all
             self._finish_agreements(len(self._agreements) if last else earlier)
             self._deliver_wires(wait=last)
+            if last:
+                self._warn_costly_buckets()
+
+    def count_exchange(self, index: int, numel: int, dense_bytes: int, sent_bytes: int) -> None:
+        """Count one compressed exchange's bytes; note a bucket that sent at least what its
+        dense allreduce would (once the density has reached its setting)."""
+        self.statistics.count_bytes(dense_bytes, sent_bytes, True)
+        if 0 < dense_bytes <= sent_bytes and self.density_at(self.step) <= self.density:
+            self._costly_buckets[index] = max(numel, self._costly_buckets.get(index, 0))
+
+    def _warn_costly_buckets(self) -> None:
+        """At a step's end: warn (once per state) about the buckets that sent more than they
+        saved, and say what to do."""
+        costly, self._costly_buckets = self._costly_buckets, {}
+        if not costly or self._warned_costly_buckets:
+            return
+        self._warned_costly_buckets = True
+        listed = ", ".join(f"{index} ({numel} values)" for index, numel in sorted(costly.items())[:5])
+        more = f" and {len(costly) - 5} more" if len(costly) > 5 else ""
+        warnings.warn(
+            f"segment_sparse_hook: bucket(s) {listed}{more} sent at least the bytes a dense "
+            f"allreduce would (stats()['compression_ratio'] counts them): a bucket this small "
+            f"spends on the importance (4 bytes a segment) what the selection saves. Send such "
+            f"buckets dense (min_compress_numel={max(costly.values()) + 1}) or give DDP larger "
+            f"buckets (bucket_cap_mb)", UserWarning, stacklevel=2)
+
 
     def _send_pipelined(self, state, plan_bucket, grad: torch.Tensor,
                         index: int) -> torch.futures.Future:
@@ -376,8 +410,9 @@ def sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: t
         segments.keep_unsent()
         restart_sent_velocity(state, plan_bucket, selected.indices, segments)
         state.non_finite.drop_unless(selected.finite, wire)  # CUDA, non-finite: zeros on the wire
-    state.statistics.count_bytes(grad.numel() * grad.element_size(), wire.numel() * wire.element_size()
-                      + selected.importance_bytes_per_segment * segments.count, True)
+    state.count_exchange(index, grad.numel(), grad.numel() * grad.element_size(),
+                         wire.numel() * wire.element_size()
+                         + selected.importance_bytes_per_segment * segments.count)
     # 4. Allreduce.
     work = dist.all_reduce(wire, group=state.exchange_group(), async_op=True)
     handed = state.handed_step()
