@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ._agreement import agree_across_ranks
 from ._checks import check_float
 from .hooks import (DCT, AllreduceState, AutoDensity, MachineLayout, SegmentSparseState,
                     TwoLevelState, allreduce_hook, segment_sparse_hook, two_level_hook,
@@ -176,8 +177,12 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *,
     Raises:
         TypeError: ``ddp_model`` is not DDP, or no recipe serves the optimizer.
         ValueError: the optimizer holds parameters that are not the model's, the model already
-            has a communication hook, ``ratio`` or ``machines`` is bad, or the optimizer has a
-            setting the recipe cannot take over.
+            has a communication hook, ``ratio`` or ``machines`` is bad, the optimizer has a
+            setting the recipe cannot take over, or the ranks passed different settings (the
+            optimizer's type, ``ratio``, ``machines``: compared across the ranks, and the error
+            names each rank's).
+        RuntimeError: not every rank called it within
+            ``hetero_comm._agreement.SETUP_TIMEOUT_SECONDS`` (120 s).
 
     Example::
 
@@ -187,6 +192,11 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *,
     inner = unwrap_optimizer(optimizer)
     _check_model(ddp_model, inner)
     recipe = recipe_for(inner, ratio)
+    given_machines = machines if isinstance(machines, (int, str, type(None))) else list(machines)
+    agree_across_ranks("hetero_comm.compress settings",
+                       dict(optimizer=type(inner).__name__, ratio=ratio, machines=given_machines,
+                            recipe=recipe.settings),
+                       ddp_model.process_group if process_group is None else process_group)
     state, hook = _recipe_state(recipe, ratio, machines, process_group, ddp_model)
     state.handed_step().fit(inner)  # raises for a setting the recipe cannot take over, before any change
     compressing = not isinstance(state, AllreduceState)

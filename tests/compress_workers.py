@@ -262,3 +262,23 @@ def grad_scaler_steps(rank, world_size, optimizer_kind, compressed, device="cpu"
         scales.append(scaler.get_scale())
     params = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]).cpu()
     return losses, scales, params, None if state is None else state.stats()["non_finite_buckets"]
+
+
+def compress_with_this_ranks_ratio(rank, world_size, ratios, timeout_seconds=None):
+    """``hetero_comm.compress`` with ``ratio=ratios[rank]`` (a rank given ``"skip"`` does not
+    call it); the error's type and message, and whether the model and optimizer were left as
+    they were."""
+    from hetero_comm import _agreement
+
+    if timeout_seconds is not None:
+        _agreement.SETUP_TIMEOUT_SECONDS = timeout_seconds
+    ddp = make_ddp()
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    groups_before = _groups(optimizer)
+    if ratios[rank] == "skip":
+        return "skipped", "", True
+    try:
+        hetero_comm.compress(ddp, optimizer, ratio=ratios[rank])
+    except (ValueError, RuntimeError) as error:
+        return type(error).__name__, str(error), _untouched(ddp, optimizer, groups_before)
+    return "no error", "", _untouched(ddp, optimizer, groups_before)

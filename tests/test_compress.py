@@ -253,3 +253,22 @@ def test_compress_trains_under_a_grad_scaler(optimizer):
     assert first_applied > 2  # the scaler skipped steps after the first (dense warm-up) one
     assert scales[:first_applied + 1] == dense_scales[:first_applied + 1]
     assert sum(losses[-5:]) < 0.25 * sum(losses[:5])
+
+
+@pytest.mark.multirank
+def test_ranks_calling_with_different_settings_all_raise_and_change_nothing():
+    for kind, message, untouched in run_ranks(2, compress_workers.compress_with_this_ranks_ratio,
+                                              [None, 16.0]):
+        assert kind == "ValueError" and untouched, message
+        assert "the ranks' hetero_comm.compress settings differ" in message
+        assert "'ratio': None" in message and "'ratio': 16.0" in message
+
+
+@pytest.mark.multirank
+def test_a_rank_that_never_calls_makes_the_others_raise_within_the_set_up_timeout():
+    results = run_ranks(2, compress_workers.compress_with_this_ranks_ratio, [None, "skip"], 3.0,
+                        timeout=120)
+    kind, message, untouched = results[0]
+    assert kind == "RuntimeError" and untouched, message
+    assert "not every rank compared its hetero_comm.compress settings within 3 s" in message
+    assert results[1][0] == "skipped"

@@ -240,7 +240,7 @@ def test_ranks_passing_different_layouts_all_raise_instead_of_waiting():
     layouts = [[0, 0, 1, 1], [0, 0, 1, 1], [0, 1, 0, 1], [0, 0, 1, 1]]
     for kind, message in run_ranks(4, two_level_with_this_ranks_layout, layouts, timeout=120):
         assert kind == "ValueError", message
-        assert "rank 2: [0, 1, 0, 1]" in message and "every rank must pass the same machines" in message
+        assert "rank 2: [0, 1, 0, 1]" in message and "every rank must pass the same machine layouts" in message
 
 
 @pytest.mark.parametrize("numel,local_size,unit", [(1, 2, 16), (100, 2, 16), (4096, 3, 64),

@@ -14,6 +14,8 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
 
+from .._agreement import agree_across_ranks
+
 __all__ = ["MachineLayout", "MachineGroups"]
 
 MachinesArgument = Union[None, str, int, Sequence]
@@ -124,14 +126,10 @@ class MachineLayout:
         return cls(machines)
 
     def _check_every_rank_agrees(self, group: dist.ProcessGroup) -> None:
-        """Raise ``ValueError`` on every rank when the ranks' layouts differ (one gather of the
-        labels): groups made from different layouts would wait for each other forever."""
-        layouts = [None] * dist.get_world_size(group)
-        dist.all_gather_object(layouts, list(self.machine_of_rank), group=group)
-        if any(layout != layouts[0] for layout in layouts):
-            described = "; ".join(f"rank {rank}: {layout}" for rank, layout in enumerate(layouts))
-            raise ValueError(f"the ranks' machine layouts differ ({described}): every rank must "
-                             f"pass the same machines")
+        """Raise ``ValueError`` on every rank when the ranks' layouts differ, ``RuntimeError``
+        when not every rank arrives in time (:func:`~hetero_comm._agreement.agree_across_ranks`):
+        groups made from different layouts would wait for each other forever."""
+        agree_across_ranks("machine layouts", list(self.machine_of_rank), group)
 
     def groups(self, process_group: Optional[dist.ProcessGroup] = None) -> MachineGroups:
         """Create this rank's groups (a collective: every rank of the world calls it, in the
