@@ -77,12 +77,7 @@ void check_encode(const at::Tensor& residual, const at::Tensor& grad, double wei
                   const std::optional<at::Tensor>& velocity, double momentum, bool nesterov,
                   int64_t segment_size, int64_t block_size,
                   const std::optional<at::Tensor>& coefficients, const at::Tensor& importance) {
-  check_tensor(residual, "residual", {at::kFloat}, 1, /*writable=*/true);
-  check_tensor(grad, "grad", {at::kFloat, at::kBFloat16, at::kHalf}, 1);
-  check_same_device(residual, "residual", grad, "grad");
-  TORCH_CHECK_VALUE(grad.numel() == residual.numel(),
-                    "grad must have as many elements as residual (", residual.numel(), "); got ",
-                    grad.numel());
+  check_segment_accumulate(residual, grad, segment_size);  // the same tensors, then the DCT's
   check_codec_settings(residual.numel(), segment_size, block_size, coefficients, residual,
                        "residual");
   TORCH_CHECK_VALUE(std::isfinite(weight), "weight must be finite; got ", weight);

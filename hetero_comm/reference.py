@@ -80,6 +80,15 @@ def _check_out(out: torch.Tensor, dtypes, shape, like: torch.Tensor, like_name: 
     _check_no_overlap(out, like, like_name)
 
 
+def _check_residual_and_grad(residual: torch.Tensor, grad: torch.Tensor) -> None:
+    """A float32 residual written in place and a gradient of the same length beside it."""
+    _check_tensor("residual", residual, (torch.float32,), 1, writable=True)
+    _check_tensor("grad", grad, GRADIENT_DTYPES, 1)
+    _check_same_device(residual=residual, grad=grad)
+    if grad.numel() != residual.numel():
+        raise ValueError(f"grad must have as many elements as residual ({residual.numel()}); got {grad.numel()}")
+
+
 def _check_block_size(block_size: int) -> None:
     if block_size <= 0 or block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}]; got {block_size}")
@@ -119,11 +128,7 @@ def segment_accumulate_(residual: torch.Tensor, grad: torch.Tensor, segment_size
         importance: ``out``, or a new float32 [S]: the L2 norm of each segment of the
         updated residual.
     """
-    _check_tensor("residual", residual, (torch.float32,), 1, writable=True)
-    _check_tensor("grad", grad, GRADIENT_DTYPES, 1)
-    _check_same_device(residual=residual, grad=grad)
-    if grad.numel() != residual.numel():
-        raise ValueError(f"grad must have as many elements as residual ({residual.numel()}); got {grad.numel()}")
+    _check_residual_and_grad(residual, grad)
     check_int("segment_size", segment_size, 1)
     if out is not None:
         _check_out(out, (torch.float32,), (num_segments(residual.numel(), segment_size),),
@@ -594,11 +599,7 @@ def sparse_encode_(residual: torch.Tensor, grad: torch.Tensor, segment_size: int
     Returns:
         ``importance``.
     """
-    _check_tensor("residual", residual, (torch.float32,), 1, writable=True)
-    _check_tensor("grad", grad, GRADIENT_DTYPES, 1)
-    _check_same_device(residual=residual, grad=grad)
-    if grad.numel() != residual.numel():
-        raise ValueError(f"grad must have as many elements as residual ({residual.numel()}); got {grad.numel()}")
+    _check_residual_and_grad(residual, grad)
     _check_codec_settings(residual.numel(), segment_size, block_size, coefficients, residual)
     if not math.isfinite(weight):
         raise ValueError(f"weight must be finite; got {weight}")

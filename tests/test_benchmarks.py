@@ -94,6 +94,13 @@ def test_density_sensitivity_rows_schedule_and_the_pinned_automatic_density_chan
 
 
 @pytest.mark.slow
+def test_codec_calls_benchmark_times_every_call():
+    out = run_script("bench_codec_calls", "--calls", "20")
+    for call in ("sparse_encode_", "sparse_pack_", "sparse_unpack_", "dist.all_reduce"):
+        assert call in out
+    assert "kernels compiled" in out
+
+
 def test_hook_cost_benchmark_reports_every_configuration(tmp_path):
     saved, profile = tmp_path / "cost.json", tmp_path / "profile.txt"
     out = run_script("bench_hook_cost", "--device", "cpu", "--width", "64", "--layers", "2",

@@ -86,9 +86,8 @@ def codec_allreduce(state, plan_bucket: PlanBucket, grad: torch.Tensor, index: i
     ``agreements`` it waits for that sum and goes on (a non-finite one raises
     :class:`NonFiniteGradient`); with it, the rest is appended there as an
     :class:`AgreementInFlight` for the caller to finish later, in order."""
-    if state.wire_dtype == "int8":
-        int8_levels(state.exchange_size())  # too many ranks: raise before anything is written
-    codec = state.codecs.codec_for(state, plan_bucket, grad, index)
+    codec = state.codecs.codec_for(state, plan_bucket, grad, index)  # (too many ranks for
+    # the int8 wire raise there, before anything is written)
     velocity: Optional[torch.Tensor] = plan_bucket.tensors["momentum"] if state.momentum else None
     with state.statistics.timer("encode_seconds"):
         ops.sparse_encode_(plan_bucket.tensors["residual"], grad, codec.segment, codec.importance,
