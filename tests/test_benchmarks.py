@@ -109,8 +109,13 @@ def test_hook_cost_benchmark_reports_every_configuration(tmp_path):
     assert "world size 1, gloo" in out and "2 gloo ranks on one device" in out
     report = json.loads(saved.read_text())
     for run in report["runs"].values():
-        assert set(run["summary"]) == {"allreduce", "no communication", "AdamW recipe", "SGD recipe"}
+        assert set(run["summary"]) == {"allreduce", "no communication", "no communication, AdamW",
+                                       "AdamW recipe", "SGD recipe"}
         assert run["summary"]["no communication"]["added_ms"] == 0
+        # the AdamW recipe is measured against the step with AdamW and no communication
+        times = run["times_ms"]
+        assert run["summary"]["AdamW recipe"]["added_ms"] == pytest.approx(
+            times["AdamW recipe"] - times["no communication, AdamW"])
         assert all(v > 0 for v in run["times_ms"].values())
     assert "AdamW recipe" in profile.read_text() and "SGD recipe" in profile.read_text()
 
