@@ -1,7 +1,8 @@
-"""hetero_comm: compressed DDP communication for slow networks and unequal machines.
+"""hetero_comm: compressed DDP and FSDP2 communication for slow networks and unequal machines.
 
-:func:`compress` sets up compressed gradient sync for a DDP model in one call, the recipe
-chosen from its optimizer. Kernels: :mod:`hetero_comm.ops` (compiled, with
+:func:`compress` sets up compressed gradient sync in one call, the recipe chosen from the
+optimizer, for a DDP model or an FSDP2 model sharded inside each machine
+(:mod:`hetero_comm.fsdp`). Kernels: :mod:`hetero_comm.ops` (compiled, with
 :mod:`hetero_comm.reference` as the pure-PyTorch definition and fallback); :class:`BufferPool`
 for allocation-free steady state.
 """

@@ -1,11 +1,12 @@
 """One call for compressed gradient sync: the recipe is chosen from the user's optimizer.
 
-:func:`compress` takes a ``DistributedDataParallel`` model and the optimizer set up as for
-dense training, and does what the recipes ask by hand: it builds a
-:class:`~hetero_comm.hooks.SegmentSparseState` with the recipe for that optimizer, registers
-:func:`~hetero_comm.hooks.segment_sparse_hook` and fits the optimizer
-(:meth:`~hetero_comm.hooks.HookState.prepare_optimizer`). The lower-level states stay for
-anyone who wants other settings.
+:func:`compress` takes a ``DistributedDataParallel`` model (or, with ``mesh=``, a model sharded
+with FSDP2's ``fully_shard`` inside each machine) and the optimizer set up as for dense
+training, and does what the recipes ask by hand: it builds a
+:class:`~hetero_comm.hooks.SegmentSparseState` with the recipe for that optimizer (FSDP2: an
+:class:`~hetero_comm.fsdp.FSDPSparseState` around one), registers its hook and fits the
+optimizer (:meth:`~hetero_comm.hooks.HookState.prepare_optimizer`). The lower-level states
+stay for anyone who wants other settings.
 """
 
 import dataclasses
@@ -14,10 +15,12 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from ._agreement import agree_across_ranks
 from ._checks import check_float
+from .fsdp import MESH_DIMS, FSDPSparseState, check_mesh, check_sharded_model
 from .hooks import (DCT, AllreduceState, AutoDensity, MachineLayout, SegmentSparseState,
                     TwoLevelState, allreduce_hook, segment_sparse_hook, two_level_hook,
                     unwrap_optimizer)
@@ -139,9 +142,10 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
                     f"{_SUPPORTED}. {_LOWER_LEVEL}")
 
 
-def compress(ddp_model: DistributedDataParallel, optimizer, *,
+def compress(model: torch.nn.Module, optimizer, *,
              ratio: Union[None, float, str] = None, machines=None,
-             process_group: Optional[dist.ProcessGroup] = None) -> Union[SegmentSparseState, AllreduceState]:
+             process_group: Optional[dist.ProcessGroup] = None,
+             mesh=None) -> Union[SegmentSparseState, AllreduceState, FSDPSparseState]:
     """Send a small fraction of the gradient bytes, with the recipe for ``optimizer``.
 
     Keep your dense optimizer, rate and schedule: the recipe sets what it needs and scales
@@ -152,8 +156,22 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *,
     falls behind dense (docs/design/recipes-adamw.md, "Where it holds less well"). Call it on
     every rank before the first step. Nothing is registered or changed when it raises.
 
+    A model too large for DDP: shard it with FSDP2 inside each machine and give the mesh
+    (docs/fsdp.md)::
+
+        mesh = init_device_mesh("cuda", (machines, ranks_per_machine),
+                                mesh_dim_names=("replicate", "shard"))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        state = hetero_comm.compress(model, optimizer, mesh=mesh)
+
+    FSDP reduce-scatters each parameter group's gradient inside the machine; the recipe then
+    sums each shard across the machines (:class:`~hetero_comm.fsdp.FSDPSparseState`).
+
     Args:
-        ddp_model: a ``DistributedDataParallel`` model without a communication hook.
+        model: a ``DistributedDataParallel`` model without a communication hook, or with
+            ``mesh`` the root ``fully_shard`` module, sharded on ``mesh["shard"]``.
         optimizer: its optimizer (or a framework wrapper holding one in ``.optimizer``); its
             parameters must be the model's.
         ratio: target compression of the gradient bytes, in [4, 256] (``None``: the
@@ -166,16 +184,22 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *,
             machine, nothing crosses a link between machines: the call warns and sets up the
             dense allreduce, leaving the optimizer as it is.
         process_group: the group to reduce in (``None``: the DDP model's).
+        mesh: for a model sharded with ``fully_shard``: a ``DeviceMesh`` with dimensions
+            ``("replicate", "shard")`` (machines x ranks per machine); ``machines`` and
+            ``process_group`` then stay ``None`` and ``ratio`` is a number or ``None``.
 
     Returns:
         The hook's :class:`~hetero_comm.hooks.SegmentSparseState` (two-level: a
         :class:`~hetero_comm.hooks.TwoLevelState`; one machine: an
-        :class:`~hetero_comm.hooks.AllreduceState`): ``stats()``, ``state_dict()`` and
+        :class:`~hetero_comm.hooks.AllreduceState`; FSDP2: an
+        :class:`~hetero_comm.fsdp.FSDPSparseState`): ``stats()``, ``state_dict()`` and
         ``load_state_dict()`` (call both on every rank; to resume, call ``compress`` on the
-        new model and optimizer, then ``state.load_state_dict``).
+        new model and optimizer, then ``state.load_state_dict``; FSDP2: save and load it with
+        ``torch.distributed.checkpoint``).
 
     Raises:
-        TypeError: ``ddp_model`` is not DDP, or no recipe serves the optimizer.
+        TypeError: ``model`` is not DDP (with ``mesh``: not sharded with ``fully_shard``), or
+            no recipe serves the optimizer.
         ValueError: the optimizer holds parameters that are not the model's, the model already
             has a communication hook, ``ratio`` or ``machines`` is bad, the optimizer has a
             setting the recipe cannot take over, or the ranks passed different settings (the
@@ -190,6 +214,9 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *,
         >>> state = hetero_comm.compress(ddp_model, optimizer)  # or machines="auto"
     """
     inner = unwrap_optimizer(optimizer)
+    if mesh is not None or isinstance(model, FSDPModule):
+        return _compress_sharded(model, inner, ratio, machines, process_group, mesh)
+    ddp_model = model
     _check_model(ddp_model, inner)
     recipe = recipe_for(inner, ratio)
     given_machines = machines if isinstance(machines, (int, str, type(None))) else list(machines)
@@ -207,6 +234,54 @@ def compress(ddp_model: DistributedDataParallel, optimizer, *,
         _remember_user_momentum(inner, recipe)
     state.prepare_optimizer(inner)
     return state
+
+
+def _compress_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ratio,
+                      machines, process_group, mesh) -> FSDPSparseState:
+    """:func:`compress` for a model sharded with ``fully_shard`` on ``mesh["shard"]``."""
+    if isinstance(model, DistributedDataParallel):
+        raise TypeError("mesh= is for a model sharded with fully_shard; a DistributedDataParallel "
+                        "model takes no mesh (call compress(ddp_model, optimizer))")
+    if mesh is None:
+        raise ValueError(
+            "this model is sharded with fully_shard: give compress the two-dimensional mesh "
+            "(machines x ranks per machine) it was sharded inside, mesh=mesh, with the model "
+            "sharded on mesh['shard']. FSDP over every rank on a one-dimensional mesh puts the "
+            "link between machines inside its reduce-scatter, which hetero_comm does not "
+            "compress (docs/fsdp.md)")
+    if machines is not None or process_group is not None:
+        raise ValueError("with mesh=, the mesh gives the machines (mesh['replicate']) and the "
+                         "groups: pass no machines and no process_group")
+    if ratio == "auto":
+        raise ValueError("ratio='auto' is not offered with FSDP2 yet: give a number in "
+                         f"[{MIN_RATIO:g}, {MAX_RATIO:g}] or None (the recipe's own)")
+    check_mesh(mesh)
+    check_sharded_model(model, mesh)
+    _check_parameters_are_the_models(model, optimizer, "sharded")
+    if getattr(model, _SHARDED_STATE_ATTRIBUTE, None) is not None:
+        raise ValueError("compress was called on this model already (its FSDP groups have the "
+                         "sparse exchange as their all-reduce hook): call it once per model")
+    recipe = recipe_for(optimizer, ratio)
+    settings = dict(optimizer=type(optimizer).__name__, ratio=ratio, recipe=recipe.settings,
+                    mesh=list(mesh.shape))
+    if mesh.size() == dist.get_world_size():  # the usual mesh: every rank, in one comparison
+        agree_across_ranks("hetero_comm.compress settings", settings, None)
+    else:  # every rank of the mesh, through its two groups
+        for dimension in MESH_DIMS:
+            agree_across_ranks(f"hetero_comm.compress settings (mesh['{dimension}'])", settings,
+                               mesh[dimension].get_group())
+    state = FSDPSparseState(model, mesh, **recipe.settings)
+    state.sparse.handed_step().fit(optimizer)  # raises before any change
+    _warn_where_unmeasured(model, recipe, ratio)
+    state.register(optimizer)
+    setattr(model, _SHARDED_STATE_ATTRIBUTE, state)
+    _remember_user_momentum(optimizer, recipe)
+    state.sparse.prepare_optimizer(optimizer)
+    return state
+
+
+# the FSDPSparseState that compress registered on a sharded model (a second call raises)
+_SHARDED_STATE_ATTRIBUTE = "_hetero_comm_sparse_state"
 
 
 def _recipe_state(recipe: Recipe, ratio, machines, process_group, ddp_model):
@@ -252,33 +327,36 @@ def _check_model(ddp_model: DistributedDataParallel, optimizer: torch.optim.Opti
     """A DDP model without a hook, whose parameters are the optimizer's."""
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"compress needs a torch.nn.parallel.DistributedDataParallel model; got "
-                        f"{type(ddp_model).__name__} (wrap it: DistributedDataParallel(model))")
+                        f"{type(ddp_model).__name__} (wrap it: DistributedDataParallel(model); a model too "
+                        f"large for DDP: shard it with fully_shard and pass mesh=, docs/fsdp.md)")
     _check_parameters_are_the_models(ddp_model, optimizer)
     if getattr(ddp_model, "_comm_hooks", None):
         raise ValueError("this DistributedDataParallel model already has a communication hook "
                          "(DDP takes one): call compress once per model, on a model without a hook")
 
 
-def _check_parameters_are_the_models(ddp_model: DistributedDataParallel,
-                                     optimizer: torch.optim.Optimizer) -> None:
-    model_parameters = {id(p) for p in ddp_model.module.parameters()}
+def _check_parameters_are_the_models(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                                     kind: str = "DDP") -> None:
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    model_parameters = {id(p) for p in inner.parameters()}
     foreign = [(index, position) for index, group in enumerate(optimizer.param_groups)
                for position, p in enumerate(group["params"]) if id(p) not in model_parameters]
     if foreign:
         index, position = foreign[0]
-        raise ValueError(f"the optimizer holds {len(foreign)} parameter(s) that are not the DDP "
+        raise ValueError(f"the optimizer holds {len(foreign)} parameter(s) that are not the {kind} "
                          f"model's (first: parameter {position} of group {index}): create it "
-                         f"from ddp_model.parameters()")
+                         f"from the model's parameters() (FSDP2: after fully_shard)")
 
 
-def _warn_where_unmeasured(ddp_model: DistributedDataParallel, recipe: Recipe,
+def _warn_where_unmeasured(model: torch.nn.Module, recipe: Recipe,
                            ratio: Optional[float]) -> None:
     """Warn about the cases the recipes are known not to serve well."""
     if isinstance(ratio, (int, float)) and ratio > MEASURED_RATIO:
         warnings.warn(f"hetero_comm.compress(ratio={ratio}): the recipes were measured up to "
                       f"{MEASURED_RATIO:.0f}x; expect a larger gap to dense training beyond it",
                       UserWarning, stacklevel=3)
-    if recipe.name == "sgd" and _has_layers_the_sgd_recipe_failed_on(ddp_model.module):
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    if recipe.name == "sgd" and _has_layers_the_sgd_recipe_failed_on(inner):
         warnings.warn("hetero_comm.compress: the SGD recipe fell behind dense training on every "
                       "measured model with normalization, attention or recurrent layers, and held "
                       "on an MLP and a CNN without them (docs/design/recipes-sgd.md, 'Where the "

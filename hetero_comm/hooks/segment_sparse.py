@@ -192,13 +192,21 @@ class SegmentSparseState(ErrorFeedbackState):
         if 0 < dense_bytes <= sent_bytes and self.density_at(self.step) <= self.density:
             self._costly_buckets[index] = max(numel, self._costly_buckets.get(index, 0))
 
+    def take_costly_buckets(self) -> dict:
+        """The buckets of the step just ended that sent at least their dense bytes (index ->
+        values; empty once a warning about them was given), forgotten here."""
+        costly, self._costly_buckets = self._costly_buckets, {}
+        if self._warned_costly_buckets:
+            return {}
+        self._warned_costly_buckets = bool(costly)
+        return costly
+
     def _warn_costly_buckets(self) -> None:
         """At a step's end: warn (once per state) about the buckets that sent more than they
         saved, and say what to do."""
-        costly, self._costly_buckets = self._costly_buckets, {}
-        if not costly or self._warned_costly_buckets:
+        costly = self.take_costly_buckets()
+        if not costly:
             return
-        self._warned_costly_buckets = True
         listed = ", ".join(f"{index} ({numel} values)" for index, numel in sorted(costly.items())[:5])
         more = f" and {len(costly) - 5} more" if len(costly) > 5 else ""
         warnings.warn(

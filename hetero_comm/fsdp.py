@@ -1,0 +1,321 @@
+"""The sparse exchange between machines for a model sharded with FSDP2 inside each machine.
+
+Each FSDP parameter group (one ``fully_shard`` call) hands its gradient shard to an all-reduce
+hook right after its reduce-scatter among the ranks of one machine. :class:`FSDPSparseState`
+registers that hook: it sums the shard across the machines holding the same shard with the
+sparse hook's steps (error feedback, the selection agreed among those ranks, the int8 wire),
+so each rank keeps the residual of its own shard only. :func:`hetero_comm.compress` with
+``mesh=`` builds it with the recipe for the optimizer.
+"""
+
+import math
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from .hooks import SegmentSparseState
+from .hooks._non_finite import NonFiniteGradient
+from .hooks._plan import PlanBucket
+from .hooks.segment_sparse import sparse_allreduce
+
+__all__ = ["FSDPSparseState", "MESH_DIMS", "sharded_modules", "check_sharded_model"]
+
+# The mesh's dimensions: machines (the sparse exchange) x ranks per machine (FSDP's shards).
+MESH_DIMS = ("replicate", "shard")
+
+_HOW_TO_SHARD = ('mesh = init_device_mesh(device, (machines, ranks_per_machine), '
+                 'mesh_dim_names=("replicate", "shard")); fully_shard(block, mesh=mesh["shard"]) '
+                 'for each block and fully_shard(model, mesh=mesh["shard"]); then '
+                 'hetero_comm.compress(model, optimizer, mesh=mesh)')
+
+
+def check_mesh(mesh) -> DeviceMesh:
+    """``mesh`` if it is a two-dimensional ``DeviceMesh`` named :data:`MESH_DIMS`; else
+    ``ValueError`` (``TypeError`` for another type) showing how to make one."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh; got "
+                        f"{type(mesh).__name__}. {_HOW_TO_SHARD}")
+    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
+        raise ValueError(f"mesh must have the two dimensions {MESH_DIMS} (machines x ranks per "
+                         f"machine); got {mesh.ndim} dimension(s) named {mesh.mesh_dim_names}. "
+                         f"{_HOW_TO_SHARD}")
+    return mesh
+
+
+def sharded_modules(model: torch.nn.Module) -> List[tuple]:
+    """``(name, module, parameters)`` of every ``fully_shard`` module in ``model``, in
+    ``named_modules`` order, with the trainable parameters its FSDP parameter group manages
+    (those below it that no nested ``fully_shard`` module claims, each once)."""
+    found, claimed = [], set()
+    fsdp_names = [(name, module) for name, module in model.named_modules()
+                  if isinstance(module, FSDPModule)]
+    for name, module in reversed(fsdp_names):  # innermost first: they claim their own first
+        parameters = []
+        for parameter in module.parameters():
+            if id(parameter) not in claimed and parameter.requires_grad:
+                claimed.add(id(parameter))
+                parameters.append(parameter)
+        found.append((name, module, parameters))
+    return list(reversed(found))
+
+
+def check_sharded_model(model: torch.nn.Module, mesh: DeviceMesh) -> List[tuple]:
+    """:func:`sharded_modules` of ``model`` after checking it was sharded with ``fully_shard``
+    on ``mesh["shard"]``, every trainable parameter of it; ``TypeError`` / ``ValueError``
+    naming what is not."""
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"compress(model, optimizer, mesh=...) needs a model sharded with "
+                        f"torch.distributed.fsdp.fully_shard (its root too); got "
+                        f"{type(model).__name__}. {_HOW_TO_SHARD}")
+    shard_ranks = mesh["shard"].mesh.tolist()
+    modules = sharded_modules(model)
+    for name, module, parameters in modules:
+        meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) + (p.device_mesh.ndim,)
+                  for p in parameters if isinstance(p, DTensor)}
+        if len(meshes) > 1:
+            raise ValueError(f"{_module_name(name)} shards its parameters "
+                             f"on {len(meshes)} meshes (a per-parameter mesh): the sparse "
+                             f"exchange needs one mesh per module, mesh['shard']")
+        for parameter in parameters:
+            if not isinstance(parameter, DTensor):
+                raise ValueError(f"a parameter of {_module_name(name)} is not sharded: call "
+                                 f"fully_shard on the model's root too. {_HOW_TO_SHARD}")
+            parameter_mesh = parameter.device_mesh
+            if parameter_mesh.ndim == 2:
+                raise ValueError(
+                    f"{_module_name(name)} is sharded with native HSDP (fully_shard given the "
+                    f"two-dimensional mesh), whose own all-reduce between machines would send "
+                    f"every value. Shard inside each machine only: fully_shard(module, "
+                    f"mesh=mesh['shard']) instead of fully_shard(module, mesh=mesh), for every "
+                    f"module; hetero_comm then sums between machines")
+            if parameter_mesh.mesh.tolist() != shard_ranks:
+                raise ValueError(f"{_module_name(name)} is sharded on the ranks "
+                                 f"{parameter_mesh.mesh.tolist()}, but this rank's mesh['shard'] "
+                                 f"holds {shard_ranks}: shard every module on mesh['shard'] of "
+                                 f"the mesh given to compress")
+    if not any(parameters for _, _, parameters in modules):
+        raise ValueError("the model has no trainable parameter sharded with fully_shard")
+    return modules
+
+
+def _module_name(name: str) -> str:
+    return f"the module {name!r}" if name else "the model's root"
+
+
+def padded_shard_numel(parameter: DTensor, shards: int) -> int:
+    """Elements of ``parameter``'s gradient in its FSDP group's flat reduce-scatter output:
+    FSDP pads the sharded dimension to a multiple of ``shards`` (dimension 0; others must divide
+    evenly)."""
+    size = parameter.size()
+    if not size:
+        return 1
+    dim = parameter.placements[0].dim if isinstance(parameter.placements[0], Shard) else 0
+    rows = math.ceil(size[dim] / shards) if dim == 0 else size[dim] // shards
+    return rows * (math.prod(size) // size[dim])
+
+
+class _ShardGroup:
+    """One FSDP parameter group: its name, its flat shard's size, and the error-feedback state
+    of that shard (a :class:`~hetero_comm.hooks._plan.PlanBucket` of one piece)."""
+
+    def __init__(self, name: str, index: int, numel: int, tensor_names, device) -> None:
+        self.name, self.index, self.numel = name, index, numel
+        self.plan_bucket = PlanBucket((name,), (numel,))
+        for tensor_name in tensor_names:
+            self.plan_bucket.tensors[tensor_name] = torch.zeros(numel, device=device)
+
+
+class FSDPSparseState:
+    """The sparse exchange between machines for a model sharded with ``fully_shard`` on
+    ``mesh["shard"]``: every FSDP parameter group's gradient shard is summed across
+    ``mesh["replicate"]`` (the ranks holding the same shard on the other machines) by the
+    sparse hook's steps, with this rank's residual of its own shard.
+
+    Args:
+        model: the root ``fully_shard`` module.
+        mesh: a ``DeviceMesh`` with dimensions :data:`MESH_DIMS`.
+        **settings: the keyword arguments of :class:`~hetero_comm.hooks.SegmentSparseState`
+            (not ``process_group``: the mesh gives it); the recipes' are
+            :func:`hetero_comm.recipe_for`'s.
+
+    A step is counted at each ``optimizer.step()`` after a backward pass that synchronised
+    gradients (:meth:`register`): the dense warm-up and the density's schedule follow optimizer
+    steps, and steps between syncs (``set_requires_gradient_sync(False)``) send nothing.
+    """
+
+    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, **settings) -> None:
+        if "process_group" in settings:
+            raise ValueError("FSDPSparseState takes its group from the mesh (mesh['replicate']); "
+                             "pass no process_group")
+        self.mesh = check_mesh(mesh)
+        modules = check_sharded_model(model, mesh)
+        self.sparse = SegmentSparseState(process_group=mesh["replicate"].get_group(), **settings)
+        shards = mesh["shard"].size()
+        device = next(p for _, _, parameters in modules for p in parameters).to_local().device
+        names = self.sparse.plan.tensor_names
+        self.groups: Dict[str, _ShardGroup] = {}
+        for name, _module, parameters in modules:
+            if parameters:
+                numel = sum(padded_shard_numel(p, shards) for p in parameters)
+                self.groups[name] = _ShardGroup(name, len(self.groups), numel, names, device)
+        self._modules = [(name, module) for name, module, parameters in modules if parameters]
+        self._synced_since_step = False
+        self._warned_layouts: set = set()
+        self._registered = False
+
+    # ------------------------------------------------------------------ registering
+    def register(self, optimizer: torch.optim.Optimizer) -> None:
+        """Set every FSDP parameter group's all-reduce hook to this state's exchange and count
+        a step after each ``optimizer.step()`` that follows a synchronised backward pass."""
+        if self._registered:
+            raise ValueError("this FSDPSparseState is registered already")
+        for name, module in self._modules:
+            module.set_all_reduce_hook(self._hook_for(self.groups[name]))
+        optimizer.register_step_post_hook(self._end_step)
+        self._registered = True
+
+    def _hook_for(self, group: _ShardGroup):
+        def all_reduce_hook(reduce_output: torch.Tensor) -> None:
+            self.reduce(group, reduce_output)
+        return all_reduce_hook
+
+    # ------------------------------------------------------------------------ running
+    def reduce(self, group: _ShardGroup, shard_grad: torch.Tensor) -> None:
+        """Replace ``shard_grad`` (``group``'s reduce-scatter output on this rank) by its
+        weighted sum across ``mesh["replicate"]``: dense during the warm-up, for a shard of a
+        dtype the codec does not take or of another layout than the group's, else the sparse
+        exchange."""
+        state = self.sparse
+        self._synced_since_step = True
+        state.non_finite.collect_device_findings()  # CUDA: a shard handed on holding NaN earlier
+        state.callbacks.settle()
+        compressing = state.step >= state.warmup_steps
+        layout_known = shard_grad.numel() == group.numel and shard_grad.dim() == 1
+        if compressing and not (layout_known and state.accepts(shard_grad.dtype)):
+            self._warn_dense(group, shard_grad)
+            state.statistics.count("dense_fallbacks")
+            compressing = False
+        if not compressing or shard_grad.numel() < state.min_compress_numel:
+            state.send_dense(shard_grad, compressing).wait()
+            return
+        try:
+            sparse_allreduce(state, group.plan_bucket, shard_grad, group.index).wait()
+        except NonFiniteGradient as found:  # every rank of the replicate group found it
+            state.non_finite.hand_on(shard_grad, found)
+        state.non_finite.warn_once()
+
+    def _warn_dense(self, group: _ShardGroup, shard_grad: torch.Tensor) -> None:
+        if group.name in self._warned_layouts:
+            return
+        self._warned_layouts.add(group.name)
+        if not self.sparse.accepts(shard_grad.dtype):
+            why = (f"its gradient is {shard_grad.dtype}; the exchange compresses float32, "
+                   f"bfloat16 and float16 (MixedPrecisionPolicy(reduce_dtype=torch.float32))")
+        else:
+            why = (f"its reduce-scatter output has {shard_grad.numel()} elements where its "
+                   f"trainable parameters make {group.numel} (a parameter without a gradient "
+                   f"this step, or one frozen or unfrozen since compress)")
+        warnings.warn(f"hetero_comm FSDP exchange: the parameter group {group.name or '(root)'!r} "
+                      f"is sent dense: {why}. stats()['dense_fallbacks'] counts such sends; this "
+                      f"warning is given once per group", UserWarning, stacklevel=4)
+
+    def _end_step(self, optimizer, args, kwargs) -> None:
+        """After ``optimizer.step()``: a step ends if gradients were synchronised since the last."""
+        if self._synced_since_step:
+            self._synced_since_step = False
+            self.sparse.step += 1
+            self._warn_costly_groups(self.sparse.take_costly_buckets())
+
+    def _warn_costly_groups(self, costly: dict) -> None:
+        """Warn (once) about parameter groups whose shard sent at least its dense bytes."""
+        if costly:
+            names = {group.index: group.name or "(root)" for group in self.groups.values()}
+            listed = ", ".join(f"{names[index]!r} ({numel} values)"
+                               for index, numel in sorted(costly.items())[:5])
+            warnings.warn(f"hetero_comm FSDP exchange: the parameter group(s) {listed} sent at "
+                          f"least the bytes a dense all-reduce of their shard would (a shard this "
+                          f"small spends on the importance, 4 bytes a segment, what the selection "
+                          f"saves): shard fewer, larger modules, or send such groups dense "
+                          f"(min_compress_numel={max(costly.values()) + 1})",
+                          UserWarning, stacklevel=3)
+
+    # -------------------------------------------------------------- what users read
+    @property
+    def step(self) -> int:
+        """Steps completed (optimizer steps after a synchronised backward pass)."""
+        return self.sparse.step
+
+    def settings(self) -> dict:
+        """The exchange's settings, as :class:`~hetero_comm.hooks.SegmentSparseState` takes them
+        (its ``process_group`` is ``mesh["replicate"]``)."""
+        return self.sparse.settings()
+
+    def stats(self) -> dict:
+        """:meth:`~hetero_comm.hooks.SegmentSparseState.stats`: this rank's bytes between
+        machines (each FSDP parameter group's shard, after the reduce-scatter inside the
+        machine), the compression ratio, the steps."""
+        return self.sparse.stats()
+
+    def residual_numel(self) -> int:
+        """Float32 elements of error-feedback state this rank keeps (its shards' residual,
+        and with momentum correction their velocity)."""
+        return sum(tensor.numel() for group in self.groups.values()
+                   for tensor in group.plan_bucket.tensors.values())
+
+    # ---------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """The step, counters, settings and every rank's error-feedback state, as DTensors
+        sharded over the whole mesh (each rank holds its own shard's), so that
+        ``torch.distributed.checkpoint`` saves every rank's part; this object is ``Stateful``,
+        so it can be put in the dict given to ``dcp.save`` / ``dcp.load`` as it is."""
+        placements = [Shard(0)] * self.mesh.ndim
+        tensors = {f"{tensor_name}/{group.name}": DTensor.from_local(
+                       tensor, device_mesh=self.mesh, placements=placements, run_check=False)
+                   for group in self.groups.values()
+                   for tensor_name, tensor in group.plan_bucket.tensors.items()}
+        return {"type": type(self).__name__, "settings": self._checkpoint_settings(),
+                "mesh_shape": list(self.mesh.shape), "step": self.sparse.step,
+                "stats": dict(self.sparse.statistics.counters), "tensors": tensors}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what :meth:`state_dict` saved, on a mesh of the same shape (each rank's
+        residual belongs to its place in the mesh)."""
+        if state_dict.get("type") != type(self).__name__:
+            raise ValueError(f"state_dict was saved by {state_dict.get('type')!r}, not "
+                             f"{type(self).__name__!r}")
+        if list(state_dict["mesh_shape"]) != list(self.mesh.shape):
+            raise ValueError(f"state_dict was saved on a mesh of shape "
+                             f"{tuple(state_dict['mesh_shape'])}; this one is "
+                             f"{tuple(self.mesh.shape)}: the error feedback of each rank's shard "
+                             f"cannot be moved to another layout (leave this entry out of the "
+                             f"checkpoint to start it afresh)")
+        settings = self._checkpoint_settings()
+        for name, value in state_dict["settings"].items():
+            if settings.get(name) != value:
+                raise ValueError(f"state_dict was saved with {name}={value!r}; this state has "
+                                 f"{name}={settings.get(name)!r}")
+        mine = {f"{tensor_name}/{group.name}": tensor for group in self.groups.values()
+                for tensor_name, tensor in group.plan_bucket.tensors.items()}
+        if set(state_dict["tensors"]) != set(mine):
+            raise ValueError(f"state_dict holds error feedback for {sorted(state_dict['tensors'])}; "
+                             f"this model's parameter groups need {sorted(mine)}")
+        for key, value in state_dict["tensors"].items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if local.shape != mine[key].shape:
+                raise ValueError(f"state_dict's {key} has shape {tuple(local.shape)}; this rank "
+                                 f"keeps {tuple(mine[key].shape)}")
+        for key, value in state_dict["tensors"].items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if local is not mine[key]:
+                mine[key].copy_(local)
+        self.sparse.step = int(state_dict["step"])
+        self.sparse.statistics.counters.update(state_dict["stats"])
+
+    def _checkpoint_settings(self) -> dict:
+        state = self.sparse
+        return {name: getattr(state, name) for name in state._checkpoint_settings}
