@@ -203,6 +203,7 @@ class FSDPSparseState:
         if not compressing or shard_grad.numel() < state.min_compress_numel:
             state.send_dense(shard_grad, compressing).wait()
             return
+        group.plan_bucket.to(shard_grad.device)  # (CPU offloading: the gradient's device)
         try:
             sparse_allreduce(state, group.plan_bucket, shard_grad, group.index).wait()
         except NonFiniteGradient as found:  # every rank of the replicate group found it

@@ -272,6 +272,8 @@ def accumulation_and_precision(rank, world_size, case):
                 out["steps"] = state.step
                 out["replicas_equal"] = replicas_equal(model, mesh)
                 out["dense_fallbacks"] = state.stats()["dense_fallbacks"]
+                out["bytes_dense"] = state.stats()["bytes_dense"]
+                out["residual_numel"] = state.residual_numel()
     out["warnings"] = [str(w.message) for w in caught if "hetero_comm" in str(w.message)]
     return out
 

@@ -31,8 +31,8 @@ def check_finished(result: subprocess.CompletedProcess, last_line: str) -> str:
     return result.stdout
 
 
-def torchrun(*args, timeout=300) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+def torchrun(*args, timeout=300, ranks=2) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *map(str, args)]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
@@ -87,13 +87,14 @@ def test_hook_runs_and_resumes_exactly_through_the_frameworks_checkpoint(framewo
     ("torchrun_example.py", "torchrun", ("--steps", "20", "--machines", "1", "--ratio", "auto")),
     ("accelerate_example.py", "torchrun", ("--steps", "20")),
     ("lightning_example.py", "python", ("--epochs", "2")),  # Lightning starts its second process
+    ("fsdp_example.py", "torchrun 4", ("--steps", "20")),  # 2 machines x 2 ranks
 ])
 def test_examples_run_as_written(example, launch, brief, optimizer):
     """Each example, briefly, with both optimizers: the one call picks the recipe, trains,
     checkpoints and resumes."""
     command = [ROOT / "examples" / example, "--optimizer", optimizer, *brief]
-    if launch == "torchrun":
-        result = torchrun(*command)
+    if launch.startswith("torchrun"):
+        result = torchrun(*command, ranks=int(launch.split()[1]) if " " in launch else 2)
     else:
         result = subprocess.run([sys.executable, *map(str, command)], capture_output=True,
                                 text=True, timeout=300,

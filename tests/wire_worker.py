@@ -4,7 +4,8 @@ the interface's kernel counters over exactly those steps, as one JSON line. With
 ``UNIT_DROPOUT=p``: the dense hook on a model with unit dropout, skipping dropped units'
 bytes; the line then also holds the dense-equivalent bytes and the elements dropped. With
 ``MACHINES=n``: the two-level sync with n ranks per machine (its stats count the bytes
-between machines)."""
+between machines). With ``FSDP_MACHINES=m``: the model sharded with FSDP2 inside each of m
+machines and the sparse exchange between them (its stats count the bytes between machines)."""
 
 import json
 import os
@@ -39,6 +40,25 @@ def pause_for_the_parent(rank: int, name: str) -> None:
     dist.barrier()
 
 
+def fsdp_exchange(model: nn.Module, world_size: int, machines: int):
+    """``model`` sharded inside each of ``machines`` machines, an optimizer that does not move
+    it (its steps count the exchange's) and the sparse exchange between the machines."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hetero_comm.fsdp import FSDPSparseState
+
+    mesh = init_device_mesh("cpu", (machines, world_size // machines),
+                            mesh_dim_names=("replicate", "shard"))
+    for layer in (model[0], model[-1]):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    state = FSDPSparseState(model, mesh, density=float(os.environ["DENSITY"]), segment_size=256)
+    state.register(optimizer)
+    return model, optimizer, state
+
+
 def main() -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -49,16 +69,20 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), *([nn.Dropout(p)] if p else []),
                           nn.Linear(1024, 256))
     units = convert_dropout(model, seed=0) if p else None
-    ddp = DistributedDataParallel(model)
-    if p:
-        state = AllreduceState()
+    optimizer = None
+    if "FSDP_MACHINES" in os.environ:
+        ddp, optimizer, state = fsdp_exchange(model, world_size, int(os.environ["FSDP_MACHINES"]))
+    elif p:
+        ddp, state = DistributedDataParallel(model), AllreduceState()
         state.skip_dropped_units(units)
         ddp.register_comm_hook(state, allreduce_hook)
     elif "MACHINES" in os.environ:
+        ddp = DistributedDataParallel(model)
         state = TwoLevelState(machines=int(os.environ["MACHINES"]), segment_size=256,
                               density=float(os.environ["DENSITY"]))
         ddp.register_comm_hook(state, two_level_hook)
     else:
+        ddp = DistributedDataParallel(model)
         state = SegmentSparseState(density=float(os.environ["DENSITY"]), segment_size=256)
         ddp.register_comm_hook(state, segment_sparse_hook)
     generator = torch.Generator().manual_seed(rank)
@@ -66,6 +90,8 @@ def main() -> None:
 
     def step() -> None:
         ddp(torch.randn(32, 256, generator=generator)).square().mean().backward()
+        if optimizer is not None:
+            optimizer.step()
         model.zero_grad()
         if units is not None:  # rows of the first layer (weight, bias), columns of the second
             dropped["elements"] += (1024 - units.kept_units(units.layers[0], "cpu").numel()) * (256 + 1 + 256)
