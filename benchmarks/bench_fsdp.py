@@ -21,8 +21,12 @@ Workloads (models no other benchmark trains), each at two learning rates (``--lr
   pool, a linear classifier; 0.24M parameters) on the digits, SGD with momentum 0.9 at a
   constant rate, 20 epochs, a global batch of 64; rates 0.02 and 0.05.
 
-Each block (transformer) or convolution (CNN) and the root are sharded. Validation loss every
-``evaluate_every`` steps (outside the timed training) on a fixed validation set. "to dense loss":
+Each block (transformer) or convolution (CNN) and the root are sharded. Verdict: "ok" where the
+recipe compresses 25x or more and comes within 2% of dense's final validation loss
+(transformer) or 1 point of its accuracy (CNN: on 256 images a point is 2.6 images, and the
+loss of a classifier near 99% rests on its few errors). Validation loss every
+``evaluate_every`` steps (outside the timed training) on the first 256 validation windows or
+images. "to dense loss":
 the training seconds at which the validation loss first came within 2% of the dense row's final
 loss on the same link. "bytes/step": bytes each rank sends between machines a step (the
 recipe's ``stats()``; dense and bfloat16: its shard of the gradient at 4 and 2 bytes a value).
@@ -32,7 +36,8 @@ Links (``--links``): ``loopback`` (no shaping: the convergence table), ``100mbit
 bridge of their own; root only).
 
 Usage: python benchmarks/bench_fsdp.py [--workloads transformer_adamw,cnn_sgd] [--lrs ...]
-       [--links loopback,100mbit,1gbit] [--rows dense,bf16,recipe] [--quick] [--json PATH]
+       [--links loopback,100mbit,1gbit] [--rows dense,bf16,recipe] [--seed N] [--quick] [--json PATH]
+       python benchmarks/bench_fsdp.py --json PATH --table   (the table of saved records)
 """
 
 import argparse
@@ -305,9 +310,10 @@ def table(results: dict, rows) -> str:
                 gap, acc_gap = f"{100 * gap_value:+.1f}%", f"{-acc_value:+.1f}"
                 seconds = seconds_to_loss(record, dense["final_loss"] * (1 + TARGET_GAP))
                 reach = "not reached" if seconds is None else f"{seconds:.1f}"
-                if row == "recipe":
-                    met = gap_value <= TARGET_GAP and acc_value <= 1.0 and record["compression"] >= 25
-                    verdict = "ok" if met else "not yet"
+                if row == "recipe":  # the transformer judged by its loss, the CNN by its accuracy
+                    close = (gap_value <= TARGET_GAP if workload == "transformer_adamw"
+                             else acc_value <= 1.0)
+                    verdict = "ok" if close and record["compression"] >= 25 else "not yet"
             lines.append(f"| {workload} | {lr:g} | {link} | {ROWS[row]} | {record['final_loss']:.3f} | "
                          f"{100 * record['final_accuracy']:.1f}% | {gap} | {acc_gap} | "
                          f"{record['compression']:.1f}x | {record['bytes_per_step']:,.0f} | "
@@ -325,9 +331,19 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="12 steps a run (a smoke test)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--table", action="store_true", help="print the table of --json's records only")
     args = parser.parse_args(argv)
     if args.worker:
         worker()
+        return 0
+    if args.table:
+        with open(args.json) as f:
+            saved = json.load(f)
+        results = {}
+        for key, records in saved.items():
+            workload, lr, link = key.split(" ")
+            results[workload, float(lr), link] = records
+        print(table(results, [row for row in ROWS if any(row in r for r in results.values())]))
         return 0
     rows = args.rows.split(",")
     for name, chosen, known in (("workloads", args.workloads, WORKLOADS), ("links", args.links, LINKS),

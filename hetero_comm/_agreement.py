@@ -25,9 +25,20 @@ def agree_across_ranks(setting: str, value, group: Optional[dist.ProcessGroup] =
     values = _gathered(value, group, SETUP_TIMEOUT_SECONDS if timeout_seconds is None
                        else timeout_seconds, setting)
     if any(other != values[0] for other in values):
-        described = "; ".join(f"rank {rank}: {other!r}" for rank, other in enumerate(values))
-        raise ValueError(f"the ranks' {setting} differ ({described}): every rank must pass the "
-                         f"same {setting}")
+        raise ValueError(f"the ranks' {setting} differ ({_differences(values)}): every rank must "
+                         f"pass the same {setting}")
+
+
+def _differences(values: List) -> str:
+    """Each rank's value; of a dict, only the entries that differ between the ranks."""
+    if all(isinstance(value, dict) for value in values):
+        names = sorted({name for value in values for name in value}, key=str)
+        differing = [name for name in names
+                     if any(value.get(name) != values[0].get(name) for value in values)]
+        return "; ".join(f"rank {rank}: " + ", ".join(f"{name!r}: {value.get(name)!r}"
+                                                      for name in differing)
+                         for rank, value in enumerate(values))
+    return "; ".join(f"rank {rank}: {value!r}" for rank, value in enumerate(values))
 
 
 def _gathered(value, group: Optional[dist.ProcessGroup], timeout_seconds: float,

@@ -18,12 +18,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from ._agreement import agree_across_ranks
 from .hooks import SegmentSparseState
 from .hooks._non_finite import NonFiniteGradient
 from .hooks._plan import PlanBucket
 from .hooks.segment_sparse import sparse_allreduce
 
-__all__ = ["FSDPSparseState", "MESH_DIMS", "sharded_modules", "check_sharded_model"]
+__all__ = ["FSDPSparseState", "MESH_DIMS", "sharded_modules", "check_sharded_model",
+           "agree_over_mesh"]
 
 # The mesh's dimensions: machines (the sparse exchange) x ranks per machine (FSDP's shards).
 MESH_DIMS = ("replicate", "shard")
@@ -45,6 +47,17 @@ def check_mesh(mesh) -> DeviceMesh:
                          f"machine); got {mesh.ndim} dimension(s) named {mesh.mesh_dim_names}. "
                          f"{_HOW_TO_SHARD}")
     return mesh
+
+
+def agree_over_mesh(setting: str, value, mesh: DeviceMesh) -> None:
+    """:func:`~hetero_comm._agreement.agree_across_ranks` over every rank of ``mesh``: in one
+    comparison where the mesh is the whole world (the usual case), else through its two
+    dimensions' groups in turn."""
+    if mesh.size() == dist.get_world_size():
+        agree_across_ranks(setting, value, None)
+        return
+    for dimension in mesh.mesh_dim_names:
+        agree_across_ranks(f"{setting} (mesh['{dimension}'])", value, mesh[dimension].get_group())
 
 
 def sharded_modules(model: torch.nn.Module) -> List[tuple]:
@@ -171,9 +184,15 @@ class FSDPSparseState:
     # ------------------------------------------------------------------ registering
     def register(self, optimizer: torch.optim.Optimizer) -> None:
         """Set every FSDP parameter group's all-reduce hook to this state's exchange and count
-        a step after each ``optimizer.step()`` that follows a synchronised backward pass."""
+        a step after each ``optimizer.step()`` that follows a synchronised backward pass. Call
+        it on every rank: it first compares the settings and the groups' shard sizes across the
+        mesh (``ValueError`` on every rank where they differ)."""
         if self._registered:
             raise ValueError("this FSDPSparseState is registered already")
+        shared = {name: value for name, value in self.settings().items() if name != "rank_weight"}
+        agree_over_mesh("FSDPSparseState settings", dict(shared, mesh=list(self.mesh.shape),
+                                                         groups={name: group.numel for name, group
+                                                                 in self.groups.items()}), self.mesh)
         for name, module in self._modules:
             module.set_all_reduce_hook(self._hook_for(self.groups[name]))
         optimizer.register_step_post_hook(self._end_step)

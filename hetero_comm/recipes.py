@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ._agreement import agree_across_ranks
 from ._checks import check_float
-from .fsdp import MESH_DIMS, FSDPSparseState, check_mesh, check_sharded_model
+from .fsdp import FSDPSparseState, agree_over_mesh, check_mesh, check_sharded_model
 from .hooks import (DCT, AllreduceState, AutoDensity, MachineLayout, SegmentSparseState,
                     TwoLevelState, allreduce_hook, segment_sparse_hook, two_level_hook,
                     unwrap_optimizer)
@@ -264,12 +264,7 @@ def _compress_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     recipe = recipe_for(optimizer, ratio)
     settings = dict(optimizer=type(optimizer).__name__, ratio=ratio, recipe=recipe.settings,
                     mesh=list(mesh.shape))
-    if mesh.size() == dist.get_world_size():  # the usual mesh: every rank, in one comparison
-        agree_across_ranks("hetero_comm.compress settings", settings, None)
-    else:  # every rank of the mesh, through its two groups
-        for dimension in MESH_DIMS:
-            agree_across_ranks(f"hetero_comm.compress settings (mesh['{dimension}'])", settings,
-                               mesh[dimension].get_group())
+    agree_over_mesh("hetero_comm.compress settings", settings, mesh)
     state = FSDPSparseState(model, mesh, **recipe.settings)
     state.sparse.handed_step().fit(optimizer)  # raises before any change
     _warn_where_unmeasured(model, recipe, ratio)

@@ -356,3 +356,17 @@ def ranks_disagree(rank, world_size):
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def direct_states_disagree(rank, world_size):
+    """FSDPSparseState built by hand, rank 3 with another density: register raises on every
+    rank, naming it."""
+    mesh = make_mesh()
+    model = shard(make_model("mlp"), mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = FSDPSparseState(model, mesh, density=0.2 if rank == 3 else 0.1, segment_size=16)
+    try:
+        state.register(optimizer)
+    except ValueError as error:
+        return str(error)
+    return "no error"

@@ -504,3 +504,20 @@ def op_calls_per_bucket(rank, world_size, optimizer_name, steps=3):
     buckets = len(handed)
     recipe, ratio = backward_calls(hetero_comm.compress)
     return dict(per_bucket=(recipe - baseline) / buckets, buckets=buckets / steps, ratio=ratio)
+
+
+def disagreeing_states(rank, world_size, hook, settings, rank_settings):
+    """Every rank builds ``hook``'s state from ``settings``, the last rank updated with
+    ``rank_settings``, and runs a step: what each rank's backward raised (type, message), and
+    whether the parameters' gradients were left as they were before the step (None)."""
+    chosen = dict(settings, **(rank_settings if rank == world_size - 1 else {}))
+    model = make_model()
+    ddp = DistributedDataParallel(model)
+    state, hook_function = make_hook(hook, chosen)
+    ddp.register_comm_hook(state, hook_function)
+    inputs, targets = batch(rank, 0)
+    try:
+        nn.functional.mse_loss(ddp(inputs), targets).backward()
+    except Exception as error:  # DDP hands the hook's error on as a RuntimeError
+        return type(error).__name__, str(error)
+    return "no error", ""

@@ -117,3 +117,9 @@ def test_padded_shard_numel_is_what_fsdp_reduce_scatters(shape, shards, placemen
     assert padded_shard_numel(Fake(), shards) == expected
     if shape:
         assert expected * shards >= math.prod(shape)
+
+
+def test_states_built_by_hand_that_differ_raise_on_every_rank_at_register():
+    for message in run_ranks(WORLD, fsdp_workers.direct_states_disagree):
+        assert "FSDPSparseState settings differ" in message
+        assert "rank 3: 'density': 0.2" in message and "rank 0: 'density': 0.1" in message

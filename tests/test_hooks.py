@@ -17,7 +17,8 @@ from hetero_comm.hooks._sparse_parts import DctSegments
 from hetero_comm.hooks.segment_sparse import int8_levels
 from hetero_comm.hooks.dct_quant import pack_int16_pairs, quantization_levels, unpack_int16_pair_sums
 from lab.launch import run_ranks
-from hook_workers import (hook_warnings, load_into_another_model, loaded, loaded_residual_total,
+from hook_workers import (disagreeing_states, hook_warnings, load_into_another_model, loaded,
+                          loaded_residual_total,
                           share_one_state, train, train_recording_warnings)
 
 SPARSE = dict(segment_size=16, density=0.05, warmup_steps=2)
@@ -660,3 +661,25 @@ def test_buckets_that_send_more_than_they_save_warn_once_naming_them():
             assert "min_compress_numel=1248" in costly[0] and "bucket_cap_mb" in costly[0]
     for warned in run_ranks(2, hook_warnings, "sparse", dict(SPARSE, warmup_steps=1), 5):
         assert not any("sent at least the bytes" in w for w in warned), warned
+
+
+@pytest.mark.parametrize("hook,settings,rank_settings,named", [
+    ("sparse", dict(density=0.1, segment_size=16), dict(density=0.2), "'density': 0.2"),
+    ("sparse", dict(density=0.1, segment_size=16), dict(wire_dtype="int8"), "'wire_dtype': 'int8'"),
+    ("dct", dict(), dict(keep_ratio=0.5), "'keep_ratio': 0.5"),
+    ("two_level", dict(machines=1, density=0.1, segment_size=16), dict(segment_size=32),
+     "'segment_size': 32"),
+])
+def test_states_built_differently_on_the_ranks_raise_on_every_rank_at_the_first_bucket(
+        hook, settings, rank_settings, named):
+    """A state's settings are compared across the ranks once, at the first bucket: ranks that
+    differ raise on every rank, naming each rank's, before anything is exchanged."""
+    for raised, message in run_ranks(2, disagreeing_states, hook, settings, rank_settings):
+        assert raised == "ValueError" and "settings differ" in message, message
+        assert named in message
+
+
+def test_a_rank_weight_of_its_own_is_not_a_disagreement():
+    results = run_ranks(2, disagreeing_states, "sparse", dict(density=0.1, segment_size=16),
+                        dict(rank_weight=0.25))
+    assert results == [("no error", "")] * 2

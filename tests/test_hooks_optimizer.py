@@ -177,6 +177,21 @@ def test_loading_a_dense_checkpoint_keeps_what_the_hook_needs():
     assert all(group["betas"] == (0.0, 0.0) for group in prepared.param_groups)
 
 
+def test_the_fit_forgets_the_groups_a_loaded_checkpoint_replaced():
+    """load_state_dict replaces every group dict: the fit keeps what it knew of the live
+    groups only (it held on to every replaced one before), and still checks them."""
+    optimizer = make("AdamW", 1e-3)
+    SegmentSparseState(**SIGN).prepare_optimizer(optimizer)
+    fit = optimizer._hetero_comm_fit
+    saved = optimizer.state_dict()
+    for _ in range(3):
+        optimizer.load_state_dict(saved)
+    assert sorted(fit._before_fit) == sorted(id(group) for group in optimizer.param_groups)
+    optimizer.param_groups[0]["betas"] = (0.9, 0.999)  # as a cycling scheduler would
+    with pytest.raises(ValueError, match="betas"):
+        train(optimizer, steps=1)
+
+
 def test_a_scheduler_cycling_momentum_cannot_give_the_optimizer_its_momentum_back():
     optimizer = make("SGD", 0.05, momentum=0.9)
     cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10,

@@ -262,6 +262,9 @@ class OptimizerFit:
             delattr(self.optimizer, self._ATTRIBUTE)
 
     def _apply_settings(self, optimizer: torch.optim.Optimizer) -> None:
+        current = {id(group) for group in optimizer.param_groups}
+        for replaced in [key for key in self._before_fit if key not in current]:
+            del self._before_fit[replaced]  # (load_state_dict replaces the group dicts)
         for group in optimizer.param_groups:
             if id(group) not in self._before_fit:
                 self._before_fit[id(group)] = (group, {name: _hashable(group.get(name))

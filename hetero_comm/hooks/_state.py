@@ -17,6 +17,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .._agreement import agree_across_ranks
 from .._checks import check_float, check_int, check_optional
 from .._layout import GRADIENT_DTYPES
 from ..buffer_pool import BufferPool
@@ -64,6 +65,7 @@ class HookState:
         self.step = 0
         self._model_parameters: dict = {}  # id -> parameter (keeps the id valid)
         self._learning_model = True
+        self._settings_agreed = False  # compared across the ranks at the first bucket
         self.dropped_units: Optional[DroppedUnits] = None  # their gradient is not sent
         self.statistics = HookStatistics()
 
@@ -100,12 +102,32 @@ class HookState:
         state = dict(self.__dict__)
         state["process_group"] = None
         state["_model_parameters"], state["_learning_model"] = {}, True
+        state["_settings_agreed"] = False
         state["dropped_units"] = None
         return state
 
+    # Settings each rank may set to its own value (the heterogeneous-batch planner's weights).
+    _per_rank_settings: Tuple[str, ...] = ("rank_weight",)
+
+    def agree_settings(self) -> None:
+        """Compare :meth:`settings` (but the per-rank ones) across the process group, once:
+        ranks that built their states differently raise ``ValueError`` on every rank, naming
+        each rank's settings, instead of exchanging mismatched buffers; a rank that never
+        arrives makes the others raise ``RuntimeError`` after
+        :data:`~hetero_comm._agreement.SETUP_TIMEOUT_SECONDS`."""
+        if getattr(self, "_settings_agreed", False):  # (False in a state pickled before it existed)
+            return
+        shared = {name: value for name, value in self.settings().items()
+                  if name not in self._per_rank_settings}
+        if shared:
+            agree_across_ranks(f"{type(self).__name__} settings", shared, self.process_group)
+        self._settings_agreed = True
+
     def claim(self, bucket: dist.GradBucket) -> None:
         """Make sure the bucket belongs to this state's model: a state keeps error feedback
-        and counters for one model, so a second model sharing it would corrupt both."""
+        and counters for one model, so a second model sharing it would corrupt both. At the
+        first bucket, :meth:`agree_settings` (every rank's hook runs it there)."""
+        self.agree_settings()
         params = bucket.parameters()
         if self._learning_model:
             self._model_parameters.update((id(p), p) for p in params)

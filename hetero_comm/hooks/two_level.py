@@ -220,6 +220,7 @@ class TwoLevelState(SegmentSparseState):
         if self.groups is None:
             raise RuntimeError("this TwoLevelState was unpickled, which drops its process "
                                "groups: build a new one and load_state_dict into it")
+        self.agree_settings()  # here, so that ranks that differ raise from the hook itself
         now = time.perf_counter()
         if self._step_began is None:
             self._exchanges.wait_idle()
