@@ -318,3 +318,18 @@ def sparseloco_run(rank, world_size, sites, steps):
     return dict(final=parameters_to_vector(model.parameters()).detach().numpy(),
                 initial=parameters_to_vector(make_model().parameters()).detach().numpy(),
                 bytes_sent=baseline.bytes_sent)
+
+
+def ranks_disagree(rank, world_size, what):
+    """Rank 1 builds its GroupSync with another grouping or period: what each rank raised."""
+    model = make_model()
+    groups, period = [[0, 1], [2]], 2
+    if rank == 1 and what == "groups":
+        groups = [[0], [1, 2]]
+    if rank == 1 and what == "period":
+        period = 3
+    try:
+        GroupSync(model, Grouping(groups), period=period, stall_timeout_s=30.0)
+    except ValueError as error:
+        return str(error)
+    return "no error"

@@ -178,3 +178,19 @@ def tune_chunks_agrees(rank, world_size):
     except ValueError as error:
         errors.append(str(error))
     return chosen, chunks, torch.equal(model(inputs).detach(), before), errors
+
+
+def speeds_disagree(rank, world_size):
+    """Rank 1 passes other speeds: every rank raises naming the shard sizes, model unchanged."""
+    from hetero_comm.tensor_parallel import parallelize_mlps
+
+    model = make_model(torch.float32)
+    before = copy.deepcopy(model.state_dict())
+    speeds = [2.0, 1.0] if rank == 1 else [1.0, 1.0]
+    try:
+        parallelize_mlps(model, speeds=speeds)
+    except ValueError as error:
+        unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items()) \
+            and set(before) == set(model.state_dict())
+        return str(error), unchanged
+    return "no error", False

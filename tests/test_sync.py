@@ -465,3 +465,11 @@ def test_dynamic_batches_inside_groups_keep_the_step_exact():
     for result, reference, sizes in run_ranks(4, sync_workers.with_dynamic_batches, 5, timeout=120):
         torch.testing.assert_close(result, reference, rtol=1e-12, atol=1e-12)
         assert sizes[0] in (2, 6)  # the unequal split the sampler started with
+
+
+@pytest.mark.parametrize("what,named", [("groups", "'groups'"), ("period", "'periods'")])
+def test_ranks_building_group_sync_differently_raise_on_every_rank(what, named):
+    """Different groupings would block in dist.new_group (each rank creating other groups):
+    the settings are compared first, and every rank raises naming them."""
+    for message in run_ranks(3, sync_workers.ranks_disagree, what, timeout=120):
+        assert "GroupSync settings differ" in message and named in message, message

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from lab.launch import run_ranks
 from hetero_comm.tensor_parallel import find_mlps, shard_range, shard_sizes
-from tensor_parallel_workers import (bad_input_messages, single_layers_match_whole, split_mlps_match_whole,
+from tensor_parallel_workers import (bad_input_messages, single_layers_match_whole, speeds_disagree,
+                                     split_mlps_match_whole,
                                      tune_chunks_agrees, two_dimensional_matches_whole)
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -121,3 +122,9 @@ def test_tune_chunks_sets_one_count_every_rank_agrees_on():
         assert chunks == chosen and unchanged  # float64, the same pieces' sums: equal either way
         assert "chunk count must be" in errors[0] and "at least one candidate" in errors[1]
         assert "no TensorParallelMLP block" in errors[2]
+
+
+def test_ranks_splitting_differently_raise_on_every_rank_with_the_model_unchanged():
+    for message, unchanged in run_ranks(2, speeds_disagree):
+        assert "parallelize_mlps settings differ" in message and "'shards'" in message, message
+        assert unchanged

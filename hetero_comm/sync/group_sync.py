@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
+from .._agreement import agree_across_ranks
 from .._checks import check_float, check_int
 from .arrivals import Arrivals
 from .grouping import Grouping
@@ -119,6 +120,14 @@ class GroupSync:
         self.parts = _parts(module, self.params, self.wire, layer_deadline, part_bytes)
         self.book = VersionBook(len(grouping.groups), self.group_index, max_staleness=max_staleness,
                                 staleness_scale=staleness_scale, num_parts=len(self.parts))
+        # Ranks that differ here would block in new_group below or exchange mismatched frames.
+        agree_across_ranks("GroupSync settings", dict(
+            groups=grouping.groups, batch_sizes=grouping.batch_sizes,
+            periods=_periods(grouping, period), max_staleness=max_staleness,
+            wire=(repr(self.wire) if isinstance(self.wire, SparseWire)
+                  else f"{self.wire.name} ({self.wire.value_dtype})"),
+            layer_deadline=layer_deadline, part_bytes=part_bytes, parameters=self._numel,
+            parts=[(part.start, part.end) for part in self.parts]))
         # Every rank creates every process group, in the same order (torch.distributed's rule).
         groups = [dist.new_group(list(ranks)) for ranks in grouping.groups]
         self.process_group = groups[self.group_index]

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._agreement import agree_across_ranks
 from .._checks import check_int
 from ..pipeline.profile import median_seconds
 from .layers import TensorParallelMLP
@@ -58,7 +59,9 @@ def parallelize_mlps(model: nn.Module, group=None, *, speeds: Optional[Sequence[
     """Replace MLP blocks of ``model`` in place by :class:`TensorParallelMLP` over ``group``.
 
     Collective: every rank of the group calls it on its copy of the same model (the group's
-    first rank's weights are used). The rest of the model stays as it is, replicated.
+    first rank's weights are used). The rest of the model stays as it is, replicated. The
+    blocks, their shard sizes and ``chunks`` are compared across the group first: ranks that
+    differ (other speeds, another model) raise ``ValueError`` on every rank, naming them.
 
     Args:
         speeds: one per rank of the group (e.g. :func:`measure_speeds`, or the batch controller's
@@ -83,11 +86,17 @@ def parallelize_mlps(model: nn.Module, group=None, *, speeds: Optional[Sequence[
         raise ValueError("the model itself is an nn.Sequential(Linear, activation, Linear) block, "
                          "which parallelize_mlps cannot replace in place: split a model that holds "
                          "it (e.g. nn.Sequential(mlp)), or build a TensorParallelMLP from its layers")
+    blocks = {name: _mlp_parts(model, name) for name in names}
+    sizes = {name: shard_sizes(block[0].out_features, speeds, multiple) for name, block in blocks.items()}
+    # ranks that split differently would exchange mismatched shards (or wait on each other)
+    agree_across_ranks("parallelize_mlps settings", dict(
+        shards={name: list(shard) for name, shard in sizes.items()}, chunks=chunks,
+        layers={name: (block[0].in_features, block[0].out_features, block[2].out_features)
+                for name, block in blocks.items()}), group)
     replaced = {}
-    for name in names:
-        block = _mlp_parts(model, name)
-        sizes = shard_sizes(block[0].out_features, speeds, multiple)
-        replaced[name] = TensorParallelMLP(block[0], block[1], block[2], sizes, group, chunks=chunks)
+    for name, block in blocks.items():
+        replaced[name] = TensorParallelMLP(block[0], block[1], block[2], sizes[name], group,
+                                           chunks=chunks)
     for name, module in replaced.items():
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
