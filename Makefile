@@ -2,6 +2,7 @@
 #   make demo    the main job: build, then benchmarks/demo.py (dense, the recipe, PowerSGD on 2 local workers)
 #   make test    build, then the documentation (mkdocs --strict) and every test tier
 #   make quick   the default test tier only (kernels, the hooks' laws, the one call, bad input)
+#   make misuse  the misuse tier: wrong calls on gloo ranks, each a clear error on every rank
 #   make bench   the kernel, hook and heterogeneous-rank benchmarks
 # Each creates .venv, installs torch 2.13.0 (CPU) and builds hetero_comm into it as an editable
 # install: the compiled hetero_comm/_C*.so lands next to the sources, so `import hetero_comm`
@@ -12,7 +13,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 SOURCES := pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*.cpp csrc/*.h csrc/kernels/*.h cuda/*.cu cuda/*.cuh)
 
-.PHONY: demo test quick bench clean
+.PHONY: demo test quick misuse bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +33,9 @@ test: $(VENV)/.installed-test
 
 quick: $(VENV)/.installed-test
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest tests
+
+misuse: $(VENV)/.installed-test
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m misuse tests
 
 demo: $(VENV)/.installed-demo
 	$(BIN)/python benchmarks/demo.py

@@ -80,6 +80,7 @@ def test_ratio_out_of_range_is_refused(ratio):
         density_for_ratio(ratio)
 
 
+@pytest.mark.misuse
 @pytest.mark.multirank
 def test_bad_calls_raise_clear_errors_and_change_nothing():
     results = run_ranks(2, compress_workers.bad_calls)
@@ -255,6 +256,7 @@ def test_compress_trains_under_a_grad_scaler(optimizer):
     assert sum(losses[-5:]) < 0.25 * sum(losses[:5])
 
 
+@pytest.mark.misuse
 @pytest.mark.multirank
 def test_ranks_calling_with_different_settings_all_raise_and_change_nothing():
     for kind, message, untouched in run_ranks(2, compress_workers.compress_with_this_ranks_ratio,
@@ -264,6 +266,7 @@ def test_ranks_calling_with_different_settings_all_raise_and_change_nothing():
         assert "'ratio': None" in message and "'ratio': 16.0" in message
 
 
+@pytest.mark.misuse
 @pytest.mark.multirank
 def test_a_rank_that_never_calls_makes_the_others_raise_within_the_set_up_timeout():
     results = run_ranks(2, compress_workers.compress_with_this_ranks_ratio, [None, "skip"], 3.0,

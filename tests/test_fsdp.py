@@ -83,6 +83,7 @@ EXPECTED_ERRORS = {
 }
 
 
+@pytest.mark.misuse
 def test_bad_calls_are_refused_before_anything_changes():
     results = run_ranks(WORLD, fsdp_workers.bad_calls)
     assert set(results[0]) == set(EXPECTED_ERRORS)
@@ -94,6 +95,7 @@ def test_bad_calls_are_refused_before_anything_changes():
             assert untouched, name
 
 
+@pytest.mark.misuse
 def test_ranks_that_disagree_all_raise_naming_each_ranks_setting():
     for message in run_ranks(WORLD, fsdp_workers.ranks_disagree):
         assert "differ" in message and "'ratio': 16" in message and "'ratio': 32" in message
@@ -119,6 +121,7 @@ def test_padded_shard_numel_is_what_fsdp_reduce_scatters(shape, shards, placemen
         assert expected * shards >= math.prod(shape)
 
 
+@pytest.mark.misuse
 def test_states_built_by_hand_that_differ_raise_on_every_rank_at_register():
     for message in run_ranks(WORLD, fsdp_workers.direct_states_disagree):
         assert "FSDPSparseState settings differ" in message

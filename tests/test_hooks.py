@@ -670,6 +670,7 @@ def test_buckets_that_send_more_than_they_save_warn_once_naming_them():
     ("two_level", dict(machines=1, density=0.1, segment_size=16), dict(segment_size=32),
      "'segment_size': 32"),
 ])
+@pytest.mark.misuse
 def test_states_built_differently_on_the_ranks_raise_on_every_rank_at_the_first_bucket(
         hook, settings, rank_settings, named):
     """A state's settings are compared across the ranks once, at the first bucket: ranks that
@@ -679,6 +680,7 @@ def test_states_built_differently_on_the_ranks_raise_on_every_rank_at_the_first_
         assert named in message
 
 
+@pytest.mark.misuse
 def test_a_rank_weight_of_its_own_is_not_a_disagreement():
     results = run_ranks(2, disagreeing_states, "sparse", dict(density=0.1, segment_size=16),
                         dict(rank_weight=0.25))

@@ -440,6 +440,7 @@ def test_a_stalled_group_raises_a_clear_error():
                                             "waited 3 s for the staleness bound" in message)
 
 
+@pytest.mark.misuse
 @pytest.mark.multirank
 def test_bad_settings_raise_clear_errors():
     messages = run_ranks(2, sync_workers.bad_settings, timeout=120)[0]
@@ -467,6 +468,7 @@ def test_dynamic_batches_inside_groups_keep_the_step_exact():
         assert sizes[0] in (2, 6)  # the unequal split the sampler started with
 
 
+@pytest.mark.misuse
 @pytest.mark.parametrize("what,named", [("groups", "'groups'"), ("period", "'periods'")])
 def test_ranks_building_group_sync_differently_raise_on_every_rank(what, named):
     """Different groupings would block in dist.new_group (each rank creating other groups):

@@ -88,6 +88,7 @@ def test_tensor_times_data_parallel_trains_like_the_whole_model():
             assert error <= 1e-12, (rank, name, error)
 
 
+@pytest.mark.misuse
 @pytest.mark.multirank
 def test_bad_setups_are_clear_errors():
     messages = run_ranks(2, bad_input_messages, timeout=120)[0]
@@ -124,6 +125,7 @@ def test_tune_chunks_sets_one_count_every_rank_agrees_on():
         assert "no TensorParallelMLP block" in errors[2]
 
 
+@pytest.mark.misuse
 def test_ranks_splitting_differently_raise_on_every_rank_with_the_model_unchanged():
     for message, unchanged in run_ranks(2, speeds_disagree):
         assert "parallelize_mlps settings differ" in message and "'shards'" in message, message

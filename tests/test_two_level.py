@@ -230,11 +230,13 @@ def test_composes_with_dropped_units_and_dynamic_batches():
     (2, dict(machines=1, density="fast"), "density must be a number"),
     (2, dict(machines=1, inside_dtype="float8"), "inside_dtype must be one of"),
 ])
+@pytest.mark.misuse
 def test_bad_layouts_and_settings_raise_clear_errors(world_size, settings_, pattern):
     for kind, message in run_ranks(world_size, two_level_construction_error, settings_):
         assert kind == "ValueError" and re.search(pattern, message), message
 
 
+@pytest.mark.misuse
 @pytest.mark.multirank
 def test_ranks_passing_different_layouts_all_raise_instead_of_waiting():
     layouts = [[0, 0, 1, 1], [0, 0, 1, 1], [0, 1, 0, 1], [0, 0, 1, 1]]
