@@ -519,3 +519,53 @@ def test_a_block_that_changes_a_product_in_place_profiles_and_plans_without_part
     assert profile.partial_recompute_s == profile.layers.forward_s
     for budget in (halfway_budget(profile), predict(profile, ("keep",) * 3)[0]):
         assert "partial" not in plan_memory(profile, budget).choices
+
+
+class _SigmoidScaledInPlace(nn.Module):
+    """Linear, then sigmoid (which saves its output) scaled in place: autograd refuses its
+    backward without a plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = torch.sigmoid(self.linear(x))
+        y.mul_(2.0)
+        return y
+
+
+class _ScalesItsInputInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.linear(x.mul_(0.5))
+
+
+class _Sigmoid(nn.Module):
+    def forward(self, x):
+        return torch.sigmoid(x)
+
+
+@pytest.mark.parametrize("blocks,swapped", [
+    (lambda: [_SigmoidScaledInPlace(), nn.Linear(6, 1)], 0),
+    # the next block scales its input, which the swapped block saved, in place
+    (lambda: [nn.Linear(6, 6), _Sigmoid(), _ScalesItsInputInPlace()], 1),
+])
+def test_a_swapped_block_whose_saved_tensor_changes_in_place_is_refused_by_name(
+        blocks, swapped, tmp_path):
+    """Unplanned, autograd refuses these backward passes; swapped, the copy would be taken
+    before or after the change depending on timing. The plan raises in the forward (the
+    block's own, or the next block's), naming the block."""
+    model = nn.Sequential(*blocks())
+    x = torch.randn(4, 6)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()  # the unplanned model: autograd's own refusal
+    choices = ["keep"] * len(model)
+    choices[swapped] = "swap"
+    with apply_memory_plan(model, plan_of(model, choices), swap_directory=str(tmp_path)):
+        with pytest.raises(RuntimeError, match=rf"block '{swapped}' is swapped, but a tensor its "
+                                               rf"forward saved .* was changed in place"):
+            model(x)

@@ -80,7 +80,7 @@ def apply_memory_plan(blocks, plan: MemoryPlan, *, swap_directory: Optional[str]
         elif choice == "partial":
             module.forward = functools.partial(partial_forward, original)
         elif choice == "swap":
-            block = SwapBlock(module, space)
+            block = SwapBlock(module, space, names[index])
             module.forward = functools.partial(block.forward, original)
             if index + 1 < len(modules):
                 hooks.append(modules[index + 1].register_forward_hook(block.next_block_hook))

@@ -34,13 +34,20 @@ class _SwappedStorage:
 
 
 class _SwappedTensor:
-    """What autograd keeps for a swapped tensor: where its storage went and how to view it."""
+    """What autograd keeps for a swapped tensor: where its storage went and how to view it,
+    and the tensor's version when saved (autograd's own check, which saved-tensor hooks skip)."""
 
-    __slots__ = ("storage", "dtype", "offset", "size", "stride")
+    __slots__ = ("storage", "dtype", "offset", "size", "stride", "source", "version")
 
     def __init__(self, storage: _SwappedStorage, tensor: torch.Tensor) -> None:
         self.storage, self.dtype = storage, tensor.dtype
         self.offset, self.size, self.stride = tensor.storage_offset(), tensor.size(), tensor.stride()
+        self.source, self.version = weakref.ref(tensor), tensor._version
+
+    def changed_in_place(self) -> bool:
+        """Whether the saved tensor, still alive, was changed in place since it was saved."""
+        tensor = self.source()
+        return tensor is not None and tensor._version != self.version
 
     def restore(self, space: SwapSpace) -> torch.Tensor:
         storage = self.storage.fetch(space)
@@ -48,13 +55,24 @@ class _SwappedTensor:
             storage, self.offset, self.size, self.stride)
 
 
+def _changed_after_saving(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"block {name!r} is swapped, but a tensor its forward saved for the backward was changed "
+        f"in place after it was saved (an in-place op on the output of an op that saves it, "
+        f"e.g. sigmoid(x).mul_(2), or an in-place activation in the next block): without a plan "
+        f"autograd refuses this, and swapped, the gradient would depend on when the copy was "
+        f"made. Make that op out of place, or keep the block (choice 'keep')")
+
+
 class SwapBlock:
     """Swaps what one block saves (not its parameters, buffers or input) during its forward;
     fetches it back from when the next block's backward begins (its own, for the last)."""
 
-    def __init__(self, module: nn.Module, space: SwapSpace) -> None:
+    def __init__(self, module: nn.Module, space: SwapSpace, name: str = "") -> None:
         self.module, self.space = module, space
+        self.name = name or type(module).__name__
         self.latest: List[_SwappedStorage] = []  # what the latest forward swapped
+        self.latest_saved: List[_SwappedTensor] = []  # and the tensors it saved
 
     def prefetch_when_output_gradient(self, storages: List[_SwappedStorage], output) -> None:
         """Start fetching ``storages`` when the gradient of ``output`` is computed."""
@@ -69,6 +87,7 @@ class SwapBlock:
         # Storages swapped in this forward, held until it ends so that no new tensor can take
         # the address of one already written (the address is the key).
         swapped: Dict[int, tuple] = {}
+        packed: List[_SwappedTensor] = []
 
         def pack(tensor: torch.Tensor):
             pointer = tensor.untyped_storage().data_ptr()
@@ -77,20 +96,34 @@ class SwapBlock:
             if pointer not in swapped:
                 data = storage_bytes(tensor)
                 swapped[pointer] = (_SwappedStorage(self.space.offload(data)), data)
-            return _SwappedTensor(swapped[pointer][0], tensor)
+            packed.append(_SwappedTensor(swapped[pointer][0], tensor))
+            return packed[-1]
 
-        def unpack(packed):
-            return packed.restore(self.space) if isinstance(packed, _SwappedTensor) else packed
+        def unpack(saved):
+            if not isinstance(saved, _SwappedTensor):
+                return saved
+            if saved.changed_in_place():  # after this forward (the next block's in-place op)
+                raise _changed_after_saving(self.name)
+            return saved.restore(self.space)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             output = original(inputs, *args, **kwargs)
+        if any(saved.changed_in_place() for saved in packed):  # within this forward
+            raise _changed_after_saving(self.name)
+        self.latest_saved = list(packed)  # checked again after the next block's forward
+        packed.clear()
         self.latest = [storage for storage, _ in swapped.values()]
         swapped.clear()  # autograd keeps ``pack`` (and so this dict) as long as the graph
         self.prefetch_when_output_gradient(self.latest, output)
         return output
 
     def next_block_hook(self, module, inputs, output) -> None:
-        """Forward hook of the next block: its backward runs just before this block's."""
+        """Forward hook of the next block: its backward runs just before this block's. Its
+        input (often this block's output) is alive here: an in-place change it made to what
+        this block saved shows now."""
+        saved, self.latest_saved = self.latest_saved, []
+        if any(tensor.changed_in_place() for tensor in saved):
+            raise _changed_after_saving(self.name)
         self.prefetch_when_output_gradient(self.latest, output)
 
 
