@@ -521,6 +521,17 @@ def test_a_block_that_changes_a_product_in_place_profiles_and_plans_without_part
         assert "partial" not in plan_memory(profile, budget).choices
 
 
+def test_forcing_partial_recomputation_on_such_a_block_names_it_in_the_error(tmp_path):
+    """A hand-made plan that forces it anyway: torch's refusal comes in the backward, and the
+    error names the block and what to do."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True)))
+    with apply_memory_plan(model, plan_of(model, ["keep", "partial"])):
+        output = model(torch.randn(4, 8))
+        with pytest.raises(RuntimeError, match=r"block '1' is partially recomputed, but its "
+                                               r"forward changes in place .*mutated"):
+            output.sum().backward()
+
+
 class _SigmoidScaledInPlace(nn.Module):
     """Linear, then sigmoid (which saves its output) scaled in place: autograd refuses its
     backward without a plan."""

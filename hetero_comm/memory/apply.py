@@ -78,7 +78,7 @@ def apply_memory_plan(blocks, plan: MemoryPlan, *, swap_directory: Optional[str]
         if choice == "recompute":
             module.forward = functools.partial(recomputed_forward, original)
         elif choice == "partial":
-            module.forward = functools.partial(partial_forward, original)
+            module.forward = functools.partial(partial_forward, original, block_name=names[index])
         elif choice == "swap":
             block = SwapBlock(module, space, names[index])
             module.forward = functools.partial(block.forward, original)

@@ -138,7 +138,29 @@ def recomputed_forward(original, *args, **kwargs):
     return recompute_in_backward(original.__self__, original, *args, **kwargs)
 
 
-def partial_forward(original, *args, **kwargs):
+def partial_forward(original, *args, block_name: str = "", **kwargs):
     """``original`` keeping only the outputs of matrix products, convolutions and attention;
-    the rest rebuilt in the backward."""
-    return recompute_in_backward(original.__self__, original, *args, keep_outputs_of=PRODUCT_OPS, **kwargs)
+    the rest rebuilt in the backward. Where torch refuses the recomputation (the forward
+    changed a kept output in place), the error names ``block_name``."""
+    return recompute_in_backward(original.__self__, original, *args, keep_outputs_of=PRODUCT_OPS,
+                                 recompute_context=_NamesRefusedBlock(block_name), **kwargs)
+
+
+class _NamesRefusedBlock:
+    """Around each partial recomputation: torch's refusal of a kept output changed in place,
+    raised again naming the block and what to do."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if isinstance(error, RuntimeError) and "mutated" in str(error) and self.name:
+            raise RuntimeError(
+                f"block {self.name!r} is partially recomputed, but its forward changes in place "
+                f"the output of a matrix product, convolution or attention that the partial "
+                f"recomputation keeps (e.g. ReLU(inplace=True) after a Linear): make that op out "
+                f"of place, or give the block 'recompute' or 'keep' (torch: {error})") from error
+        return False
