@@ -147,6 +147,11 @@ def bad_input_messages(rank, world_size):
             lambda: TensorParallelMLP(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 4), (3, 3))),
         "random activation": message(lambda: TensorParallelMLP(
             nn.Linear(4, 6), nn.Sequential(nn.GELU(), nn.Dropout(0.1)), nn.Linear(6, 4), (3, 3))),
+        # cases the issue did not name: another in-place activation, another random module
+        "in-place hardtanh": message(
+            lambda: TensorParallelMLP(nn.Linear(4, 6), nn.Hardtanh(inplace=True), nn.Linear(6, 4), (3, 3))),
+        "randomized leaky relu": message(
+            lambda: TensorParallelMLP(nn.Linear(4, 6), nn.RReLU(), nn.Linear(6, 4), (3, 3))),
         "not an mlp": message(lambda: parallelize_mlps(nn.Sequential(nn.Linear(2, 2)))),
         "named block not linear": message(lambda: parallelize_mlps(
             nn.Sequential(nn.Sequential(nn.Conv1d(4, 6, 1), nn.GELU(), nn.Linear(6, 4))), names=["0"])),

@@ -102,6 +102,10 @@ def test_bad_setups_are_clear_errors():
         "in-place activation": "ValueError: the activation ReLU(inplace=True) works in place",
         "random activation": "ValueError: the activation Dropout(p=0.1, inplace=False) (at '1' in the "
                              "activation) draws random numbers",
+        "in-place hardtanh": "ValueError: the activation Hardtanh(min_val=-1.0, max_val=1.0, "
+                             "inplace=True) works in place",
+        "randomized leaky relu": "ValueError: the activation RReLU(lower=0.125, upper=0.3333333333333333)"
+                                 " draws random numbers",
         "not an mlp": "ValueError: the model has no nn.Sequential(Linear, activation, Linear) block",
         "named block not linear": "TypeError: 0.0 is a Conv1d, not an nn.Linear",
         "missing block": "ValueError: the model has no submodule 'head'",
