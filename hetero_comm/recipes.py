@@ -266,6 +266,13 @@ def _compress_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
                     mesh=list(mesh.shape))
     agree_over_mesh("hetero_comm.compress settings", settings, mesh)
     state = FSDPSparseState(model, mesh, **recipe.settings)
+    if mesh["replicate"].size() == 1:
+        warnings.warn(f"hetero_comm.compress(mesh=...): the mesh has one machine "
+                      f"({mesh['shard'].size()} ranks sharding the model), so FSDP's reduce-scatter "
+                      f"already sums every gradient and nothing crosses a link between machines: "
+                      f"nothing is registered and the optimizer is left as it is (the returned "
+                      f"state is not registered; its stats stay zero)", UserWarning, stacklevel=3)
+        return state
     state.sparse.handed_step().fit(optimizer)  # raises before any change
     _warn_where_unmeasured(model, recipe, ratio)
     state.register(optimizer)

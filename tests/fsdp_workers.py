@@ -370,3 +370,37 @@ def direct_states_disagree(rank, world_size):
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def recipe_on_mesh(rank, world_size, shape, optimizer_name, steps=8):
+    """compress on a mesh of ``shape``: the losses, whether the replicas agree, the steps and
+    the warnings given."""
+    mesh = make_mesh(tuple(shape))
+    model = shard(make_model("transformer"), mesh)
+    optimizer = make_optimizer(optimizer_name, model, 3e-3 if optimizer_name == "adamw" else 0.05)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = hetero_comm.compress(model, optimizer, mesh=mesh)
+        losses = train("transformer", model, optimizer, rank, 0, steps)
+    return dict(losses=losses, replicas_equal=replicas_equal(model, mesh), steps=state.step,
+                dense_fallbacks=state.stats()["dense_fallbacks"],
+                warnings=[str(w.message) for w in caught if "hetero_comm" in str(w.message)])
+
+
+def one_machine(rank, world_size):
+    """A (1, 2) mesh: compress warns and leaves training as plain FSDP's, bitwise."""
+    mesh = make_mesh((1, 2))
+    results = {}
+    for compressed in (False, True):
+        model = shard(make_model("mlp"), mesh)
+        optimizer = make_optimizer("adamw", model, 1e-3)
+        before = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if compressed:
+                hetero_comm.compress(model, optimizer, mesh=mesh)
+        after = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        train("mlp", model, optimizer, rank, 0, 4)
+        results[compressed] = (local_shards(model), [str(w.message) for w in caught], before == after)
+    return dict(equal=all(torch.equal(a, b) for a, b in zip(results[False][0], results[True][0])),
+                warnings=results[True][1], optimizer_untouched=results[True][2])

@@ -126,3 +126,19 @@ def test_states_built_by_hand_that_differ_raise_on_every_rank_at_register():
     for message in run_ranks(WORLD, fsdp_workers.direct_states_disagree):
         assert "FSDPSparseState settings differ" in message
         assert "rank 3: 'density': 0.2" in message and "rank 0: 'density': 0.1" in message
+
+
+@pytest.mark.parametrize("shape", [(2, 1), (3, 1)])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_other_mesh_shapes(shape, optimizer):
+    """Machines of one rank each (FSDP shards nothing inside a machine) and three machines:
+    replicas equal, steps counted, the model learns."""
+    for result in run_ranks(shape[0] * shape[1], fsdp_workers.recipe_on_mesh, list(shape), optimizer):
+        assert result["replicas_equal"] and result["steps"] == 8 and result["dense_fallbacks"] == 0
+        assert result["losses"][-1] < result["losses"][0]
+
+
+def test_one_machine_warns_and_trains_as_plain_fsdp():
+    for result in run_ranks(2, fsdp_workers.one_machine):
+        assert result["equal"] and result["optimizer_untouched"]
+        assert any("the mesh has one machine" in message for message in result["warnings"])
