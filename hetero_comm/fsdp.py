@@ -24,7 +24,7 @@ from .hooks._non_finite import NonFiniteGradient
 from .hooks._plan import PlanBucket
 from .hooks.segment_sparse import sparse_allreduce
 
-__all__ = ["FSDPSparseState", "MESH_DIMS", "sharded_modules", "check_sharded_model",
+__all__ = ["FSDPSparseState", "MESH_DIMS", "sharded_modules", "check_sharded_model", "has_all_reduce_hook",
            "agree_over_mesh"]
 
 # The mesh's dimensions: machines (the sparse exchange) x ranks per machine (FSDP's shards).
@@ -61,20 +61,24 @@ def agree_over_mesh(setting: str, value, mesh: DeviceMesh) -> None:
 
 
 def sharded_modules(model: torch.nn.Module) -> List[tuple]:
-    """``(name, module, parameters)`` of every ``fully_shard`` module in ``model``, in
-    ``named_modules`` order, with the trainable parameters its FSDP parameter group manages
-    (those below it that no nested ``fully_shard`` module claims, each once)."""
-    found, claimed = [], set()
+    """``(name, modules, parameters)`` for every FSDP parameter group of ``model`` (one
+    ``fully_shard`` call: the modules it was given, in ``named_modules`` order), with the
+    parameters the group manages in FSDP's order (those below its modules that no nested
+    ``fully_shard`` claims, each once; frozen ones too). Parameters FSDP was told to ignore stay
+    plain tensors and are left out: FSDP does not reduce them."""
     fsdp_names = [(name, module) for name, module in model.named_modules()
                   if isinstance(module, FSDPModule)]
+    claimed, managed = set(), {}
     for name, module in reversed(fsdp_names):  # innermost first: they claim their own first
-        parameters = []
-        for parameter in module.parameters():
-            if id(parameter) not in claimed and parameter.requires_grad:
-                claimed.add(id(parameter))
-                parameters.append(parameter)
-        found.append((name, module, parameters))
-    return list(reversed(found))
+        managed[name] = [p for p in module.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in managed[name])
+    groups: Dict[int, tuple] = {}  # the FSDP state's id -> (name, modules, parameters)
+    for name, module in fsdp_names:
+        key = id(module._get_fsdp_state())  # fully_shard([a, b]): one state, one group
+        entry = groups.setdefault(key, (name, [], []))
+        entry[1].append(module)
+        entry[2].extend(p for p in managed[name] if isinstance(p, DTensor))
+    return list(groups.values())
 
 
 def check_sharded_model(model: torch.nn.Module, mesh: DeviceMesh) -> List[tuple]:
@@ -85,35 +89,48 @@ def check_sharded_model(model: torch.nn.Module, mesh: DeviceMesh) -> List[tuple]
         raise TypeError(f"compress(model, optimizer, mesh=...) needs a model sharded with "
                         f"torch.distributed.fsdp.fully_shard (its root too); got "
                         f"{type(model).__name__}. {_HOW_TO_SHARD}")
-    shard_ranks = mesh["shard"].mesh.tolist()
+    shard_group = mesh["shard"].get_group()
     modules = sharded_modules(model)
-    for name, module, parameters in modules:
-        meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) + (p.device_mesh.ndim,)
-                  for p in parameters if isinstance(p, DTensor)}
+    for name, _modules, parameters in modules:
+        meshes = {_mesh_key(p.device_mesh) for p in parameters}
         if len(meshes) > 1:
             raise ValueError(f"{_module_name(name)} shards its parameters "
                              f"on {len(meshes)} meshes (a per-parameter mesh): the sparse "
                              f"exchange needs one mesh per module, mesh['shard']")
         for parameter in parameters:
-            if not isinstance(parameter, DTensor):
-                raise ValueError(f"a parameter of {_module_name(name)} is not sharded: call "
-                                 f"fully_shard on the model's root too. {_HOW_TO_SHARD}")
             parameter_mesh = parameter.device_mesh
             if parameter_mesh.ndim == 2:
                 raise ValueError(
-                    f"{_module_name(name)} is sharded with native HSDP (fully_shard given the "
-                    f"two-dimensional mesh), whose own all-reduce between machines would send "
-                    f"every value. Shard inside each machine only: fully_shard(module, "
-                    f"mesh=mesh['shard']) instead of fully_shard(module, mesh=mesh), for every "
-                    f"module; hetero_comm then sums between machines")
-            if parameter_mesh.mesh.tolist() != shard_ranks:
+                    f"{_module_name(name)} is sharded on a two-dimensional mesh: native HSDP "
+                    f"(fully_shard given the 2-D mesh), whose own all-reduce between machines "
+                    f"would send every value, or FSDP with tensor parallelism, which the exchange "
+                    f"does not serve. For HSDP, shard inside each machine only: "
+                    f"fully_shard(module, mesh=mesh['shard']) instead of fully_shard(module, "
+                    f"mesh=mesh), for every module; hetero_comm then sums between machines")
+            if parameter_mesh.get_group() is not shard_group:
                 raise ValueError(f"{_module_name(name)} is sharded on the ranks "
-                                 f"{parameter_mesh.mesh.tolist()}, but this rank's mesh['shard'] "
-                                 f"holds {shard_ranks}: shard every module on mesh['shard'] of "
-                                 f"the mesh given to compress")
-    if not any(parameters for _, _, parameters in modules):
+                                 f"{parameter_mesh.mesh.tolist()} (process group "
+                                 f"{parameter_mesh.get_group().group_name}), but the mesh given to "
+                                 f"compress has mesh['shard'] = {mesh['shard'].mesh.tolist()} (group "
+                                 f"{shard_group.group_name}): shard every module on mesh['shard'] "
+                                 f"of the mesh given to compress")
+    if not any(p.requires_grad for _, _, parameters in modules for p in parameters):
         raise ValueError("the model has no trainable parameter sharded with fully_shard")
     return modules
+
+
+def has_all_reduce_hook(model: torch.nn.Module) -> bool:
+    """Whether an FSDP parameter group of ``model`` already has an all-reduce hook."""
+    return any(getattr(group, "_all_reduce_hook", None) is not None
+               for module in model.modules() if isinstance(module, FSDPModule)
+               for group in module._get_fsdp_state()._fsdp_param_groups)
+
+
+def _mesh_key(mesh: DeviceMesh) -> tuple:
+    """A mesh's ranks and the process groups of its dimensions (equal meshes may be distinct
+    objects)."""
+    return (tuple(mesh.mesh.flatten().tolist()),
+            tuple(mesh.get_group(dim).group_name for dim in range(mesh.ndim)))
 
 
 def _module_name(name: str) -> str:
@@ -133,14 +150,44 @@ def padded_shard_numel(parameter: DTensor, shards: int) -> int:
 
 
 class _ShardGroup:
-    """One FSDP parameter group: its name, its flat shard's size, and the error-feedback state
-    of that shard (a :class:`~hetero_comm.hooks._plan.PlanBucket` of one piece)."""
+    """One FSDP parameter group: its name, its parameters, and the error-feedback state of its
+    flat shard (a :class:`~hetero_comm.hooks._plan.PlanBucket` of one piece), laid out like
+    FSDP's reduce-scatter output: each trainable parameter's padded shard, in order."""
 
-    def __init__(self, name: str, index: int, numel: int, tensor_names, device) -> None:
-        self.name, self.index, self.numel = name, index, numel
-        self.plan_bucket = PlanBucket((name,), (numel,))
-        for tensor_name in tensor_names:
-            self.plan_bucket.tensors[tensor_name] = torch.zeros(numel, device=device)
+    def __init__(self, name: str, index: int, parameters, shards: int, tensor_names,
+                 device) -> None:
+        self.name, self.index, self.parameters, self.shards = name, index, parameters, shards
+        self.tensor_names, self.device = tensor_names, device
+        self.layout: tuple = ()
+        self.offsets: Dict[int, tuple] = {}
+        self.numel = 0
+        self.plan_bucket = PlanBucket((name,), (0,))
+        self.lay_out(self.current_layout())
+
+    def current_layout(self) -> tuple:
+        """``(id, padded shard values)`` of each parameter FSDP reduces now (those that
+        require a gradient; with ``set_reduce_scatter_unused_params`` also those without one
+        this step)."""
+        return tuple((id(p), padded_shard_numel(p, self.shards))
+                     for p in self.parameters if p.requires_grad)
+
+    def lay_out(self, layout: tuple) -> None:
+        """Lay the error-feedback state out as ``layout``: each parameter kept keeps its
+        values, a parameter new to it starts at zero (one frozen or unfrozen since)."""
+        offsets, start = {}, 0
+        for key, numel in layout:
+            offsets[key] = (start, numel)
+            start += numel
+        bucket = PlanBucket((self.name,), (start,))
+        for tensor_name in self.tensor_names:
+            tensor = torch.zeros(start, device=self.device)
+            old = self.plan_bucket.tensors.get(tensor_name)
+            for key, (begin, numel) in offsets.items():
+                if old is not None and key in self.offsets:
+                    old_begin, _ = self.offsets[key]
+                    tensor[begin:begin + numel].copy_(old[old_begin:old_begin + numel])
+            bucket.tensors[tensor_name] = tensor
+        self.layout, self.offsets, self.numel, self.plan_bucket = layout, offsets, start, bucket
 
 
 class FSDPSparseState:
@@ -172,11 +219,12 @@ class FSDPSparseState:
         device = next(p for _, _, parameters in modules for p in parameters).to_local().device
         names = self.sparse.plan.tensor_names
         self.groups: Dict[str, _ShardGroup] = {}
-        for name, _module, parameters in modules:
-            if parameters:
-                numel = sum(padded_shard_numel(p, shards) for p in parameters)
-                self.groups[name] = _ShardGroup(name, len(self.groups), numel, names, device)
-        self._modules = [(name, module) for name, module, parameters in modules if parameters]
+        self._modules = []  # (group name, the first of its modules): where its hook is set
+        for name, group_modules, parameters in modules:
+            if parameters:  # (frozen ones too: unfrozen later, they are reduced)
+                self.groups[name] = _ShardGroup(name, len(self.groups), parameters, shards,
+                                                names, device)
+                self._modules.append((name, group_modules[0]))
         self._synced_since_step = False
         self._warned_layouts: set = set()
         self._registered = False
@@ -195,6 +243,10 @@ class FSDPSparseState:
                                                                  in self.groups.items()}), self.mesh)
         for name, module in self._modules:
             module.set_all_reduce_hook(self._hook_for(self.groups[name]))
+            # Every rank's shard in one layout, whatever its batch used: a parameter without a
+            # gradient this step is reduced as zeros (FSDP's option for conditional control
+            # flow), so the ranks holding a shard always agree on the exchange's layout.
+            module.set_reduce_scatter_unused_params(True, recurse=False)
         optimizer.register_step_post_hook(self._end_step)
         self._registered = True
 
@@ -213,6 +265,9 @@ class FSDPSparseState:
         self._synced_since_step = True
         state.non_finite.collect_device_findings()  # CUDA: a shard handed on holding NaN earlier
         state.callbacks.settle()
+        layout = group.current_layout()
+        if layout != group.layout:  # a parameter frozen or unfrozen since: its state moves
+            group.lay_out(layout)
         compressing = state.step >= state.warmup_steps
         layout_known = shard_grad.numel() == group.numel and shard_grad.dim() == 1
         if compressing and not (layout_known and state.accepts(shard_grad.dtype)):
@@ -238,11 +293,13 @@ class FSDPSparseState:
                    f"bfloat16 and float16 (MixedPrecisionPolicy(reduce_dtype=torch.float32))")
         else:
             why = (f"its reduce-scatter output has {shard_grad.numel()} elements where its "
-                   f"trainable parameters make {group.numel} (a parameter without a gradient "
-                   f"this step, or one frozen or unfrozen since compress)")
+                   f"trainable parameters' padded shards make {group.numel} (was "
+                   f"set_reduce_scatter_unused_params turned off since compress?)")
         warnings.warn(f"hetero_comm FSDP exchange: the parameter group {group.name or '(root)'!r} "
-                      f"is sent dense: {why}. stats()['dense_fallbacks'] counts such sends; this "
-                      f"warning is given once per group", UserWarning, stacklevel=4)
+                      f"is sent dense (a plain average, without the recipe's momentum "
+                      f"correction, while the optimizer steps as the recipe set it): {why}. "
+                      f"stats()['dense_fallbacks'] counts such sends; this warning is given once "
+                      f"per group", UserWarning, stacklevel=4)
 
     def _end_step(self, optimizer, args, kwargs) -> None:
         """After ``optimizer.step()``: a step ends if gradients were synchronised since the last."""
@@ -289,13 +346,14 @@ class FSDPSparseState:
 
     # ---------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        """The step, counters, settings and every rank's error-feedback state, as DTensors
-        sharded over the whole mesh (each rank holds its own shard's), so that
+        """The step, counters, settings and every rank's error-feedback state (copies), as
+        DTensors sharded over the whole mesh (each rank holds its own shard's), so that
         ``torch.distributed.checkpoint`` saves every rank's part; this object is ``Stateful``,
         so it can be put in the dict given to ``dcp.save`` / ``dcp.load`` as it is."""
         placements = [Shard(0)] * self.mesh.ndim
-        tensors = {f"{tensor_name}/{group.name}": DTensor.from_local(
-                       tensor, device_mesh=self.mesh, placements=placements, run_check=False)
+        tensors = {f"{tensor_name}/{group.name}": DTensor.from_local(  # copies: DCP loads into
+                       tensor.clone(), device_mesh=self.mesh, placements=placements,  # them, and
+                       run_check=False)  # load_state_dict checks before it copies them in
                    for group in self.groups.values()
                    for tensor_name, tensor in group.plan_bucket.tensors.items()}
         return {"type": type(self).__name__, "settings": self._checkpoint_settings(),
@@ -330,9 +388,7 @@ class FSDPSparseState:
                 raise ValueError(f"state_dict's {key} has shape {tuple(local.shape)}; this rank "
                                  f"keeps {tuple(mine[key].shape)}")
         for key, value in state_dict["tensors"].items():
-            local = value.to_local() if isinstance(value, DTensor) else value
-            if local is not mine[key]:
-                mine[key].copy_(local)
+            mine[key].copy_(value.to_local() if isinstance(value, DTensor) else value)
         self.sparse.step = int(state_dict["step"])
         self.sparse.statistics.counters.update(state_dict["stats"])
 

@@ -20,7 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ._agreement import agree_across_ranks
 from ._checks import check_float
-from .fsdp import FSDPSparseState, agree_over_mesh, check_mesh, check_sharded_model
+from .fsdp import (FSDPSparseState, agree_over_mesh, check_mesh, check_sharded_model,
+                   has_all_reduce_hook)
 from .hooks import (DCT, AllreduceState, AutoDensity, MachineLayout, SegmentSparseState,
                     TwoLevelState, allreduce_hook, segment_sparse_hook, two_level_hook,
                     unwrap_optimizer)
@@ -261,6 +262,10 @@ def _compress_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     if getattr(model, _SHARDED_STATE_ATTRIBUTE, None) is not None:
         raise ValueError("compress was called on this model already (its FSDP groups have the "
                          "sparse exchange as their all-reduce hook): call it once per model")
+    if has_all_reduce_hook(model):
+        raise ValueError("this model's FSDP modules already have an all-reduce hook "
+                         "(set_all_reduce_hook), which the sparse exchange would replace: "
+                         "compress on a model without one")
     recipe = recipe_for(optimizer, ratio)
     settings = dict(optimizer=type(optimizer).__name__, ratio=ratio, recipe=recipe.settings,
                     mesh=list(mesh.shape))

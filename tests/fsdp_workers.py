@@ -225,18 +225,43 @@ class WithUnusedParameter(nn.Module):
         return self.body(x) * self.scale
 
 
-def unused_parameter(rank, world_size):
-    """Four steps of a model whose root group has a parameter without a gradient."""
+class BranchByRank(nn.Module):
+    """The MLP, then one of two heads: machine 0's ranks use the first, machine 1's the second
+    (conditional control flow: the ranks holding a shard use different parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model("mlp")
+        self.heads = nn.ModuleList(nn.Linear(5, 5) for _ in range(2))
+
+    def forward(self, x):
+        return self.heads[dist.get_rank() // 2](self.body(x))
+
+
+def unused_parameter(rank, world_size, kind="unused"):
+    """Four steps of a model whose root group has a parameter without a gradient (``unused``),
+    or whose ranks use different parameters (``branch``), or one that unfreezes a layer after
+    two steps (``unfreeze``), or shards two blocks with one fully_shard call (``grouped``)."""
     mesh = make_mesh()
-    model = WithUnusedParameter()
-    for block in blocks_of(model.body):
-        fully_shard(block, mesh=mesh["shard"])
+    model = BranchByRank() if kind == "branch" else WithUnusedParameter()
+    blocks = blocks_of(model.body)
+    if kind == "unfreeze":
+        blocks[1].requires_grad_(False)
+    if kind == "grouped":
+        fully_shard(blocks[:2], mesh=mesh["shard"])
+        fully_shard(blocks[2], mesh=mesh["shard"])
+    else:
+        for block in blocks:
+            fully_shard(block, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         state = hetero_comm.compress(model, optimizer, mesh=mesh)
-        train("mlp", model, optimizer, rank, 0, 4)
+        train("mlp", model, optimizer, rank, 0, 2)
+        if kind == "unfreeze":
+            blocks[1].requires_grad_(True)  # (the optimizer holds it already)
+        train("mlp", model, optimizer, rank, 2, 2)
     return dict(replicas_equal=replicas_equal(model, mesh),
                 dense_fallbacks=state.stats()["dense_fallbacks"],
                 warnings=[str(w.message) for w in caught if "hetero_comm" in str(w.message)])

@@ -58,12 +58,15 @@ def test_what_fsdp_users_run_with_it(case):
     assert result["compressed"][-1] < result["compressed"][0]
 
 
-def test_a_parameter_without_gradient_sends_its_group_dense_and_says_so():
-    result = run_ranks(WORLD, fsdp_workers.unused_parameter)[0]
-    assert result["replicas_equal"]
-    assert result["dense_fallbacks"] == 3  # the three steps after the warm-up
-    assert any("sent dense" in message and "without a gradient" in message
-               for message in result["warnings"])
+@pytest.mark.parametrize("kind", ["unused", "branch", "unfreeze", "grouped"])
+def test_parameters_without_gradients_and_layouts_that_change(kind):
+    """A parameter without a gradient (reduced as zeros: one layout on every rank), ranks that
+    use different parameters, a layer unfrozen after two steps (its state laid out anew), two
+    blocks in one fully_shard call (one group): compressed throughout, replicas equal."""
+    for result in run_ranks(WORLD, fsdp_workers.unused_parameter, kind):
+        assert result["replicas_equal"]
+        assert result["dense_fallbacks"] == 0
+        assert not any("sent dense" in message for message in result["warnings"])
 
 
 EXPECTED_ERRORS = {
