@@ -224,3 +224,17 @@ def test_memory_trace_finds_the_compute_streams_gaps_and_the_copies_in_them():
         (2.5, 1.5, ["Memcpy DtoH"]), (1.0, 5.0, [])]
     assert summary["gap_total_ms"] == pytest.approx(3.5) and summary["span_ms"] == pytest.approx(6.1)
     assert trace.summarize_trace(events[-1:]) == {"streams": {}, "copies": [], "gaps": []}
+
+
+@pytest.mark.slow
+def test_fsdp_benchmark_runs_every_row_and_reprints_its_table(tmp_path):
+    saved = tmp_path / "fsdp.json"
+    out = run_script("bench_fsdp", "--quick", "--workloads", "cnn_sgd", "--lrs", "0.05",
+                     "--json", str(saved))
+    rows = [line for line in out.splitlines() if line.startswith("| cnn_sgd")]
+    assert len(rows) == 3 and "hetero_comm.compress(mesh=)" in rows[2]
+    records = json.loads(saved.read_text())["cnn_sgd 0.05 loopback"]
+    assert set(records) == {"dense", "bf16", "recipe"}
+    assert records["recipe"]["compression"] > 4 and records["dense"]["compression"] == 1
+    again = run_script("bench_fsdp", "--json", str(saved), "--table")
+    assert [line for line in again.splitlines() if line.startswith("| cnn_sgd")] == rows
