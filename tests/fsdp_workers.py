@@ -92,6 +92,12 @@ def loss_of(kind: str, model, inputs, targets):
 def make_optimizer(name: str, model, lr: float):
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr)
+    if name == "sgd_nesterov":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
+    if name == "sgd_plain":
+        return torch.optim.SGD(model.parameters(), lr=lr)
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
@@ -397,16 +403,23 @@ def direct_states_disagree(rank, world_size):
     return "no error"
 
 
-def recipe_on_mesh(rank, world_size, shape, optimizer_name, steps=8):
+def recipe_on_mesh(rank, world_size, shape, optimizer_name, steps=8, schedule=False):
     """compress on a mesh of ``shape``: the losses, whether the replicas agree, the steps and
-    the warnings given."""
+    the warnings given (``schedule``: a one-cycle rate schedule, stepped after each step)."""
     mesh = make_mesh(tuple(shape))
     model = shard(make_model("transformer"), mesh)
-    optimizer = make_optimizer(optimizer_name, model, 3e-3 if optimizer_name == "adamw" else 0.05)
+    lr = 3e-3 if optimizer_name.startswith("adam") else 0.05
+    optimizer = make_optimizer(optimizer_name, model, lr)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         state = hetero_comm.compress(model, optimizer, mesh=mesh)
-        losses = train("transformer", model, optimizer, rank, 0, steps)
+        scheduler = (torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps,
+                                                         cycle_momentum=False) if schedule else None)
+        losses = []
+        for step in range(steps):
+            losses += train("transformer", model, optimizer, rank, step, 1)
+            if scheduler is not None:
+                scheduler.step()
     return dict(losses=losses, replicas_equal=replicas_equal(model, mesh), steps=state.step,
                 dense_fallbacks=state.stats()["dense_fallbacks"],
                 warnings=[str(w.message) for w in caught if "hetero_comm" in str(w.message)])

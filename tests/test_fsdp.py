@@ -145,3 +145,13 @@ def test_one_machine_warns_and_trains_as_plain_fsdp():
     for result in run_ranks(2, fsdp_workers.one_machine):
         assert result["equal"] and result["optimizer_untouched"]
         assert any("the mesh has one machine" in message for message in result["warnings"])
+
+
+@pytest.mark.parametrize("optimizer,schedule", [("adam", False), ("sgd_nesterov", False),
+                                                ("sgd_plain", False), ("adamw", True)])
+def test_other_optimizers_and_a_schedule(optimizer, schedule):
+    """Adam, SGD with Nesterov's momentum and without momentum, and AdamW under a one-cycle
+    schedule: each gets its recipe, the replicas agree and the model learns."""
+    for result in run_ranks(WORLD, fsdp_workers.recipe_on_mesh, [2, 2], optimizer, 8, schedule):
+        assert result["replicas_equal"] and result["steps"] == 8 and result["dense_fallbacks"] == 0
+        assert result["losses"][-1] < result["losses"][0]
