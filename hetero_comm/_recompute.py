@@ -9,6 +9,7 @@ buffer, and the recomputation puts those modules' buffers back as they were when
 
 import contextlib
 import functools
+import weakref
 from typing import FrozenSet, List, Optional
 
 import torch
@@ -104,6 +105,45 @@ class _Nested:
         return self.stacks.pop().__exit__(*exc)
 
 
+class _SavedUnchanged:
+    """Checkpoint's forward context, innermost: notes the version of every tensor the forward
+    saves (passing it on to checkpoint's own hooks) and raises, naming ``name``, when the
+    forward changed one in place after saving it. Without checkpointing autograd refuses such a
+    backward; with it the recomputation would silently use the changed value."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.saved: List[tuple] = []
+
+    def __enter__(self) -> None:
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if outer is None:  # (checkpoint always has its hooks here; nothing to watch otherwise)
+            self.pushed = False
+            return
+        outer_pack, outer_unpack = outer
+
+        def pack(tensor: torch.Tensor):
+            self.saved.append((weakref.ref(tensor), tensor._version))
+            return outer_pack(tensor)
+
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, outer_unpack)
+        self.pushed = True
+
+    def __exit__(self, *exc) -> bool:
+        if self.pushed:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        saved, self.saved = self.saved, []
+        if exc[0] is None and any(ref() is not None and ref()._version != version
+                                  for ref, version in saved):
+            raise RuntimeError(
+                f"{self.name} is recomputed in the backward, but its forward changed a tensor in "
+                f"place after saving it for the backward (an in-place op on the output of an op "
+                f"that saves it, e.g. sigmoid(x).mul_(2)): without recomputation autograd refuses "
+                f"this backward, and recomputed it would use the changed value. Make that op "
+                f"out of place, or keep the block's activations")
+        return False
+
+
 def _keep_outputs_of(ops: FrozenSet):
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
@@ -111,7 +151,8 @@ def _keep_outputs_of(ops: FrozenSet):
 
 
 def recompute_in_backward(module: nn.Module, function, *args, keep_outputs_of: Optional[FrozenSet] = None,
-                          recompute_context: Optional[contextlib.AbstractContextManager] = None, **kwargs):
+                          recompute_context: Optional[contextlib.AbstractContextManager] = None,
+                          name: str = "", **kwargs):
     """``function(*args, **kwargs)``, a forward of ``module``, under non-reentrant checkpointing
     (random state preserved): what it saves for the backward is dropped and rebuilt when the
     backward needs it. Buffers the forward changes in place (BatchNorm's statistics) are changed
@@ -119,7 +160,9 @@ def recompute_in_backward(module: nn.Module, function, *args, keep_outputs_of: O
 
     ``keep_outputs_of``: aten operators whose outputs are kept from the forward instead
     (torch's selective checkpointing), so the recomputation runs only the others.
-    ``recompute_context`` (optional) is entered around each recomputation."""
+    ``recompute_context`` (optional) is entered around each recomputation. A forward that
+    changes a tensor in place after saving it raises ``RuntimeError`` naming ``name`` (default:
+    the module's type), where autograd would refuse the backward without recomputation."""
     if torch.compiler.is_compiling():
         # Compiled, checkpoint becomes part of the graph and accepts no Python contexts; the
         # compiler's recomputation replays no buffer update.
@@ -130,5 +173,7 @@ def recompute_in_backward(module: nn.Module, function, *args, keep_outputs_of: O
     selective = (None, None) if keep_outputs_of is None else \
         create_selective_checkpoint_contexts(_keep_outputs_of(keep_outputs_of))
     notes = _ForwardNotes(module)
-    contexts = (_Nested(notes, selective[0]), _BuffersKept(notes, _Nested(selective[1], recompute_context)))
+    watched = _SavedUnchanged(name or f"the {type(module).__name__} module")
+    contexts = (_Nested(notes, selective[0], watched),
+                _BuffersKept(notes, _Nested(selective[1], recompute_context)))
     return checkpoint(function, *args, use_reentrant=False, context_fn=lambda: contexts, **kwargs)

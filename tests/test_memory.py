@@ -580,3 +580,31 @@ def test_a_swapped_block_whose_saved_tensor_changes_in_place_is_refused_by_name(
         with pytest.raises(RuntimeError, match=rf"block '{swapped}' is swapped, but a tensor its "
                                                rf"forward saved .* was changed in place"):
             model(x)
+
+
+@pytest.mark.parametrize("choice", ["recompute", "partial"])
+def test_a_recomputed_block_whose_saved_tensor_changes_in_place_is_refused_by_name(choice, tmp_path):
+    """torch.utils.checkpoint accepts this forward and its recomputed backward uses the changed
+    value; the plan raises in the forward, naming the block, where autograd would refuse the
+    unplanned backward."""
+    model = nn.Sequential(nn.Linear(6, 6), _SigmoidScaledInPlace(), nn.Linear(6, 1))
+    with apply_memory_plan(model, plan_of(model, ["keep", choice, "keep"])):
+        with pytest.raises(RuntimeError, match=r"block '1' is recomputed in the backward, but its "
+                                               r"forward changed a tensor in place"):
+            model(torch.randn(4, 6))
+
+
+def test_in_place_activations_that_change_nothing_saved_still_recompute_bitwise(tmp_path):
+    """ReLU(inplace=True) after a convolution or a linear layer saves its own result (the usual
+    CNN block): recomputed, the gradients are the unplanned ones, bit for bit."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True)),
+                             nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True)), nn.Linear(8, 1))
+    x = torch.randn(5, 6)
+    expected = make()
+    expected(x).sum().backward()
+    model = make()
+    with apply_memory_plan(model, plan_of(model, ["recompute", "recompute", "keep"])):
+        model(x).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), expected.parameters()))

@@ -76,7 +76,7 @@ def apply_memory_plan(blocks, plan: MemoryPlan, *, swap_directory: Optional[str]
     for index, (module, choice) in enumerate(zip(modules, plan.choices)):
         original = type(module).forward.__get__(module)
         if choice == "recompute":
-            module.forward = functools.partial(recomputed_forward, original)
+            module.forward = functools.partial(recomputed_forward, original, block_name=names[index])
         elif choice == "partial":
             module.forward = functools.partial(partial_forward, original, block_name=names[index])
         elif choice == "swap":

@@ -132,10 +132,11 @@ def _prefetch(space: SwapSpace, storages: List[_SwappedStorage], gradient) -> No
         space.prefetch(storage.ticket)
 
 
-def recomputed_forward(original, *args, **kwargs):
+def recomputed_forward(original, *args, block_name: str = "", **kwargs):
     """``original`` (a module's bound ``forward``) with its saved tensors rebuilt in the
-    backward instead of kept."""
-    return recompute_in_backward(original.__self__, original, *args, **kwargs)
+    backward instead of kept (errors name ``block_name``)."""
+    return recompute_in_backward(original.__self__, original, *args,
+                                 name=f"block {block_name!r}" if block_name else "", **kwargs)
 
 
 def partial_forward(original, *args, block_name: str = "", **kwargs):
@@ -143,7 +144,8 @@ def partial_forward(original, *args, block_name: str = "", **kwargs):
     the rest rebuilt in the backward. Where torch refuses the recomputation (the forward
     changed a kept output in place), the error names ``block_name``."""
     return recompute_in_backward(original.__self__, original, *args, keep_outputs_of=PRODUCT_OPS,
-                                 recompute_context=_NamesRefusedBlock(block_name), **kwargs)
+                                 recompute_context=_NamesRefusedBlock(block_name),
+                                 name=f"block {block_name!r}" if block_name else "", **kwargs)
 
 
 class _NamesRefusedBlock:
