@@ -46,12 +46,10 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
-from netbench import _wait_all as wait_all  # this folder is on sys.path when run as a script
+from netbench import run_script_ranks  # this folder is on sys.path when run as a script
 
 WORKLOADS = {
     "transformer_adamw": dict(lrs=(1e-3, 3e-3), epochs=2, global_batch=32, evaluate_every=40),
@@ -254,36 +252,11 @@ def worker() -> None:
 
 
 def run_link(link: str, entries: list) -> dict:
-    """Run ``entries`` on the four ranks over ``link``; rank 0's records by key."""
-    argv = [sys.executable, os.path.abspath(__file__), "--worker"]
-    env = dict(HC_CONFIGS=json.dumps(entries))
-    with tempfile.TemporaryFile("w+") as output:
-        if link == "loopback":
-            processes = [subprocess.Popen(argv, stdout=output if rank == 0 else subprocess.DEVNULL,
-                                          env={**os.environ, **env, "RANK": str(rank),
-                                               "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"})
-                         for rank in range(WORLD)]
-            try:
-                wait_all(processes)
-            finally:
-                for process in processes:
-                    if process.poll() is None:
-                        process.kill()
-        else:
-            from lab.netlab import RateLimitedNetwork
-            sites = [rank // RANKS_PER_MACHINE for rank in range(WORLD)]
-            with RateLimitedNetwork(WORLD, None, sites=sites, inter_site_rate=link) as net:
-                processes = [net.popen(rank, argv, env=dict(env, RANK=rank, MASTER_ADDR=net.address(0)),
-                                       stdout=output if rank == 0 else subprocess.DEVNULL)
-                             for rank in range(WORLD)]
-                wait_all(processes)
-        output.seek(0)
-        records = {}
-        for line in output:
-            if line.startswith("{"):
-                record = json.loads(line)
-                records[record.pop("key")] = record
-    return records
+    """Run ``entries`` on the four ranks over ``link`` (between the machines); rank 0's records
+    by key."""
+    sites = [rank // RANKS_PER_MACHINE for rank in range(WORLD)]
+    return run_script_ranks(os.path.abspath(__file__), WORLD,
+                            dict(HC_CONFIGS=json.dumps(entries)), link, sites=sites)
 
 
 def seconds_to_loss(record: dict, target: float):

@@ -53,7 +53,7 @@ import tempfile
 import threading
 import time
 
-from netbench import _wait_all as wait_all  # this folder is on sys.path when run as a script
+from netbench import _wait_all as wait_all, keyed_records  # this folder is on sys.path as a script
 
 WORKLOADS = {
     "gpt_adamw": dict(model="gpt", hidden=128, optimizer="adamw", lr=3e-3, weight_decay=0.01,
@@ -143,16 +143,7 @@ def run_link(link: str, entries: list) -> dict:
                 done.set()
                 follower.join()
         output.seek(0)
-        return _records(output)
-
-
-def _records(output) -> dict:
-    records = {}
-    for line in output:
-        if line.startswith("{"):
-            record = json.loads(line)
-            records[record.pop("key")] = record
-    return records
+        return keyed_records(output)
 
 
 def seconds_to_loss(record: dict, target: float):

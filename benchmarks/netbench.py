@@ -99,10 +99,20 @@ def worker() -> None:
 
 def run_workers(num_ranks: int, link: str, entries: list) -> dict:
     """Run ``entries`` on ``num_ranks`` workers over ``link``; rank 0's records by key."""
+    return run_script_ranks(os.path.abspath(__file__), num_ranks,
+                            dict(WORLD_SIZE=num_ranks, HC_CONFIGS=json.dumps(entries)), link)
+
+
+def run_script_ranks(script: str, num_ranks: int, env: dict, link: str = "loopback",
+                     sites=None) -> dict:
+    """Run ``python script --worker`` as ``num_ranks`` ranks (``env`` added to each one's
+    environment, with ``RANK`` and ``MASTER_ADDR``): on loopback, or in a
+    :class:`lab.netlab.RateLimitedNetwork` whose every link runs at ``link`` (with ``sites``:
+    whose links between sites do, the ranks of a site unshaped). Rank 0's records by key
+    (:func:`keyed_records`)."""
     from lab.netlab import RateLimitedNetwork
 
-    argv = [sys.executable, os.path.abspath(__file__), "--worker"]
-    env = dict(WORLD_SIZE=num_ranks, HC_CONFIGS=json.dumps(entries))
+    argv = [sys.executable, script, "--worker"]
     with tempfile.TemporaryFile("w+") as output:
         if link == "loopback":
             processes = [subprocess.Popen(
@@ -117,18 +127,25 @@ def run_workers(num_ranks: int, link: str, entries: list) -> dict:
                     if process.poll() is None:
                         process.kill()
         else:
-            with RateLimitedNetwork(num_ranks, link) as net:  # kills its processes on exit
+            network = (RateLimitedNetwork(num_ranks, None, sites=sites, inter_site_rate=link)
+                       if sites is not None else RateLimitedNetwork(num_ranks, link))
+            with network as net:  # kills its processes on exit
                 processes = [net.popen(rank, argv, env=dict(env, RANK=rank,
                                                             MASTER_ADDR=net.address(0)),
                                        stdout=output if rank == 0 else subprocess.DEVNULL)
                              for rank in range(num_ranks)]
                 _wait_all(processes)
         output.seek(0)
-        records = {}
-        for line in output:
-            if line.startswith("{"):
-                record = json.loads(line)
-                records[record.pop("key")] = record
+        return keyed_records(output)
+
+
+def keyed_records(lines) -> dict:
+    """The JSON records among ``lines`` (those starting with ``{``), by their ``"key"``."""
+    records = {}
+    for line in lines:
+        if line.startswith("{"):
+            record = json.loads(line)
+            records[record.pop("key")] = record
     return records
 
 

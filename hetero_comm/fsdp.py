@@ -140,10 +140,8 @@ def _module_name(name: str) -> str:
 def padded_shard_numel(parameter: DTensor, shards: int) -> int:
     """Elements of ``parameter``'s gradient in its FSDP group's flat reduce-scatter output:
     FSDP pads the sharded dimension to a multiple of ``shards`` (dimension 0; others must divide
-    evenly)."""
+    evenly; FSDP refuses scalar parameters)."""
     size = parameter.size()
-    if not size:
-        return 1
     dim = parameter.placements[0].dim if isinstance(parameter.placements[0], Shard) else 0
     rows = math.ceil(size[dim] / shards) if dim == 0 else size[dim] // shards
     return rows * (math.prod(size) // size[dim])

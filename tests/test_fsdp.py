@@ -108,7 +108,6 @@ def test_ranks_that_disagree_all_raise_naming_each_ranks_setting():
     ((10, 3), 4, 0, 3 * 3),  # 10 rows padded to 12, 3 a shard
     ((8, 3), 4, 0, 2 * 3),
     ((3,), 4, 0, 1),  # fewer rows than shards: one padded row each
-    ((), 4, 0, 1),
     ((4, 8), 2, 1, 4 * 4),  # another dimension: even, no padding
 ])
 def test_padded_shard_numel_is_what_fsdp_reduce_scatters(shape, shards, placement_dim, expected):
@@ -120,8 +119,7 @@ def test_padded_shard_numel_is_what_fsdp_reduce_scatters(shape, shards, placemen
         placements = (Shard(placement_dim),)
 
     assert padded_shard_numel(Fake(), shards) == expected
-    if shape:
-        assert expected * shards >= math.prod(shape)
+    assert expected * shards >= math.prod(shape)
 
 
 @pytest.mark.misuse

@@ -90,22 +90,8 @@ def test_two_level_bytes_between_machines_are_the_bytes_on_the_uplinks():
     two-level sync, what crosses each machine's uplink is within 15% of what its ranks'
     stats() say they handed to the exchange between machines (inside a machine nothing is
     shaped or counted there); and the uplink's rate can change while the ranks run."""
-    counters = {}
-
-    def read_counters(folder):
-        for name in ("before", "after"):
-            while not os.path.exists(os.path.join(folder, f"{name}.reached")):
-                time.sleep(0.01)
-            counters[name] = [net.site_tx_bytes(site) for site in (0, 1)]
-            open(os.path.join(folder, f"{name}.go"), "w").close()
-
-    with RateLimitedNetwork(4, None, sites=[0, 0, 1, 1], inter_site_rate="100mbit") as net, \
-            tempfile.TemporaryDirectory() as folder:
-        reader = threading.Thread(target=read_counters, args=(folder,), daemon=True)
-        reader.start()
-        reports = run_wire_worker(net, DENSITY=0.05, MACHINES=2, PAUSE_DIR=folder)
-        reader.join(timeout=10)
-        crossed = [a - b for a, b in zip(counters["after"], counters["before"])]
+    with RateLimitedNetwork(4, None, sites=[0, 0, 1, 1], inter_site_rate="100mbit") as net:
+        reports, crossed = uplink_bytes_of_wire_worker(net, DENSITY=0.05, MACHINES=2)
         net.set_inter_site_rate("20mbit")
         assert 0.8 < transfer_seconds(net, 0, 2) < 10  # 2.5 MB at 20 Mbit/s: about 1 s
     by_rank = {report["rank"]: report for report in reports}
@@ -125,22 +111,8 @@ def test_fsdp_bytes_between_machines_are_the_bytes_on_the_uplinks():
     100 Mbit/s: over 8 steps, what crosses each machine's uplink is within 15% of what its
     ranks' stats() say they sent between machines (FSDP's reduce-scatters and all-gathers stay
     inside the machine)."""
-    counters = {}
-
-    def read_counters(folder):
-        for name in ("before", "after"):
-            while not os.path.exists(os.path.join(folder, f"{name}.reached")):
-                time.sleep(0.01)
-            counters[name] = [net.site_tx_bytes(site) for site in (0, 1)]
-            open(os.path.join(folder, f"{name}.go"), "w").close()
-
-    with RateLimitedNetwork(4, None, sites=[0, 0, 1, 1], inter_site_rate="100mbit") as net, \
-            tempfile.TemporaryDirectory() as folder:
-        reader = threading.Thread(target=read_counters, args=(folder,), daemon=True)
-        reader.start()
-        reports = run_wire_worker(net, DENSITY=0.05, FSDP_MACHINES=2, PAUSE_DIR=folder)
-        reader.join(timeout=10)
-        crossed = [a - b for a, b in zip(counters["after"], counters["before"])]
+    with RateLimitedNetwork(4, None, sites=[0, 0, 1, 1], inter_site_rate="100mbit") as net:
+        reports, crossed = uplink_bytes_of_wire_worker(net, DENSITY=0.05, FSDP_MACHINES=2)
     by_rank = {report["rank"]: report for report in reports}
     for site, ranks in ((0, (0, 1)), (1, (2, 3))):
         handed = sum(by_rank[rank]["hook_bytes_sent"] for rank in ranks)
@@ -156,6 +128,27 @@ def test_bad_sites_raise_clear_errors():
         RateLimitedNetwork(2, None, sites=["a", "a"])
     with pytest.raises(ValueError, match="needs sites"):
         RateLimitedNetwork(2, None, inter_site_rate="100mbit")
+
+
+def uplink_bytes_of_wire_worker(net, **settings):
+    """Run tests/wire_worker.py on ``net``'s two sites with ``settings``: each rank's report,
+    and the bytes each site's uplink sent over exactly the reported steps (the worker pauses
+    before and after them while the counters are read)."""
+    counters = {}
+
+    def read_counters(folder):
+        for name in ("before", "after"):
+            while not os.path.exists(os.path.join(folder, f"{name}.reached")):
+                time.sleep(0.01)
+            counters[name] = [net.site_tx_bytes(site) for site in (0, 1)]
+            open(os.path.join(folder, f"{name}.go"), "w").close()
+
+    with tempfile.TemporaryDirectory() as folder:
+        reader = threading.Thread(target=read_counters, args=(folder,), daemon=True)
+        reader.start()
+        reports = run_wire_worker(net, PAUSE_DIR=folder, **settings)
+        reader.join(timeout=10)
+    return reports, [a - b for a, b in zip(counters["after"], counters["before"])]
 
 
 def run_wire_worker(net=None, **settings) -> list:
