@@ -126,7 +126,17 @@ def _median_allreduce_ms(numel: int, device, group, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _profile_table(ddp, optimizer, batch, device, trace_path=None, rows: int = 40) -> str:
+# runtime calls counted in a profiled step: kernel launches, copies, host synchronisations
+RUNTIME_CALLS = {"launches": ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                              "cuLaunchKernelEx"),
+                 "copies": ("cudaMemcpyAsync", "cudaMemcpy", "cudaMemsetAsync"),
+                 "host syncs": ("cudaDeviceSynchronize", "cudaStreamSynchronize",
+                                "cudaEventSynchronize")}
+
+
+def _profile_table(ddp, optimizer, batch, device, trace_path=None, rows: int = 40) -> dict:
+    """One profiled step: its table (``rows`` rows by host time) and its count of each of
+    :data:`RUNTIME_CALLS`."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -137,7 +147,10 @@ def _profile_table(ddp, optimizer, batch, device, trace_path=None, rows: int = 4
         _synchronize(device)
     if trace_path:
         prof.export_chrome_trace(trace_path)
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    averages = prof.key_averages()
+    counts = {kind: sum(event.count for event in averages if event.key in names)
+              for kind, names in RUNTIME_CALLS.items()}
+    return dict(counts, table=averages.table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
 def measure_rank(rank, world_size, device_name, width, layers, batch_size, warmup, steps, nccl,
@@ -155,7 +168,7 @@ def measure_rank(rank, world_size, device_name, width, layers, batch_size, warmu
     times = _median_step_ms(built, batch, device, warmup, steps)
     calls_per_step = len(calls) / (2 * (warmup + _timed_steps(steps)))  # the two "no communication" hooks'
     for config, (ddp, optimizer) in built.items():
-        if profile and config.endswith("recipe"):
+        if profile and config != "allreduce":
             trace = trace_path if config == "AdamW recipe" else None
             profiles[config] = _profile_table(ddp, optimizer, batch, device, trace)
     del built
@@ -186,6 +199,18 @@ def print_run(title: str, result: dict) -> dict:
               f" {added / result['buckets']:>18.3f}")
         summary[config] = {"step_ms": times[config], "added_ms": added, "added_over_allreduce": ratio}
     return summary
+
+
+def print_runtime_calls(profiles: dict, buckets: int) -> None:
+    """Each recipe's runtime calls a bucket beyond those of the same step without
+    communication (one profiled step each)."""
+    print(f"\n  runtime calls a bucket added by the recipe (one profiled step, {buckets} bucket(s))")
+    print(f"  {'configuration':<23}" + "".join(f" {kind:>12}" for kind in RUNTIME_CALLS))
+    for config, profiled in profiles.items():
+        if config.endswith("recipe"):
+            baseline = profiles[BASELINES[config]]
+            print(f"  {config:<23}" + "".join(f" {(profiled[kind] - baseline[kind]) / buckets:>12.1f}"
+                                              for kind in RUNTIME_CALLS))
 
 
 def parse_args(argv=None):
@@ -224,9 +249,11 @@ def main(argv=None) -> int:
     profiles = {title: run.pop("profiles") for title, run in runs.items()}
     if args.profile:
         with open(args.profile, "w") as f:
-            for config, table in profiles[alone].items():
-                f.write(f"{config}, {alone}, one steady step ({where}):\n{table}\n\n")
+            for config, profiled in profiles[alone].items():
+                if config.endswith("recipe"):
+                    f.write(f"{config}, {alone}, one steady step ({where}):\n{profiled['table']}\n\n")
         print(f"saved {args.profile}")
+        print_runtime_calls(profiles[alone], runs[alone]["buckets"])
     report = {"device": where, "torch": torch.__version__, "settings": vars(args),
               "runs": {title: dict(result, summary=print_run(title, result))
                        for title, result in runs.items()}}

@@ -3,7 +3,7 @@
 # benchmark, run the CUDA tests. Everything lands under $RESULTS (default ./gpu_out). Steps are
 # picked by name so that one call can do what a short lease allows:
 #
-#   bash benchmarks/gpu_check.sh build kernels bench hookcost hooks
+#   bash benchmarks/gpu_check.sh build kernels bench hookcost hooks fsdp
 #
 # Each step has its own time limit; on an H100 (2026-11-27) the five took 3.3 minutes. The output
 # folder holds more than the 8 files a device call brings back: pack it (tar) at the end of the
@@ -22,6 +22,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # -P: the source tree must not shadow the installed package, which holds the compiled _C.
 PY="python3 -P"
+# the benchmarks import their harness (lab/) from benchmarks/, which -P leaves off the path
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/benchmarks
 
 for step in "$@"; do
   echo "== $step $(date +%T)"
@@ -89,6 +91,10 @@ for step in "$@"; do
     PYTHONPATH=/tmp/site timeout 140 $PY -m pytest -m "" -q -p no:cacheprovider -n 6 tests/test_cuda_hooks.py \
       tests/test_build.py::test_an_error_message_with_a_number_raises_instead_of_crashing ${HOOK_TESTS:-} \
       2>&1 | tee "$OUT/hooks.log" | tail -40
+    ;;
+  fsdp)  # issue 62: the one call on FSDP2 with CUDA tensors (2 gloo ranks on the one GPU)
+    PYTHONPATH=/tmp/site timeout 200 $PY -m pytest -m "" -q -p no:cacheprovider -n 3 --durations=5 \
+      tests/test_cuda_fsdp.py 2>&1 | tee "$OUT/fsdp.log" | tail -30
     ;;
   memory)  # issue 37: the planner on CUDA, the small workloads and the 0.4B-parameter transformer
     PYTHONPATH=/tmp/site timeout 120 $PY -m pytest -m "" -q -p no:cacheprovider tests/test_cuda_memory.py \

@@ -8,12 +8,11 @@ from typing import Optional, Union
 
 import torch
 
-from ._kernels import KERNEL_OPS
+from ._kernels import ops_served_on
 
 logger = logging.getLogger("hetero_comm")
 
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
-
 
 
 def why_not_loaded(error: BaseException, package_dir: str) -> str:
@@ -56,14 +55,15 @@ def extension_loaded() -> bool:
 
 
 def kernel_backend(device: Union[str, torch.device] = "cpu") -> str:
-    """Return ``"compiled"`` if every kernel has a compiled implementation for the device
-    type of ``device``, else ``"reference"`` (the pure-PyTorch fallback is used)."""
+    """Return ``"compiled"`` if every kernel that device type runs has a compiled
+    implementation for it (:func:`._kernels.ops_served_on`), else ``"reference"`` (the
+    pure-PyTorch fallback is used)."""
     device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
     backend = _backend_by_type.get(device_type)
     if backend is None:
         key = _DISPATCH_KEYS.get(device_type)
         compiled = extension_loaded() and key is not None and all(
             torch._C._dispatch_has_kernel_for_dispatch_key(f"hetero_comm::{op}", key)
-            for op in KERNEL_OPS)
+            for op in ops_served_on(device_type))
         backend = _backend_by_type[device_type] = "compiled" if compiled else "reference"
     return backend

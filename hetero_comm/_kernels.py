@@ -7,7 +7,7 @@ export exactly these names. Each kernel is registered as two operators in
 nothing of hetero_comm, so any module may import it.
 """
 
-__all__ = ["KERNELS", "CODEC_KERNELS", "KERNEL_OPS", "into_form"]
+__all__ = ["KERNELS", "CODEC_KERNELS", "KERNEL_OPS", "into_form", "ops_served_on"]
 
 KERNELS = (
     "segment_accumulate_",
@@ -34,3 +34,12 @@ def into_form(kernel: str) -> str:
 
 KERNEL_OPS = tuple(op for kernel in KERNELS
                    for op in ((kernel,) if kernel in CODEC_KERNELS else (kernel, into_form(kernel))))
+
+
+def ops_served_on(device_type: str) -> tuple:
+    """The operators a compiled build implements for ``device_type``: all of them on the CPU;
+    on CUDA all but the sparse codec's steps (the CPU path; a GPU bucket goes through the
+    separate kernels)."""
+    if device_type == "cpu":
+        return KERNEL_OPS
+    return tuple(op for op in KERNEL_OPS if op not in CODEC_KERNELS)

@@ -119,11 +119,21 @@ def check_sharded_model(model: torch.nn.Module, mesh: DeviceMesh) -> List[tuple]
     return modules
 
 
+def _param_groups_of(module: FSDPModule) -> list:
+    """The FSDP parameter groups of ``module``'s state (torch 2.13 keeps a list; torch 2.11 one
+    group or ``None``)."""
+    state = module._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def has_all_reduce_hook(model: torch.nn.Module) -> bool:
     """Whether an FSDP parameter group of ``model`` already has an all-reduce hook."""
     return any(getattr(group, "_all_reduce_hook", None) is not None
                for module in model.modules() if isinstance(module, FSDPModule)
-               for group in module._get_fsdp_state()._fsdp_param_groups)
+               for group in _param_groups_of(module))
 
 
 def _mesh_key(mesh: DeviceMesh) -> tuple:
@@ -244,7 +254,8 @@ class FSDPSparseState:
             # Every rank's shard in one layout, whatever its batch used: a parameter without a
             # gradient this step is reduced as zeros (FSDP's option for conditional control
             # flow), so the ranks holding a shard always agree on the exchange's layout.
-            module.set_reduce_scatter_unused_params(True, recurse=False)
+            if hasattr(module, "set_reduce_scatter_unused_params"):  # torch >= 2.12
+                module.set_reduce_scatter_unused_params(True, recurse=False)
         optimizer.register_step_post_hook(self._end_step)
         self._registered = True
 

@@ -16,8 +16,10 @@ from hetero_comm.fsdp import FSDPSparseState
 MESH_SHAPE = (2, 2)  # 2 machines x 2 ranks
 
 
-def make_mesh(shape=MESH_SHAPE):
-    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+def make_mesh(shape=MESH_SHAPE, device: str = "cpu"):
+    if device == "cuda":  # every rank on the one GPU of a test machine
+        torch.cuda.set_device(0)
+    return init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard"))
 
 
 class Block(nn.Module):
@@ -101,7 +103,8 @@ def make_optimizer(name: str, model, lr: float):
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
-def train(kind, model, optimizer, rank, first, count, accumulate: int = 1, dtype=torch.float32):
+def train(kind, model, optimizer, rank, first, count, accumulate: int = 1, dtype=torch.float32,
+          device: str = "cpu"):
     """Steps ``first .. first + count - 1`` on this rank's own batches; the loss of each."""
     losses = []
     for step in range(first, first + count):
@@ -109,6 +112,7 @@ def train(kind, model, optimizer, rank, first, count, accumulate: int = 1, dtype
         for micro in range(accumulate):
             model.set_requires_gradient_sync(micro == accumulate - 1)
             inputs, targets = batch(kind, accumulate * step + micro, rank, dtype)
+            inputs, targets = inputs.to(device), targets.to(device)
             loss = loss_of(kind, model, inputs, targets)
             loss.backward()
         optimizer.step()
@@ -117,7 +121,7 @@ def train(kind, model, optimizer, rank, first, count, accumulate: int = 1, dtype
 
 
 def full_parameters(model):
-    return [p.full_tensor().detach().clone() for p in model.parameters()]
+    return [p.full_tensor().detach().cpu().clone() for p in model.parameters()]
 
 
 def local_shards(model):
@@ -128,39 +132,40 @@ def replicas_equal(model, mesh) -> bool:
     """Whether this rank's shards equal those of the rank holding the same shard on every
     other machine."""
     group = mesh["replicate"].get_group()
-    flat = torch.cat([p.to_local().detach().reshape(-1).double() for p in model.parameters()])
+    flat = torch.cat([p.to_local().detach().reshape(-1).double().cpu() for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, flat, group=group)
     return all(torch.equal(gathered[0], other) for other in gathered)
 
 
 # ---------------------------------------------------------------------------- workers
-def dense_equals_native(rank, world_size, dtype_name, steps=4):
+def dense_equals_native(rank, world_size, dtype_name, steps=4, shape=MESH_SHAPE, device="cpu"):
     """The exchange sending every value (dense throughout) against native HSDP: final
     parameters, bitwise."""
     dtype = getattr(torch, dtype_name)
-    mesh = make_mesh()
+    mesh = make_mesh(shape, device)
     results = {}
     for native in (True, False):
-        model = shard(make_model("mlp", dtype=dtype), mesh, native_hsdp=native)
+        model = shard(make_model("mlp", dtype=dtype).to(device), mesh, native_hsdp=native)
         optimizer = make_optimizer("sgd", model, 0.05)
         if not native:
             FSDPSparseState(model, mesh, warmup_steps=10**6).register(optimizer)
-        train("mlp", model, optimizer, rank, 0, steps, dtype=dtype)
+        train("mlp", model, optimizer, rank, 0, steps, dtype=dtype, device=device)
         results[native] = full_parameters(model)
     return all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
 
 
-def recipe_against_dense(rank, world_size, kind, optimizer_name, lr, steps):
+def recipe_against_dense(rank, world_size, kind, optimizer_name, lr, steps, shape=MESH_SHAPE,
+                         device="cpu"):
     """Loss curves of native HSDP (dense) and of compress on the same model; whether the
     replicas of each shard agree bitwise; the exchange's stats and residual size."""
-    mesh = make_mesh()
+    mesh = make_mesh(shape, device)
     out = {}
     for compressed in (False, True):
-        model = shard(make_model(kind), mesh, native_hsdp=not compressed)
+        model = shard(make_model(kind).to(device), mesh, native_hsdp=not compressed)
         optimizer = make_optimizer(optimizer_name, model, lr)
         state = hetero_comm.compress(model, optimizer, mesh=mesh) if compressed else None
-        losses = train(kind, model, optimizer, rank, 0, steps)
+        losses = train(kind, model, optimizer, rank, 0, steps, device=device)
         out["compressed" if compressed else "dense"] = losses
         if compressed:
             out["replicas_equal"] = replicas_equal(model, mesh)
@@ -168,6 +173,7 @@ def recipe_against_dense(rank, world_size, kind, optimizer_name, lr, steps):
             out["residual_numel"] = state.residual_numel()
             out["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
             out["full_numel"] = sum(p.numel() for p in model.parameters())
+            out["parameters"] = full_parameters(model)
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 
 import hetero_comm
 from hetero_comm import ops, reference
-from hetero_comm._kernels import KERNEL_OPS, KERNELS
+from hetero_comm._kernels import KERNEL_OPS, KERNELS, ops_served_on
 from kernel_cases import device, require_compiled  # noqa: F401  (device: a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,6 +24,17 @@ def test_compiled_kernels_serve_cpu():
     require_compiled("cpu")
     for op in KERNEL_OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"hetero_comm::{op}", "CPU"), op
+
+
+def test_the_cuda_sources_implement_exactly_the_ops_cuda_is_asked_for():
+    """kernel_backend("cuda") asks for :func:`ops_served_on` ("cuda"): had it asked for an op
+    no .cu file implements (the CPU codec's steps, say), a CUDA build would report
+    "reference" and every CUDA test would skip."""
+    implemented = set()
+    for source in (REPO / "cuda").glob("*.cu"):
+        implemented |= set(re.findall(r'm\.impl\("(\w+)"', source.read_text()))
+    assert implemented == set(ops_served_on("cuda")), implemented ^ set(ops_served_on("cuda"))
+    assert set(ops_served_on("cpu")) == set(KERNEL_OPS)
 
 
 def test_the_op_list_is_the_registered_schemas_and_both_apis():
