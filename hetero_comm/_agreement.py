@@ -11,7 +11,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["SETUP_TIMEOUT_SECONDS", "agree_across_ranks"]
+__all__ = ["SETUP_TIMEOUT_SECONDS", "agree_across_ranks", "gathered_across_ranks"]
 
 # How long a set-up comparison waits for the other ranks.
 SETUP_TIMEOUT_SECONDS = 120.0
@@ -22,7 +22,7 @@ def agree_across_ranks(setting: str, value, group: Optional[dist.ProcessGroup] =
     """Raise ``ValueError`` on every rank of ``group`` unless every rank passed an equal
     ``value`` (picklable) for ``setting``; ``RuntimeError`` if the ranks have not all arrived
     within ``timeout_seconds`` (default :data:`SETUP_TIMEOUT_SECONDS`)."""
-    values = _gathered(value, group, SETUP_TIMEOUT_SECONDS if timeout_seconds is None
+    values = gathered_across_ranks(value, group, SETUP_TIMEOUT_SECONDS if timeout_seconds is None
                        else timeout_seconds, setting)
     if any(other != values[0] for other in values):
         raise ValueError(f"the ranks' {setting} differ ({_differences(values)}): every rank must "
@@ -41,8 +41,8 @@ def _differences(values: List) -> str:
     return "; ".join(f"rank {rank}: {value!r}" for rank, value in enumerate(values))
 
 
-def _gathered(value, group: Optional[dist.ProcessGroup], timeout_seconds: float,
-              setting: str) -> List:
+def gathered_across_ranks(value, group: Optional[dist.ProcessGroup], timeout_seconds: float,
+                          setting: str) -> List:
     """Every rank's ``value``, in rank order, each collective waited for at most
     ``timeout_seconds``."""
     world_size = dist.get_world_size(group)

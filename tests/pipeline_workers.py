@@ -99,3 +99,28 @@ def _flat(tensors) -> np.ndarray:
 
 def _max_difference(ours, theirs) -> float:
     return float(np.abs(_flat(ours) - _flat(theirs)).max())
+
+
+def build_with_this_ranks_arguments(rank, world_size, variants):
+    """Build a 2-stage pipeline (``PipelineGroups`` first when ``variants`` says "groups") with
+    ``variants[rank]``: a plan's schedule and micro-batches, the model's seed and widths, or the
+    groups' machines. Returns the error's type and message, and whether the model's parameters
+    and devices are as before the call."""
+    variant = variants[rank]
+    model = make_pipeline_model()
+    if variant.get("wider"):
+        model[2] = nn.Linear(8, 9).double()
+        model[4] = nn.Linear(9, 3).double()
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    try:
+        if "machines" in variant:
+            PipelineGroups(num_stages=2 if world_size % 2 == 0 else 1, machines=variant["machines"])
+        else:
+            build_pipeline(model, make_plan(variant.get("schedule", "gpipe"), variant.get("micro_batches", 2)),
+                           nn.functional.mse_loss)
+        outcome = ("no error", "")
+    except (ValueError, RuntimeError) as error:
+        outcome = (type(error).__name__, str(error))
+    unchanged = all(torch.equal(a, b) and b.device.type == "cpu"
+                    for a, b in zip(before, model.parameters()))
+    return outcome + (unchanged,)

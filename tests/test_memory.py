@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import memory_workers
+from lab.launch import run_ranks
 from hetero_comm.memory.plan import partial_frees_memory
 from hetero_comm.memory import (CHOICES, FileSwap, MemoryMeter, MemoryPlan, MemoryProfile,
                                 apply_memory_plan, candidate_plans, chain_blocks, exhaustive_memory_plan,
@@ -608,3 +610,27 @@ def test_in_place_activations_that_change_nothing_saved_still_recompute_bitwise(
     with apply_memory_plan(model, plan_of(model, ["recompute", "recompute", "keep"])):
         model(x).sum().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), expected.parameters()))
+
+
+# ------------------------------------------------------------------ ranks under DDP
+@pytest.mark.misuse
+@pytest.mark.multirank
+def test_tuning_under_ddp_runs_equally_many_steps_on_every_rank(tmp_path):
+    """Ranks whose budgets and candidate counts differ would run different numbers of DDP
+    steps, and the rank with more would wait in DDP's allreduce forever: each runs the most any
+    rank runs, so all finish, each with its own plan, the replicas still equal."""
+    results = run_ranks(2, memory_workers.tune_under_ddp, [0.5, 0.9], [1, 4], str(tmp_path),
+                        timeout=120)
+    assert [result[0] for result in results] == ["tuned", "tuned"]
+    assert results[0][2] == results[1][2] >= 3  # equally many steps (rank 1 runs more plans)
+    assert all(result[3] for result in results)
+
+
+@pytest.mark.misuse
+@pytest.mark.multirank
+def test_a_rank_on_which_nothing_fits_makes_every_rank_raise_before_a_step(tmp_path):
+    results = run_ranks(2, memory_workers.tune_under_ddp, [0.5, -5.0], [2, 2], str(tmp_path),
+                        timeout=120)
+    assert results[0][0] == "ValueError" and "no plan fits on rank(s) 1" in results[0][1]
+    assert results[1][0] == "ValueError" and "budget" in results[1][1]
+    assert [result[2] for result in results] == [0, 0]

@@ -9,7 +9,8 @@ import torch.nn as nn
 
 from lab.launch import run_ranks
 from hetero_comm.pipeline import PipelineGroups, PipelinePlan, StagePlan, build_pipeline
-from pipeline_workers import make_pipeline_model, make_plan, train_pipeline
+from pipeline_workers import (build_with_this_ranks_arguments, make_pipeline_model, make_plan,
+                              train_pipeline)
 
 TOLERANCE = 1e-12  # float64; the pipeline sums micro-batches in another order than one batch
 
@@ -145,3 +146,21 @@ def test_step_checks_its_inputs_and_a_single_stage_trains_like_the_model(world_o
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=TOLERANCE)
     with pytest.raises(ValueError, match="shape \\(2, 6\\); the pipeline was sized for \\(4, 6\\)"):
         runner.step(x[:4], y[:4])
+
+
+# ------------------------------------------------------------- ranks that disagree
+@pytest.mark.misuse
+@pytest.mark.parametrize("variants,named", [
+    ([{}, {}, {"micro_batches": 4}, {}], "'micro_batches': 4"),
+    ([{}, {"schedule": "1f1b"}, {}, {}], "'schedule': '1f1b'"),
+    ([{}, {}, {}, {"wider": True}], "(9, 8)"),
+    ([{"machines": 2}, {"machines": 2}, {"machines": 2}, {"machines": 4}], "'machines': 4"),
+])
+def test_ranks_passing_different_pipelines_all_raise_before_anything_blocks(variants, named):
+    """Without the comparison, these block in new_group or in the stages' first receive until
+    the process group's timeout; with it every rank raises within seconds, naming each rank's
+    value, and the model is left as it was."""
+    for error_type, message, unchanged in run_ranks(4, build_with_this_ranks_arguments, variants,
+                                                    timeout=60):
+        assert error_type == "ValueError" and "differ" in message and named in message, message
+        assert unchanged

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
+from .._agreement import SETUP_TIMEOUT_SECONDS, gathered_across_ranks
 from .._checks import check_int
 from .apply import apply_memory_plan, parameter_device
 from .meter import MemoryMeter
@@ -54,6 +56,35 @@ class TunedMemoryPlan:
                          f"{plan.predicted_peak_bytes / 2**20:.1f}/{trial.peak_bytes / 2**20:.1f}  "
                          f"{plan.predicted_step_s * 1e3:.1f}/{trial.step_s * 1e3:.1f}")
         return "\n".join(lines)
+
+
+def _plans_in_step_with_the_ranks(profile: MemoryProfile, budget_bytes: float, candidates: int,
+                                  steps: int, warmup: int) -> Tuple[list, list]:
+    """This rank's candidate plans, and the repeats of its first that make the ranks run
+    equally many (none outside a multi-rank job). Raises ``ValueError`` on every rank when any
+    rank has no plan that fits, or when the ranks' ``steps`` or ``warmup`` differ."""
+    try:
+        plans, error = candidate_plans(profile, budget_bytes, candidates), None
+    except ValueError as no_fit:
+        plans, error = [], no_fit
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if error is not None:
+            raise error
+        return plans, []
+    mine = dict(plans=len(plans), steps=steps, warmup=warmup, error=None if error is None else str(error))
+    ranks = gathered_across_ranks(mine, None, SETUP_TIMEOUT_SECONDS, "tune_memory_plan candidates")
+    failed = {rank: value["error"] for rank, value in enumerate(ranks) if value["error"]}
+    if failed:
+        if error is not None:
+            raise error
+        raise ValueError("tune_memory_plan: no plan fits on rank(s) " + "; ".join(
+            f"{rank} ({message})" for rank, message in failed.items()) + ": no rank ran a step")
+    if any((value["steps"], value["warmup"]) != (steps, warmup) for value in ranks):
+        raise ValueError("tune_memory_plan: the ranks' steps and warmup differ (" + "; ".join(
+            f"rank {rank}: steps={value['steps']}, warmup={value['warmup']}"
+            for rank, value in enumerate(ranks)) + "): every rank must call step equally often")
+    most = max(value["plans"] for value in ranks)
+    return plans, [plans[0]] * (most - len(plans))
 
 
 def _run_in_turns(blocks, plans, step: Callable[[], object], meter: MemoryMeter, steps: int,
@@ -100,16 +131,25 @@ def tune_memory_plan(blocks, profile: MemoryProfile, budget_bytes: float, step: 
         candidates: how many of the integer program's best plans to run, besides the best
             plan without swapping and the swap-or-recompute rule (see :func:`~hetero_comm.memory.candidate_plans`).
 
+    With ``torch.distributed`` initialised on more than one rank, call it on every rank (a
+    DDP step communicates): the ranks first compare how many plans each will run, and each runs
+    the most any rank runs (repeating its fastest predicted plan, whose extra trials are
+    dropped), so every rank calls ``step`` equally often whatever its budget and profile. A
+    rank on which no plan fits makes every rank raise before any step.
+
     Returns:
-        a :class:`TunedMemoryPlan`. Raises ``ValueError`` when no plan fits by the cost model,
-        or when every candidate's measured peak exceeds the budget (the step adds more than the
-        blocks do: its loss, the optimizer's update), naming the least measured peak.
+        a :class:`TunedMemoryPlan`. Raises ``ValueError`` when no plan fits by the cost model
+        (on any rank), or when every candidate's measured peak exceeds the budget (the step adds
+        more than the blocks do: its loss, the optimizer's update), naming the least measured
+        peak; ``RuntimeError`` when another rank has not called it within
+        :data:`hetero_comm._agreement.SETUP_TIMEOUT_SECONDS`.
     """
     check_int("steps", steps, 1)
     check_int("warmup", warmup, 0)
     meter = MemoryMeter(parameter_device(chain_blocks(blocks)[1]))
-    plans = candidate_plans(profile, budget_bytes, candidates)
-    trials = _run_in_turns(blocks, plans, step, meter, steps, warmup, swap_directory)
+    plans, padding = _plans_in_step_with_the_ranks(profile, budget_bytes, candidates, steps, warmup)
+    trials = _run_in_turns(blocks, plans + padding, step, meter, steps, warmup,
+                           swap_directory)[:len(plans)]
     fitting = [trial for trial in trials if trial.peak_bytes <= budget_bytes]
     if not fitting:
         least = min(trial.peak_bytes for trial in trials)

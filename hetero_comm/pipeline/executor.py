@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .._agreement import agree_across_ranks
 from .._checks import check_int
 from .._recompute import recompute_in_backward
 from .plan import PipelinePlan, StagePlan
@@ -59,8 +60,10 @@ class PipelineGroups:
         data_parallel_group: the ``machines`` replicas of this stage, group rank = machine.
 
     Raises:
-        RuntimeError: no default process group is initialised.
-        ValueError: the world size is not ``machines * num_stages``.
+        RuntimeError: no default process group is initialised; a rank did not construct it
+            within :data:`hetero_comm._agreement.SETUP_TIMEOUT_SECONDS`.
+        ValueError: the world size is not ``machines * num_stages``; ranks passed different
+            ``num_stages`` or ``machines`` (on every rank, before any group is created).
 
     Example::
 
@@ -75,6 +78,8 @@ class PipelineGroups:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("PipelineGroups needs torch.distributed initialised "
                                "(dist.init_process_group) on every rank first")
+        # before new_group, which would block on ranks that asked for other groups
+        agree_across_ranks("PipelineGroups settings", dict(num_stages=num_stages, machines=machines))
         world_size = dist.get_world_size()
         if world_size != machines * num_stages:
             raise ValueError(f"a pipeline of {num_stages} stages on {machines} machines needs a "
@@ -225,7 +230,11 @@ def build_pipeline(layers: Union[nn.Sequential, Sequence[nn.Module]], plan: Pipe
     Raises:
         ValueError: ``layers`` does not have ``plan.num_layers`` layers; ``groups`` is for
             another number of stages; the world does not fit the plan; a "1f1b" plan has
-            fewer micro-batches than stages (torch's ``Schedule1F1B``).
+            fewer micro-batches than stages (torch's ``Schedule1F1B``); the ranks passed
+            different plans (stages, micro-batches, schedule), layers of other types or
+            parameter shapes, or other groups (on every rank, before a layer is moved).
+        RuntimeError: a rank did not call it within
+            :data:`hetero_comm._agreement.SETUP_TIMEOUT_SECONDS`.
 
     Example::
 
@@ -236,6 +245,10 @@ def build_pipeline(layers: Union[nn.Sequential, Sequence[nn.Module]], plan: Pipe
         >>> optimizer.step()
     """
     layers = list(layers)
+    if dist.is_available() and dist.is_initialized():  # before anything blocks or moves
+        agree_across_ranks("build_pipeline arguments", dict(
+            plan=_plan_structure(plan), layers=_layer_signatures(layers),
+            groups=None if groups is None else (groups.num_stages, groups.machines)))
     if len(layers) != plan.num_layers:
         raise ValueError(f"the plan covers {plan.num_layers} layers but the model has {len(layers)}")
     groups = _groups_for(plan, groups)
@@ -246,6 +259,23 @@ def build_pipeline(layers: Union[nn.Sequential, Sequence[nn.Module]], plan: Pipe
                                          **(ddp_kwargs or {}))
     schedule = _schedule_for(module, groups, plan, device, loss_fn)
     return PipelineRunner(module, stage_module, groups, plan, schedule)
+
+
+def _plan_structure(plan: PipelinePlan) -> dict:
+    """What of ``plan`` the ranks must share: the stages' layers, devices and recomputation,
+    the micro-batches and the schedule (not the planner's predictions, which each rank may
+    have estimated from its own measurements)."""
+    return dict(stages=[(stage.device, stage.first_layer, stage.last_layer, stage.recompute)
+                        for stage in plan.stages],
+                micro_batches=plan.micro_batches, schedule=plan.schedule)
+
+
+def _layer_signatures(layers: List[nn.Module]) -> list:
+    """Each layer's type and its parameters' names, shapes and dtypes: the model every rank
+    must pass (a stage sized for other shapes would wait for activations that never come)."""
+    return [(type(layer).__name__, [(name, tuple(parameter.shape), str(parameter.dtype))
+                                    for name, parameter in layer.named_parameters()])
+            for layer in layers]
 
 
 def _schedule_for(module: nn.Module, groups: PipelineGroups, plan: PipelinePlan,
