@@ -103,6 +103,14 @@ ROWS = {
     **{f"recipe_sgd_s{s}": (f"SGD recipe with segments of {s} everywhere", "sparse",
                             dict(density=0.08, momentum=0.9, wire_dtype="int8", segment_size=s))
        for s in (512, 64)},
+    # The recipes written out with the int8 wire summed in two phases (127 steps a rank at any
+    # number of ranks; the one call does so beyond 63 ranks), prepared as the one call does.
+    "recipe_adamw_two_phase": ("AdamW recipe, int8 summed in two phases", "sparse",
+                               dict(density=0.1, segment_size=512, wire_dtype="int8", basis="dct",
+                                    output="sign", int8_sum="two_phase")),
+    "recipe_sgd_two_phase": ("SGD recipe, int8 summed in two phases", "sparse",
+                             dict(density=0.08, segment_size=512, wire_dtype="int8", momentum=0.9,
+                                  min_segments_per_bucket=150, int8_sum="two_phase")),
 }
 PREPARED = {row for row, (_, hook, _) in ROWS.items() if row.startswith("recipe_") and hook != "recipe"}
 ADAMW_ONLY = {row for row, (_, _, settings) in ROWS.items() if settings.get("output") == "sign"} | {"recipe_adamw"}

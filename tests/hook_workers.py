@@ -521,3 +521,21 @@ def disagreeing_states(rank, world_size, hook, settings, rank_settings):
     except Exception as error:  # DDP hands the hook's error on as a RuntimeError
         return type(error).__name__, str(error)
     return "no error", ""
+
+
+def two_phase_sum_parts(rank, world_size, k, segment, seed=0):
+    """Each rank rounds its own random segments to int8 on a scale every rank shares and sums
+    them with :func:`two_phase_int8_sum`. Returns the rank's values, what its rounding
+    dropped, the decoded sum, the chunk it owned and what the owner's rounding dropped."""
+    from hetero_comm.hooks._two_phase import TWO_PHASE_LEVELS, two_phase_int8_sum
+
+    values = torch.randn(k, segment, generator=torch.Generator().manual_seed(seed + rank))
+    values[:, 0] *= 10.0  # segments whose values differ in size
+    scale = torch.rand(k, generator=torch.Generator().manual_seed(seed + 999)) * 3 + 0.5
+    step = scale.view(-1, 1) / TWO_PHASE_LEVELS
+    wire = torch.round(values / step).clamp_(-TWO_PHASE_LEVELS, TWO_PHASE_LEVELS)
+    dropped = values - wire * step
+    summed = two_phase_int8_sum(wire.to(torch.int8).view(-1), scale, segment)
+    decoded = summed.wire.to(torch.float32).view(k, segment) * (summed.scale.view(-1, 1) / TWO_PHASE_LEVELS)
+    return dict(values=values, dropped=dropped, decoded=decoded, owned=(summed.owned.start, summed.owned.stop),
+                owner_error=summed.error.view(-1, segment), wire=summed.wire, scale=summed.scale)

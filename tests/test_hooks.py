@@ -106,6 +106,24 @@ def test_conservation_law(hook, settings_, world_size):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("basis", ["elements", DCT(8)])
+@pytest.mark.parametrize("device_side_checks", [False, True], ids=["codec", "parts"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_conservation_law_of_the_two_phase_int8_sum(basis, device_side_checks, world_size):
+    """The int8 wire summed in two phases (the owners' rounding kept in their residuals), on
+    the CPU codec and on the GPU's part-by-part path (forced here)."""
+    settings_ = dict(SPARSE, wire_dtype="int8", int8_sum="two_phase", basis=basis)
+    results = run_ranks(world_size, train, "sparse", settings_, 12,
+                        dict(device_side_checks=device_side_checks))
+    produced = weighted_sum(results).sum(axis=0)
+    held = sum(r["held_back"] for r in results)
+    np.testing.assert_allclose(results[0]["applied"].sum(axis=0) + held, produced, rtol=1e-4,
+                               atol=1e-5)
+    assert np.abs(held).max() > 1e-3
+    assert_ranks_identical(results)
+
+
+@pytest.mark.multirank
 @pytest.mark.parametrize("basis", ["elements", "dct"])
 def test_sign_output_is_the_sign_of_the_sum(basis):
     """At full density the sum delivered is the weighted sum of what every rank produced;

@@ -20,7 +20,8 @@ from .. import ops
 from .._layout import dct_coeffs_shape, num_segments
 from ._non_finite import NonFiniteGradient
 from ._plan import PlanBucket
-from ._sparse_parts import INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, WIRE_DTYPES, int8_levels
+from ._sparse_parts import INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, WIRE_DTYPES
+from ._two_phase import add_to_residual, two_phase_int8_sum, two_phase_wire_bytes
 
 __all__ = ["BucketCodec", "CodecBuffers", "AgreementInFlight", "codec_allreduce"]
 
@@ -33,7 +34,9 @@ class BucketCodec:
         self.numel, self.k, self.segment, self.count = numel, k, segment, count
         self.block_size = state.dct_block_size if state.basis == "dct" else 0
         integer = state.wire_dtype == "int8"
-        self.levels = int8_levels(state.exchange_size()) if integer else 0
+        self.levels = state.int8_levels() if integer else 0
+        self.two_phase = state.sums_in_two_phases()
+        self.ranks = state.exchange_size()
         self.scale_factor = (INT8_CLIP_RMS / (state.exchange_size() * math.sqrt(segment))
                              if integer else 0.0)
         coefficients = (math.prod(dct_coeffs_shape(numel, self.block_size, self.block_size, segment))
@@ -51,6 +54,8 @@ class BucketCodec:
 
     def wire_bytes(self) -> int:
         """Bytes handed to the collectives per step: the importance and the wire."""
+        if self.two_phase:
+            return self.importance.numel() * 4 + two_phase_wire_bytes(self.k, self.segment, self.ranks)
         return self.importance.numel() * 4 + self.wire.numel() * self.wire.element_size()
 
 
@@ -142,7 +147,15 @@ class AgreementInFlight:
                 return self.delivered
             state.count_exchange(self.index, grad.numel(), grad.numel() * grad.element_size(),
                                  codec.wire_bytes())
-            work = dist.all_reduce(codec.wire, group=state.exchange_group(), async_op=True)
+            if codec.two_phase:  # both collectives waited for here; the owner's rounding kept
+                self.summed = two_phase_int8_sum(codec.wire, codec.scale, codec.segment,
+                                                 state.exchange_group())
+                add_to_residual(self.plan_bucket.tensors["residual"], self.summed.error,
+                                codec.indices[self.summed.owned], codec.segment,
+                                codec.block_size, codec.coefficients)
+                work = None
+            else:
+                work = dist.all_reduce(codec.wire, group=state.exchange_group(), async_op=True)
         except NonFiniteGradient:
             raise
         except BaseException as error:  # e.g. the group failed: whoever waits on the bucket sees it
@@ -151,25 +164,30 @@ class AgreementInFlight:
             self.delivered.set_exception(error)
             return self.delivered
         self.wire_work = work
-        if wires is None:
-            work.get_future().add_done_callback(self.deliver)
-        else:
+        if wires is not None:
             wires.append(self)
+        elif work is None:
+            self.deliver()
+        else:
+            work.get_future().add_done_callback(self.deliver)
         return self.delivered
 
     def arrived(self) -> bool:
         """Whether the wire's sum has arrived (after :meth:`finish`)."""
-        return self.wire_work.is_completed()
+        return self.wire_work is None or self.wire_work.is_completed()
 
     def deliver(self, summed: Optional[torch.futures.Future] = None) -> None:
         """Wait for the wire's sum (``summed``: its completed future, in a callback) and unpack
         it into the bucket, completing :attr:`delivered`."""
         codec = self.codec
         try:
-            (self.wire_work if summed is None else summed).wait()
+            if self.wire_work is not None:
+                (self.wire_work if summed is None else summed).wait()
+            wire, scale = ((codec.wire, codec.scale) if self.wire_work is not None
+                           else (self.summed.wire, self.summed.scale))
             with self.state.statistics.timer("decode_seconds"):
-                ops.sparse_unpack_(codec.wire, codec.indices, codec.segment, self.grad,
-                                   levels=codec.levels, scale=codec.scale,
+                ops.sparse_unpack_(wire, codec.indices, codec.segment, self.grad,
+                                   levels=codec.levels, scale=scale,
                                    block_size=codec.block_size, coefficients=codec.coefficients,
                                    sign=codec.sign)
         except BaseException as error:

@@ -14,7 +14,7 @@ A new variant is a new class with the same methods, not a branch in every step.
 """
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,10 @@ class ElementSegments:
     def keep_unsent(self) -> None:
         """After packing zeroed the sent segments of :attr:`vector`: nothing to do, the
         residual is that vector."""
+
+    def scratch_for_residual(self) -> tuple:
+        """:func:`._two_phase.add_to_residual`'s basis arguments: none (plain elements)."""
+        return ()
 
     def clear(self, state, flat: torch.Tensor, indices: torch.Tensor) -> None:
         """Zero the selected segments of ``flat`` (laid out like the residual)."""
@@ -123,6 +127,11 @@ class DctSegments:
         back."""
         self._decode(self.residual)
 
+    def scratch_for_residual(self) -> tuple:
+        """:func:`._two_phase.add_to_residual`'s basis arguments: the block size and
+        :attr:`vector` (free after :meth:`keep_unsent`, until :meth:`deliver`)."""
+        return self.block_size, self.vector.view(self.shape)
+
     def clear(self, state, flat: torch.Tensor, indices: torch.Tensor) -> None:
         """Zero the selected segments of ``flat``'s coefficients (``flat`` laid out like the
         residual). Uses :attr:`vector`: call it only after :meth:`keep_unsent` and before
@@ -181,10 +190,6 @@ class FloatWire:
         self.indices, self.segment = selected.indices, segments.segment
         self.buffers: Tuple[torch.Tensor, ...] = ()
 
-    @staticmethod
-    def check_world_size(world_size: int) -> None:
-        """Any number of ranks can sum floats."""
-
     def pack_(self, segments, wire: torch.Tensor) -> None:
         """The selected segments onto ``wire``; zeros (or what the dtype cannot carry) left in
         their place."""
@@ -201,7 +206,8 @@ def int8_levels(world_size: int) -> int:
     if levels < 2:
         raise ValueError(f"wire_dtype='int8' sums the integers of {world_size} ranks in int8, which "
                          f"leaves {levels} step(s) each way per rank (at least 2 are needed, so at "
-                         "most 63 ranks): use wire_dtype='bfloat16'")
+                         "most 63 ranks): use int8_sum='two_phase' (or 'auto'), which sums "
+                         "in two phases at any number of ranks")
     return levels
 
 
@@ -215,7 +221,7 @@ class IntegerWire:
     few levels (32 ranks: 3 each way); error feedback carries the rest."""
 
     def __init__(self, state, importance: torch.Tensor, selected, segments) -> None:
-        self.levels = int8_levels(state.exchange_size())
+        self.levels = state.int8_levels()
         self.indices = indices = selected.indices
         self.k = indices.numel()
         self.segment = segment = segments.segment
@@ -230,11 +236,6 @@ class IntegerWire:
         self.scale.clamp_(max=torch.finfo(torch.float32).max)  # a huge finite norm: no infinite step
         self.buffers = (self.values, self.scale)
 
-    @staticmethod
-    def check_world_size(world_size: int) -> None:
-        """Raises ``ValueError`` for more ranks than int8 can sum (:func:`int8_levels`)."""
-        int8_levels(world_size)
-
     def pack_(self, segments, wire: torch.Tensor) -> None:
         """Round the selected segments onto ``wire``; what the integers do not carry
         (rounding, clipping) stays in those segments. A NaN is sent as 0 and stays in the
@@ -242,11 +243,13 @@ class IntegerWire:
         ops.pack_quantized_segments_(segments.vector, self.indices, self.segment, self.scale,
                                      self.levels, torch.int8, out=wire)
 
-    def decode(self, wire: torch.Tensor) -> torch.Tensor:
-        """The summed integers back to float32 values (packed, like the other wires)."""
+    def decode(self, wire: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The summed integers back to float32 values (packed, like the other wires), in
+        steps of ``scale`` (default: the scale they were rounded to; the two-phase sum
+        brings its own)."""
         segment = self.segment
-        ops.dequantize(wire.view(self.k, segment), self.scale, self.levels,
-                       out=self.values.view(self.k, segment))
+        ops.dequantize(wire.view(self.k, segment), self.scale if scale is None else scale,
+                       self.levels, out=self.values.view(self.k, segment))
         return self.values
 
 

@@ -24,6 +24,7 @@ from ._plan import PlanBucket
 from ._sparse_parts import (INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, SEGMENTS, WIRE_DTYPES, WIRES,
                             AgreedNow, add_contribution, int8_levels, restart_sent_velocity)
 from ._codec import CodecBuffers, codec_allreduce
+from ._two_phase import TWO_PHASE_LEVELS, add_to_residual, two_phase_int8_sum, two_phase_wire_bytes
 from ._state import ErrorFeedbackState, check_state
 from .variants import DCT, Basis, resolve_basis, resolve_density
 
@@ -32,6 +33,8 @@ __all__ = ["SegmentSparseState", "segment_sparse_hook", "momentum_correction_lr_
            "INT8_CLIP_RMS", "WIRE_DTYPES"]
 
 OUTPUTS = ("sum", "sign")
+INT8_SUMS = ("auto", "allreduce", "two_phase")
+MAX_INT8_ALLREDUCE_RANKS = 63  # int8_levels: 127 // world_size >= 2
 
 
 def fitting_segment_size(numel: int, segments: int) -> int:
@@ -72,13 +75,19 @@ class SegmentSparseState(ErrorFeedbackState):
             same bytes): every rank rounds a selected segment to the same step, derived from
             the agreed importance, with at most ``127 // world_size`` steps each way, so the
             integer sum cannot overflow and is exact; the rounding and clipping error stays in
-            the residual. At most 63 ranks.
+            the residual. More than 63 ranks (or ``int8_sum="two_phase"``): see ``int8_sum``.
         basis: ``"elements"`` (default): a segment is ``segment_size`` consecutive gradient
             elements; ``DCT(block_size=64)`` (:class:`~hetero_comm.hooks.DCT`; ``"dct"`` is
             ``DCT()``): each block goes through an orthonormal DCT and a segment is one
             frequency of ``segment_size`` consecutive blocks (at most: a bucket's blocks are
             shared evenly among its groups), so every selected segment touches all their
             elements (momentum correction then clears the velocity's sent coefficients).
+        int8_sum: how the int8 wire is summed: ``"allreduce"`` (``127 // world_size`` steps
+            a rank, at most 63 ranks), ``"two_phase"`` (127 steps a rank at any number of
+            ranks: an all-to-all, each owner's exact sum of its chunk rounded once more to 127
+            steps of its own scale, that rounding kept in the owner's residual, and an
+            all-gather; :mod:`._two_phase`), or ``"auto"`` (default): the allreduce up to 63
+            ranks, the two phases beyond.
         output: ``"sum"`` (default): the bucket becomes the (weighted) sum of what was sent;
             ``"sign"``: its elementwise sign (-1, 0 or 1), a sign step for AdamW with
             ``betas=(0.0, 0.0)`` (it then moves each coordinate by ``lr`` in the direction of
@@ -93,7 +102,7 @@ class SegmentSparseState(ErrorFeedbackState):
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
                  density: float = 0.01, segment_size: int = 256,
                  min_segments_per_bucket: int = 0, momentum: float = 0.0, nesterov: bool = False, density_warmup_steps: int = 0,
-                 wire_dtype: str = "float32", basis: Basis = "elements",
+                 wire_dtype: str = "float32", basis: Basis = "elements", int8_sum: str = "auto",
                  output: str = "sum", rank_weight: Optional[float] = None,
                  warmup_steps: int = 1, min_compress_numel: int = 0) -> None:
         self.momentum = check_float("momentum", momentum, 0.0, 0.999)
@@ -117,8 +126,9 @@ class SegmentSparseState(ErrorFeedbackState):
         self.basis = "dct" if isinstance(basis, DCT) else basis
         self.dct_block_size = basis.block_size if isinstance(basis, DCT) else DCT().block_size
         self.output = check_choice("output", output, OUTPUTS)
+        self.int8_sum = check_choice("int8_sum", int8_sum, INT8_SUMS)
         if self.wire_dtype == "int8" and dist.is_initialized():
-            int8_levels(self.exchange_size())  # a clear error now rather than at the first step
+            self.int8_levels()  # a clear error now rather than at the first step
         self._warned_coarse_segments = False
         self._log_settings()
 
@@ -145,13 +155,14 @@ class SegmentSparseState(ErrorFeedbackState):
         super().__setstate__(state)
         self._warned_coarse_segments = False
         self.__dict__.setdefault("nesterov", False)  # pickled before the setting existed
+        self.__dict__.setdefault("int8_sum", "auto")
 
     def settings(self) -> dict:
         return dict(density=self.density, segment_size=self.segment_size,
                     min_segments_per_bucket=self.min_segments_per_bucket,
                     momentum=self.momentum, nesterov=self.nesterov,
                     density_warmup_steps=self.density_warmup_steps, wire_dtype=self.wire_dtype,
-                    basis=self.basis_setting(), output=self.output,
+                    basis=self.basis_setting(), int8_sum=self.int8_sum, output=self.output,
                     **super().settings())
 
     # ---------------------------------------------------------------- the pipelined agreement
@@ -250,6 +261,21 @@ class SegmentSparseState(ErrorFeedbackState):
     def exchange_size(self) -> int:
         """How many contributions that sum adds up (the int8 wire's levels follow from it)."""
         return self.world_size()
+
+    def sums_in_two_phases(self) -> bool:
+        """Whether the int8 wire is summed in two phases (``int8_sum``; ``"auto"``: beyond the
+        ranks an int8 allreduce can sum)."""
+        if self.wire_dtype != "int8" or self.int8_sum == "allreduce":
+            return False
+        return self.int8_sum == "two_phase" or self.exchange_size() > MAX_INT8_ALLREDUCE_RANKS
+
+    def int8_levels(self) -> int:
+        """Steps each way a rank rounds to on the int8 wire: :data:`TWO_PHASE_LEVELS` when it
+        is summed in two phases, else :func:`int8_levels` of the ranks (``ValueError`` beyond
+        63 ranks)."""
+        if self.sums_in_two_phases():
+            return TWO_PHASE_LEVELS
+        return int8_levels(self.exchange_size())
 
     def contribution_weight(self) -> float:
         """The factor on the gradient this rank adds to its residual (the two-level sync
@@ -400,7 +426,8 @@ def sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: t
         return codec_allreduce(state, plan_bucket, grad, index)
     step, pool, device = state.step, state.pool, grad.device
     wire_format_class = WIRES[state.wire_dtype]
-    wire_format_class.check_world_size(state.exchange_size())  # before anything is written
+    if state.wire_dtype == "int8":
+        state.int8_levels()  # too many ranks for the allreduce raise before anything is written
     segments = SEGMENTS[state.basis](state, plan_bucket.tensors["residual"], grad)
     k = state.segments_to_send(segments.count, step)
     segments.warn_if_coarse(state, index, k)
@@ -418,11 +445,21 @@ def sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: t
         segments.keep_unsent()
         restart_sent_velocity(state, plan_bucket, selected.indices, segments)
         state.non_finite.drop_unless(selected.finite, wire)  # CUDA, non-finite: zeros on the wire
+    two_phase = state.sums_in_two_phases()
+    wire_bytes = (two_phase_wire_bytes(k, segments.segment, state.exchange_size()) if two_phase
+                  else wire.numel() * wire.element_size())
     state.count_exchange(index, grad.numel(), grad.numel() * grad.element_size(),
-                         wire.numel() * wire.element_size()
-                         + selected.importance_bytes_per_segment * segments.count)
-    # 4. Allreduce.
-    work = dist.all_reduce(wire, group=state.exchange_group(), async_op=True)
+                         wire_bytes + selected.importance_bytes_per_segment * segments.count)
+    # 4. Allreduce (or the int8 wire's two phases, waited for: what the owner's rounding
+    # dropped goes into its residual now).
+    summed = None
+    if two_phase:
+        summed = two_phase_int8_sum(wire, wire_format.scale, segments.segment, state.exchange_group())
+        add_to_residual(segments.residual, summed.error, selected.indices[summed.owned],
+                        segments.segment, *segments.scratch_for_residual())
+        work = _Done()
+    else:
+        work = dist.all_reduce(wire, group=state.exchange_group(), async_op=True)
     handed = state.handed_step()
 
     # 5. Unpack.
@@ -430,10 +467,22 @@ def sparse_allreduce(state: SegmentSparseState, plan_bucket: PlanBucket, grad: t
         with state.statistics.timer("decode_seconds"):
             to_release = ((importance, wire) + selected.buffers + segments.buffers
                           + wire_format.buffers)
-            segments.deliver(wire_format.decode(wire), selected.indices, grad)
+            decoded = (wire_format.decode(wire) if summed is None
+                       else wire_format.decode(summed.wire, summed.scale))
+            segments.deliver(decoded, selected.indices, grad)
             handed.finish(grad)
             state.non_finite.nan_unless(selected.finite, grad)  # CUDA: a non-finite bucket handed on as NaN
             state.callbacks.release(to_release, device)  # CUDA: after this stream's work
         return grad
 
     return selected.finish(work, unpack)
+
+
+class _Done:
+    """A collective's work that has completed (the two-phase sum, waited for in place)."""
+
+    @staticmethod
+    def get_future() -> torch.futures.Future:
+        future = torch.futures.Future()
+        future.set_result(None)
+        return future

@@ -1,0 +1,54 @@
+"""The int8 wire's two-phase sum (all-to-all, each owner's exact sum rounded once, all-gather):
+every rank ends with the same bytes, and what the ranks' and the owners' rounding dropped plus
+the sum delivered is what the ranks contributed, at any number of ranks."""
+
+import pytest
+import torch
+
+import hook_workers
+from hetero_comm.hooks._two_phase import TWO_PHASE_LEVELS, owned_bounds, two_phase_wire_bytes
+from lab.launch import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+def test_chunks_cover_the_segments_once_and_differ_by_at_most_one():
+    for k in (1, 5, 64, 1000):
+        for world_size in (1, 2, 3, 8, 64):
+            bounds = owned_bounds(k, world_size)
+            sizes = [end - start for start, end in zip(bounds, bounds[1:])]
+            assert bounds[0] == 0 and bounds[-1] == k and min(sizes) >= 0
+            assert max(sizes) - min(sizes) <= 1
+    assert two_phase_wire_bytes(10, 4, 3) == 10 * 4 + 4 * (4 + 4)
+
+
+def check_conservation(results, k, segment):
+    contributed = sum(result["values"] for result in results)
+    dropped = sum(result["dropped"] for result in results)
+    owner_errors = torch.zeros(k, segment)
+    for result in results:
+        start, stop = result["owned"]
+        owner_errors[start:stop] += result["owner_error"]
+    decoded = results[0]["decoded"]
+    torch.testing.assert_close(decoded + dropped + owner_errors, contributed, rtol=0,
+                               atol=1e-5 * contributed.abs().max().item())
+    for result in results[1:]:  # every rank holds the same bytes
+        assert torch.equal(result["wire"], results[0]["wire"])
+        assert torch.equal(result["scale"], results[0]["scale"])
+    # the owner's rounding is at most half a step of its own scale
+    steps = results[0]["scale"].view(-1, 1) / TWO_PHASE_LEVELS
+    assert (owner_errors.abs() <= steps * 0.5 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("world_size,k", [(2, 7), (3, 10), (8, 5), (8, 21)])
+def test_the_sum_conserves_what_the_ranks_sent(world_size, k):
+    check_conservation(run_ranks(world_size, hook_workers.two_phase_sum_parts, k, 6), k, 6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [16, 64])
+def test_the_sum_conserves_at_many_ranks(world_size):
+    """64 ranks: beyond the 63 the int8 allreduce can sum; 3 segments, so most own none."""
+    k = 3 if world_size == 64 else 40
+    check_conservation(run_ranks(world_size, hook_workers.two_phase_sum_parts, k, 4, timeout=300),
+                       k, 4)
