@@ -52,3 +52,9 @@ def test_the_sum_conserves_at_many_ranks(world_size):
     k = 3 if world_size == 64 else 40
     check_conservation(run_ranks(world_size, hook_workers.two_phase_sum_parts, k, 4, timeout=300),
                        k, 4)
+
+
+def test_the_labs_byte_counter_sees_every_collective_the_two_phases_use():
+    """bench_convergence's bytes a step come from this counter: an all-to-all or all-gather it
+    missed would overstate the two-phase sum's compression."""
+    assert run_ranks(2, hook_workers.bytes_counted_by_the_lab) == [40 + 12 + 8 + 16 + 12] * 2

@@ -6,26 +6,34 @@ from typing import Dict
 
 import torch.distributed as dist
 
-__all__ = ["count_collective_bytes"]
+__all__ = ["count_collective_bytes", "COUNTED"]
+
+# The collectives counted, each by the bytes of the tensor a rank hands in (its input):
+# name -> the position of that tensor among the arguments.
+COUNTED = {"all_reduce": 0, "all_gather": 1, "all_gather_into_tensor": 1, "all_gather_single": 1,
+           "reduce_scatter_tensor": 1, "reduce_scatter_single": 1, "all_to_all_single": 1}
 
 
 @contextlib.contextmanager
 def count_collective_bytes(totals: Dict[str, int]):
-    """Add the bytes this rank hands to ``dist.all_reduce`` / ``all_gather`` to
-    ``totals["bytes"]`` while active (by wrapping the two functions of
-    ``torch.distributed``, restored on exit)."""
-    original_allreduce, original_allgather = dist.all_reduce, dist.all_gather
+    """Add the bytes this rank hands to the collectives of :data:`COUNTED` to
+    ``totals["bytes"]`` while active (by wrapping those functions of ``torch.distributed``,
+    restored on exit)."""
+    originals = {name: getattr(dist, name) for name in COUNTED if hasattr(dist, name)}
 
-    def all_reduce(tensor, *args, **kwargs):
-        totals["bytes"] += tensor.numel() * tensor.element_size()
-        return original_allreduce(tensor, *args, **kwargs)
+    def counted(name, original):
+        def collective(*args, **kwargs):
+            position = COUNTED[name]
+            tensor = (args[position] if len(args) > position
+                      else kwargs.get("tensor", kwargs.get("input_tensor", kwargs.get("input"))))
+            totals["bytes"] += tensor.numel() * tensor.element_size()
+            return original(*args, **kwargs)
+        return collective
 
-    def all_gather(tensor_list, tensor, *args, **kwargs):
-        totals["bytes"] += tensor.numel() * tensor.element_size()
-        return original_allgather(tensor_list, tensor, *args, **kwargs)
-
-    dist.all_reduce, dist.all_gather = all_reduce, all_gather
+    for name, original in originals.items():
+        setattr(dist, name, counted(name, original))
     try:
         yield totals
     finally:
-        dist.all_reduce, dist.all_gather = original_allreduce, original_allgather
+        for name, original in originals.items():
+            setattr(dist, name, original)

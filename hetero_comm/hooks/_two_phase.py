@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
+from .._collectives import all_gather_single
 
 __all__ = ["TWO_PHASE_LEVELS", "TwoPhaseSum", "owned_bounds", "two_phase_int8_sum",
            "add_to_residual", "two_phase_wire_bytes"]
@@ -81,7 +82,7 @@ def two_phase_int8_sum(wire: torch.Tensor, scale: torch.Tensor, segment: int,
     payload[:mine * segment] = rounded.to(torch.int8).view(-1).view(torch.uint8)
     payload[width * segment:width * segment + mine * 4] = own_scale.view(torch.uint8)
     gathered = torch.empty(world_size * payload.numel(), dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(gathered, payload, group=group)
+    all_gather_single(gathered, payload, group=group)
     gathered = gathered.view(world_size, -1)
     summed = torch.cat([gathered[r, :sizes[r]] for r in range(world_size)]).view(torch.int8)
     scales = torch.cat([gathered[r, width * segment:width * segment + 4 * (bounds[r + 1] - bounds[r])]
