@@ -72,7 +72,8 @@ def two_phase_int8_sum(wire: torch.Tensor, scale: torch.Tensor, segment: int,
     largest = sums.abs().amax(1, keepdim=True).clamp_(min=1).to(torch.float32)
     sums = sums.to(torch.float32)  # exact: |sums| <= 127 * world_size < 2 ** 24
     rounded = torch.round(sums * TWO_PHASE_LEVELS / largest)
-    own_scale = scale[owned] * (largest.view(-1) / TWO_PHASE_LEVELS)
+    own_scale = (scale[owned] * (largest.view(-1) / TWO_PHASE_LEVELS)).clamp_(
+        max=torch.finfo(torch.float32).max)  # a huge finite scale: no infinite step
     step_in = scale[owned].view(-1, 1) / TWO_PHASE_LEVELS
     step_out = own_scale.view(-1, 1) / TWO_PHASE_LEVELS
     error = (sums * step_in - rounded * step_out).view(-1)
