@@ -111,6 +111,12 @@ ROWS = {
     "recipe_sgd_two_phase": ("SGD recipe, int8 summed in two phases", "sparse",
                              dict(density=0.08, segment_size=512, wire_dtype="int8", momentum=0.9,
                                   min_segments_per_bucket=150, int8_sum="two_phase")),
+    # The AdamW recipe at lower densities (toward 100x), each way of summing the int8 wire.
+    **{f"recipe_adamw_{p}{suffix}": (f"AdamW recipe at {p}%{title}", "sparse",
+                                     dict(density=p / 100, segment_size=512, wire_dtype="int8",
+                                          basis="dct", output="sign", int8_sum=how))
+       for p in (3, 5) for suffix, title, how in (("", "", "allreduce"),
+                                                  ("_two_phase", ", two phases", "two_phase"))},
 }
 PREPARED = {row for row, (_, hook, _) in ROWS.items() if row.startswith("recipe_") and hook != "recipe"}
 ADAMW_ONLY = {row for row, (_, _, settings) in ROWS.items() if settings.get("output") == "sign"} | {"recipe_adamw"}
