@@ -28,6 +28,8 @@ CASES = [
     ("sparse", dict(density=0.05, segment_size=64, basis="dct", output="sign", warmup_steps=2)),
     ("sparse", dict(density=0.1, segment_size=64, basis="dct", output="sign", wire_dtype="int8",
                     warmup_steps=2)),
+    ("sparse", dict(density=0.1, segment_size=64, basis="dct", output="sign", wire_dtype="int8",
+                    int8_sum="two_phase", warmup_steps=2)),
 ]
 
 
