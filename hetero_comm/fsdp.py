@@ -301,9 +301,13 @@ class FSDPSparseState:
             why = (f"its gradient is {shard_grad.dtype}; the exchange compresses float32, "
                    f"bfloat16 and float16 (MixedPrecisionPolicy(reduce_dtype=torch.float32))")
         else:
+            cause = ("was set_reduce_scatter_unused_params turned off since compress?"
+                     if hasattr(FSDPModule, "set_reduce_scatter_unused_params") else
+                     f"torch {torch.__version__} leaves a parameter without a gradient out of the "
+                     f"reduce-scatter; ranks whose batches used other parameters then disagree: "
+                     f"torch 2.12 or later reduces it as zeros")
             why = (f"its reduce-scatter output has {shard_grad.numel()} elements where its "
-                   f"trainable parameters' padded shards make {group.numel} (was "
-                   f"set_reduce_scatter_unused_params turned off since compress?)")
+                   f"trainable parameters' padded shards make {group.numel} ({cause})")
         warnings.warn(f"hetero_comm FSDP exchange: the parameter group {group.name or '(root)'!r} "
                       f"is sent dense (a plain average, without the recipe's momentum "
                       f"correction, while the optimizer steps as the recipe set it): {why}. "

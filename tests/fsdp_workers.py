@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import hetero_comm
-from hetero_comm.fsdp import FSDPSparseState
+from hetero_comm.fsdp import FSDPSparseState, has_all_reduce_hook
 
 MESH_SHAPE = (2, 2)  # 2 machines x 2 ranks
 
@@ -367,10 +367,7 @@ def bad_calls(rank, world_size):
         except (TypeError, ValueError) as error:
             after = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             untouched = ("step" not in vars(optimizer) and after == before
-                         and not any(getattr(getattr(m, "_get_fsdp_state", lambda: None)(),
-                                             "_fsdp_param_groups", None) and
-                                     any(g._all_reduce_hook for g in m._get_fsdp_state()._fsdp_param_groups)
-                                     for m in model.modules()))
+                         and not has_all_reduce_hook(model))
             results[name] = (type(error).__name__, str(error), untouched)
     model = shard(make_model("mlp"), mesh)
     optimizer = torch.optim.AdamW(model.parameters())

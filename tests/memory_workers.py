@@ -42,3 +42,26 @@ def tune_under_ddp(rank, world_size, budget_shares, candidates, directory):
     gathered = [torch.empty_like(flat) for _ in range(world_size)]
     torch.distributed.all_gather(gathered, flat)
     return outcome + (len(calls), all(torch.equal(gathered[0], other) for other in gathered))
+
+
+def tune_alone_on_rank_0(rank, world_size, directory):
+    """Rank 0 tunes a plain (not DDP) model with ``process_group=None`` while rank 1 waits at
+    a barrier; both then meet. Returns rank 0's tuned choices (None on rank 1)."""
+    choices = None
+    if rank == 0:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+                                for _ in range(4)])
+        inputs = torch.randn(256, 128)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            F.mse_loss(model(inputs), inputs).backward()
+
+        profile = profile_memory(model, inputs, swap_directory=directory, swap_bytes_per_s=1e9,
+                                 repeats=1, min_sample_s=0)
+        most = predict(profile, ("keep",) * profile.num_blocks)[0]
+        choices = tune_memory_plan(model, profile, most * 2, step, candidates=1, steps=1, warmup=1,
+                                   swap_directory=directory, process_group=None).plan.choices
+    torch.distributed.barrier()
+    return choices

@@ -121,6 +121,12 @@ def test_conservation_law_of_the_two_phase_int8_sum(basis, device_side_checks, w
                                atol=1e-5)
     assert np.abs(held).max() > 1e-3
     assert_ranks_identical(results)
+    # the two phases really ran: other roundings (127 steps, not 127 // W) and more bytes
+    # handed in (the all-gather's chunk and scales) than the allreduce of the same settings
+    allreduce = run_ranks(world_size, train, "sparse", dict(settings_, int8_sum="allreduce"), 12,
+                          dict(device_side_checks=device_side_checks))
+    assert not np.array_equal(results[0]["applied"], allreduce[0]["applied"])
+    assert results[0]["stats"]["bytes_sent"] > allreduce[0]["stats"]["bytes_sent"]
 
 
 @pytest.mark.multirank

@@ -634,3 +634,11 @@ def test_a_rank_on_which_nothing_fits_makes_every_rank_raise_before_a_step(tmp_p
     assert results[0][0] == "ValueError" and "no plan fits on rank(s) 1" in results[0][1]
     assert results[1][0] == "ValueError" and "budget" in results[1][1]
     assert [result[2] for result in results] == [0, 0]
+
+
+@pytest.mark.multirank
+def test_one_rank_tunes_alone_with_no_process_group(tmp_path):
+    """process_group=None: no comparison with the other ranks, which are busy elsewhere (with
+    the default group, rank 0 would wait for them and raise after the set-up timeout)."""
+    results = run_ranks(2, memory_workers.tune_alone_on_rank_0, str(tmp_path), timeout=60)
+    assert results[1] is None and len(results[0]) == 4

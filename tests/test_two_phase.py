@@ -58,3 +58,21 @@ def test_the_labs_byte_counter_sees_every_collective_the_two_phases_use():
     """bench_convergence's bytes a step come from this counter: an all-to-all or all-gather it
     missed would overstate the two-phase sum's compression."""
     assert run_ranks(2, hook_workers.bytes_counted_by_the_lab) == [40 + 12 + 8 + 16 + 12] * 2
+
+
+@pytest.mark.parametrize("numel,segment", [(100, 8), (96, 8), (5, 8), (1000, 1)])
+def test_the_owners_rounding_is_added_to_exactly_its_segments(numel, segment):
+    """In place on plain segments (the short last one included): the same as spreading the
+    values over a zero vector (unpack_segments) and adding it."""
+    from hetero_comm import ops
+    from hetero_comm.hooks._two_phase import add_to_residual
+
+    count = -(-numel // segment)
+    generator = torch.Generator().manual_seed(numel)
+    for chosen in (torch.tensor([count - 1]), torch.randperm(count, generator=generator)[:max(1, count // 3)].sort().values,
+                   torch.tensor([], dtype=torch.int64)):
+        residual = torch.randn(numel, generator=generator)
+        values = torch.randn(chosen.numel() * segment, generator=generator)
+        expected = residual + ops.unpack_segments(values, chosen, segment, numel)
+        add_to_residual(residual, values, chosen, segment)
+        torch.testing.assert_close(residual, expected, rtol=0, atol=1e-6)

@@ -94,14 +94,25 @@ def two_phase_int8_sum(wire: torch.Tensor, scale: torch.Tensor, segment: int,
 def add_to_residual(residual: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
                     segment: int, block_size: int = 0,
                     coefficients: Optional[torch.Tensor] = None) -> None:
-    """``residual +=`` the segments ``indices`` holding ``values`` (packed, ``segment`` each),
-    zeros elsewhere; with ``block_size`` the segments are of DCT coefficients laid out like
-    ``coefficients`` (whose contents this overwrites) and are transformed back first."""
-    spread = torch.empty_like(residual)
-    if not block_size:
-        ops.unpack_segments(values, indices, segment, residual.numel(), out=spread)
-    else:
+    """``residual +=`` the segments ``indices`` holding ``values`` (packed, ``segment`` each);
+    with ``block_size`` the segments are of DCT coefficients laid out like ``coefficients``
+    (whose contents this overwrites) and are transformed back first (a whole decode). Plain
+    segments are added in place; a short last segment takes its first values."""
+    if indices.numel() == 0:  # this rank owns no segment
+        return
+    if block_size:
+        spread = torch.empty_like(residual)
         ops.unpack_segments(values, indices, segment, coefficients.numel(),
                             out=coefficients.view(-1))
         ops.dct_decode(coefficients, block_size, residual.numel(), out=spread)
-    residual.add_(spread)
+        residual.add_(spread)
+        return
+    whole = residual.numel() // segment
+    rows = values.view(-1, segment)
+    if whole:  # every selected segment is distinct, so each row is added once
+        in_whole = (indices < whole).unsqueeze(1)
+        residual[:whole * segment].view(whole, segment).index_add_(
+            0, indices.clamp(max=whole - 1), rows * in_whole)
+    tail = residual.numel() - whole * segment
+    if tail:  # without a host read of whether the short segment was selected
+        residual[whole * segment:].add_((rows[:, :tail] * (indices == whole).unsqueeze(1)).sum(0))

@@ -116,8 +116,9 @@ class TwoLevelState(SegmentSparseState):
             wire, output, momentum, rank weight, warm-up).
 
     Each share goes through the sparse hook's steps with this state's settings, summed over
-    one rank per machine (so the int8 wire's levels follow from the number of machines, at
-    most 63). :meth:`dense` builds the two-level sum without compression.
+    one rank per machine (so the int8 wire's levels follow from the number of machines; beyond
+    63 machines it is summed in two phases, see ``int8_sum``). :meth:`dense` builds the
+    two-level sum without compression.
 
     Raises:
         ValueError: a machine layout that does not cover the ranks, machines of unequal rank

@@ -11,7 +11,7 @@ The measurements behind this: docs/design/memory.md ("Choosing a plan by measure
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -58,21 +58,44 @@ class TunedMemoryPlan:
         return "\n".join(lines)
 
 
+def _group_stepping_together(process_group) -> Tuple[bool, Optional[dist.ProcessGroup]]:
+    """Whether ranks tune together, and their group (``None``: the default group), from
+    :func:`tune_memory_plan`'s ``process_group``."""
+    if isinstance(process_group, str):
+        if process_group != "default":
+            raise ValueError(f"process_group must be 'default', a ProcessGroup or None; got "
+                             f"{process_group!r}")
+        together = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        return together, None
+    if process_group is None:
+        return False, None
+    return dist.get_world_size(process_group) > 1, process_group
+
+
+def _gathered_for_tuning(value: dict, group: Optional[dist.ProcessGroup], what: str) -> list:
+    try:
+        return gathered_across_ranks(value, group, SETUP_TIMEOUT_SECONDS, what)
+    except RuntimeError as error:
+        raise RuntimeError(f"{error}. Tuning on this rank alone (a copy whose step does not "
+                           f"communicate)? Pass process_group=None") from error
+
+
 def _plans_in_step_with_the_ranks(profile: MemoryProfile, budget_bytes: float, candidates: int,
-                                  steps: int, warmup: int) -> Tuple[list, list]:
-    """This rank's candidate plans, and the repeats of its first that make the ranks run
-    equally many (none outside a multi-rank job). Raises ``ValueError`` on every rank when any
-    rank has no plan that fits, or when the ranks' ``steps`` or ``warmup`` differ."""
+                                  steps: int, warmup: int, together: bool,
+                                  group: Optional[dist.ProcessGroup]) -> Tuple[list, list]:
+    """This rank's candidate plans, and the repeats of its first that make the ranks tuning
+    ``together`` run equally many (none alone). Raises ``ValueError`` on every such rank when
+    any has no plan that fits, or when their ``steps`` or ``warmup`` differ."""
     try:
         plans, error = candidate_plans(profile, budget_bytes, candidates), None
     except ValueError as no_fit:
         plans, error = [], no_fit
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not together:
         if error is not None:
             raise error
         return plans, []
     mine = dict(plans=len(plans), steps=steps, warmup=warmup, error=None if error is None else str(error))
-    ranks = gathered_across_ranks(mine, None, SETUP_TIMEOUT_SECONDS, "tune_memory_plan candidates")
+    ranks = _gathered_for_tuning(mine, group, "tune_memory_plan candidates")
     failed = {rank: value["error"] for rank, value in enumerate(ranks) if value["error"]}
     if failed:
         if error is not None:
@@ -113,7 +136,8 @@ def _run_in_turns(blocks, plans, step: Callable[[], object], meter: MemoryMeter,
 
 def tune_memory_plan(blocks, profile: MemoryProfile, budget_bytes: float, step: Callable[[], object], *,
                      candidates: int = 4, steps: int = 3, warmup: int = 1,
-                     swap_directory: Optional[str] = None) -> TunedMemoryPlan:
+                     swap_directory: Optional[str] = None,
+                     process_group: Union[str, dist.ProcessGroup, None] = "default") -> TunedMemoryPlan:
     """Run the best few plans under ``budget_bytes`` and return the fastest that fits.
 
     Args:
@@ -131,11 +155,14 @@ def tune_memory_plan(blocks, profile: MemoryProfile, budget_bytes: float, step: 
         candidates: how many of the integer program's best plans to run, besides the best
             plan without swapping and the swap-or-recompute rule (see :func:`~hetero_comm.memory.candidate_plans`).
 
-    With ``torch.distributed`` initialised on more than one rank, call it on every rank (a
-    DDP step communicates): the ranks first compare how many plans each will run, and each runs
-    the most any rank runs (repeating its fastest predicted plan, whose extra trials are
-    dropped), so every rank calls ``step`` equally often whatever its budget and profile. A
-    rank on which no plan fits makes every rank raise before any step.
+        process_group: the ranks that tune together because ``step`` communicates among
+            them (a DDP model's group). They first compare how many plans each will run, and
+            each runs the most any of them runs (repeating its fastest predicted plan, whose
+            extra trials are dropped), so every rank calls ``step`` equally often whatever its
+            budget and profile; a rank on which no plan fits, before or after the trials,
+            makes all of them raise. ``"default"`` (default): torch.distributed's default
+            group when it is initialised with more than one rank (call it on every rank);
+            ``None``: this rank alone (tuning a copy whose step does not communicate).
 
     Returns:
         a :class:`TunedMemoryPlan`. Raises ``ValueError`` when no plan fits by the cost model
@@ -147,10 +174,20 @@ def tune_memory_plan(blocks, profile: MemoryProfile, budget_bytes: float, step: 
     check_int("steps", steps, 1)
     check_int("warmup", warmup, 0)
     meter = MemoryMeter(parameter_device(chain_blocks(blocks)[1]))
-    plans, padding = _plans_in_step_with_the_ranks(profile, budget_bytes, candidates, steps, warmup)
+    together, group = _group_stepping_together(process_group)
+    plans, padding = _plans_in_step_with_the_ranks(profile, budget_bytes, candidates, steps, warmup,
+                                                   together, group)
     trials = _run_in_turns(blocks, plans + padding, step, meter, steps, warmup,
                            swap_directory)[:len(plans)]
     fitting = [trial for trial in trials if trial.peak_bytes <= budget_bytes]
+    if together and fitting:  # every rank raises if one found nothing that fits
+        ranks = _gathered_for_tuning(dict(fits=True), group, "tune_memory_plan results")
+        missing = [rank for rank, value in enumerate(ranks) if not value["fits"]]
+        if missing:
+            raise ValueError(f"tune_memory_plan: no candidate plan's step stayed within the "
+                             f"budget on rank(s) {missing}: every rank stops tuning")
+    elif together:
+        _gathered_for_tuning(dict(fits=False), group, "tune_memory_plan results")
     if not fitting:
         least = min(trial.peak_bytes for trial in trials)
         raise ValueError(f"no candidate plan's step stayed within the budget of "
