@@ -455,7 +455,7 @@ def test_int8_wire_sends_a_byte_per_value_and_sums_exact_integers():
 
 def test_int8_wire_refuses_a_world_its_integers_cannot_sum():
     assert int8_levels(2) == 63 and int8_levels(3) == 42 and int8_levels(63) == 2
-    with pytest.raises(ValueError, match="at most 63 ranks"):
+    with pytest.raises(ValueError, match="at most 63 ranks.*int8_sum='two_phase'"):
         int8_levels(64)
 
 
@@ -510,6 +510,9 @@ def test_check_optimizer_warns_when_the_step_does_not_suit_the_output(output, op
     (lambda: SegmentSparseState(density_warmup_steps=-1), "density_warmup_steps"),
     (lambda: SegmentSparseState(basis="wavelet"), "basis must be 'elements', 'dct' or a DCT"),
     (lambda: SegmentSparseState(output="mean"), "output must be one of"),
+    (lambda: SegmentSparseState(wire_dtype="int8", int8_sum="ring"), "int8_sum must be one of"),
+    (lambda: SegmentSparseState(int8_sum="two_phase"), r"int8_sum='two_phase' says how the int8 "
+                                                       r"wire is summed; this state's wire is float32"),
     (lambda: SegmentSparseState(min_segments_per_bucket=-1), "min_segments_per_bucket"),
     (lambda: DCTQuantState(block_size=100), "block_size must be a power of two"),
     (lambda: DCTQuantState(block_size=1), "block_size"),

@@ -76,3 +76,18 @@ def test_the_owners_rounding_is_added_to_exactly_its_segments(numel, segment):
         expected = residual + ops.unpack_segments(values, chosen, segment, numel)
         add_to_residual(residual, values, chosen, segment)
         torch.testing.assert_close(residual, expected, rtol=0, atol=1e-6)
+
+
+def test_auto_sums_in_two_phases_beyond_the_ranks_an_allreduce_can_sum():
+    from hetero_comm.hooks import SegmentSparseState
+
+    for int8_sum, ranks, two_phase, levels in [("auto", 63, False, 2), ("auto", 64, True, 127),
+                                               ("auto", 1000, True, 127), ("two_phase", 2, True, 127),
+                                               ("allreduce", 8, False, 15)]:
+        state = SegmentSparseState(wire_dtype="int8", int8_sum=int8_sum)
+        state.exchange_size = lambda ranks=ranks: ranks
+        assert state.sums_in_two_phases() is two_phase and state.int8_levels() == levels
+    state = SegmentSparseState(wire_dtype="int8", int8_sum="allreduce")
+    state.exchange_size = lambda: 64
+    with pytest.raises(ValueError, match="at most 63 ranks"):
+        state.int8_levels()

@@ -127,6 +127,10 @@ class SegmentSparseState(ErrorFeedbackState):
         self.dct_block_size = basis.block_size if isinstance(basis, DCT) else DCT().block_size
         self.output = check_choice("output", output, OUTPUTS)
         self.int8_sum = check_choice("int8_sum", int8_sum, INT8_SUMS)
+        if int8_sum != "auto" and self.wire_dtype != "int8":
+            raise ValueError(f"int8_sum={int8_sum!r} says how the int8 wire is summed; this "
+                             f"state's wire is {self.wire_dtype} (wire_dtype='int8', or leave "
+                             f"int8_sum='auto')")
         if self.wire_dtype == "int8" and dist.is_initialized():
             self.int8_levels()  # a clear error now rather than at the first step
         self._warned_coarse_segments = False
