@@ -274,7 +274,8 @@ def test_the_integer_program_finds_the_exhaustive_optimum(profile, budget_share)
         profile, rule_choices(profile))[0] <= budget else None
     if seed is not None:  # the swap-or-recompute rule fits too; it is never faster than the optimum
         assert seed.predicted_peak_bytes <= budget * (1 + 1e-9)
-        assert seed.predicted_step_s >= plan.predicted_step_s - 1e-9
+        # (the optimum within the integer program's relative gap, 1e-7, as checked above)
+        assert seed.predicted_step_s >= plan.predicted_step_s * (1 - 1e-6) - 1e-9
 
 
 @pytest.mark.slow
