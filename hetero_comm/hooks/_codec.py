@@ -3,8 +3,9 @@ hook's steps where the gradient is on the CPU (the codec's kernels are compiled 
 GPU takes the steps part by part, :func:`~.segment_sparse.sparse_allreduce`).
 
 Per plan bucket the buffers (importance, indices, scales, wire, DCT coefficients) are made once
-and reused every step while the bucket's shape and ``k`` stay, so a step allocates nothing and
-issues five operator calls: :func:`hetero_comm.ops.sparse_encode_`, the importance's allreduce,
+and reused every step while the bucket's shape and ``k`` stay, so a step allocates nothing (but
+the int8 wire summed in two phases, :mod:`._two_phase`, whose collectives take buffers of their
+own) and issues five operator calls: :func:`hetero_comm.ops.sparse_encode_`, the importance's allreduce,
 :func:`hetero_comm.ops.sparse_pack_`, the wire's allreduce and, once the sum arrives,
 :func:`hetero_comm.ops.sparse_unpack_`.
 """

@@ -180,14 +180,12 @@ def tune_memory_plan(blocks, profile: MemoryProfile, budget_bytes: float, step: 
     trials = _run_in_turns(blocks, plans + padding, step, meter, steps, warmup,
                            swap_directory)[:len(plans)]
     fitting = [trial for trial in trials if trial.peak_bytes <= budget_bytes]
-    if together and fitting:  # every rank raises if one found nothing that fits
-        ranks = _gathered_for_tuning(dict(fits=True), group, "tune_memory_plan results")
+    if together:  # every rank raises if one found nothing that fits (its own reason below)
+        ranks = _gathered_for_tuning(dict(fits=bool(fitting)), group, "tune_memory_plan results")
         missing = [rank for rank, value in enumerate(ranks) if not value["fits"]]
-        if missing:
+        if missing and fitting:
             raise ValueError(f"tune_memory_plan: no candidate plan's step stayed within the "
                              f"budget on rank(s) {missing}: every rank stops tuning")
-    elif together:
-        _gathered_for_tuning(dict(fits=False), group, "tune_memory_plan results")
     if not fitting:
         least = min(trial.peak_bytes for trial in trials)
         raise ValueError(f"no candidate plan's step stayed within the budget of "
