@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <mutex>
 #include <vector>
 
 #include "checks.h"
@@ -33,16 +34,36 @@ int64_t grain_blocks(int64_t block_size) {
   return std::max<int64_t>(1, (int64_t{1} << 16) / block_size);
 }
 
+// The transform's tables for one block size (a power of two): the twiddles and the
+// orthonormal scale of every coefficient. Computed once per block size and kept (a call on a
+// small bucket would otherwise spend a fifth of its time on the cosines).
+struct DctTables {
+  std::vector<float> twiddles, ortho;
+};
+
+const DctTables& dct_tables(int64_t block_size) {
+  static std::once_flag built[64];
+  static DctTables tables[64];
+  const int log2 = __builtin_ctzll(static_cast<unsigned long long>(block_size));
+  std::call_once(built[log2], [&] {
+    tables[log2] = {dct_twiddles(block_size), dct_ortho_scales(block_size, block_size)};
+  });
+  return tables[log2];
+}
+
 // What the fast encode and decode share: the transform's tables and the split of the blocks
 // into batches of kLanes, handed out to threads `grain` batches at a time.
 struct LanePlan {
-  LanePlan(int64_t numel, int64_t block_size, int64_t keep)
-      : twiddles(dct_twiddles(block_size)),
-        ortho(dct_ortho_scales(keep, block_size)),
+  LanePlan(int64_t numel, int64_t block_size)
+      : tables(dct_tables(block_size)),
+        twiddles(tables.twiddles),
+        ortho(tables.ortho),
         blocks(num_segments(numel, block_size)),
         batches(num_segments(blocks, kLanes)),
         grain(std::max<int64_t>(1, grain_blocks(block_size) / kLanes)) {}
-  const std::vector<float> twiddles, ortho;
+  const DctTables& tables;
+  const std::vector<float>& twiddles;  // (the first `keep` scales of `ortho` are used)
+  const std::vector<float>& ortho;
   const int64_t blocks, batches, grain;
 };
 
@@ -108,7 +129,7 @@ void load_batch(const float* coeffs, const float* ortho, const DctLayout& layout
 
 template <typename T>
 void encode_fast(const T* x, int64_t numel, int64_t block_size, const DctLayout& layout, float* out) {
-  const LanePlan plan(numel, block_size, layout.keep);
+  const LanePlan plan(numel, block_size);
   for_each_batch(plan, block_size, [&](int64_t batch, Lanes* work, Lanes* scratch, float* lanes) {
     for (int lane = 0; lane < kLanes; ++lane) {
       const int64_t begin = std::min((batch * kLanes + lane) * block_size, numel);
@@ -149,7 +170,7 @@ void decode_direct(const float* coeffs, const DctLayout& layout, int64_t block_s
 
 void decode_fast(const float* coeffs, const DctLayout& layout, int64_t block_size, int64_t numel,
                  float* out) {
-  const LanePlan plan(numel, block_size, layout.keep);
+  const LanePlan plan(numel, block_size);
   for_each_batch(plan, block_size, [&](int64_t batch, Lanes* work, Lanes* scratch, float* lanes) {
     load_batch(coeffs, plan.ortho.data(), layout, batch * kLanes, plan.blocks, lanes);
     for (int64_t k = layout.keep; k < block_size; ++k) work[k] = Lanes{};

@@ -315,3 +315,50 @@ def test_encode_and_unpack_pass_opcheck():
     wire, indices, scale = torch.randint(-5, 6, (32,), dtype=torch.int8), torch.tensor([1, 4]), torch.rand(2)
     torch.library.opcheck(torch.ops.hetero_comm.sparse_unpack_.default,
                           (wire, indices, scale, 5, 16, 0, True, None, torch.empty(100)))
+
+
+# ------------------------------------------------------------------ the hook's bucket codec
+class _CodecSettings:
+    """What :class:`BucketCodec` reads from a hook state: the AdamW recipe's wire and basis."""
+    basis, dct_block_size, wire_dtype, output = "dct", 64, "int8", "sum"
+
+    def int8_levels(self):
+        return 63
+
+    def sums_in_two_phases(self):
+        return False
+
+    def exchange_size(self):
+        return 2
+
+
+@pytest.mark.parametrize("numel,segment_size", [(4224, 66), (8256, 129), (1003, 3)])
+def test_bucket_codec_calls_the_compiled_ops_as_the_reference_would(numel, segment_size):
+    """The hook's codec calls the compiled ops directly (no wrapper), and the reference
+    kernels through them where none are compiled: the same selection, wire and bucket."""
+    from hetero_comm import kernel_backend
+    from hetero_comm.hooks._codec import BucketCodec
+    if kernel_backend("cpu") != "compiled":
+        pytest.skip("the compiled kernels are not built")
+    count = math.prod(dct_coeffs_shape(numel, 64, 64, segment_size)[:2])
+    codecs, residuals = [], []
+    for compiled in (True, False):
+        codec = BucketCodec(_CodecSettings(), numel, max(1, count // 10), segment_size, count,
+                            torch.device("cpu"))
+        assert codec.compiled  # (built on the CPU with the kernels)
+        codec.compiled = compiled
+        residual = random_tensor(numel, torch.float32, seed=1)
+        codec.encode(residual, random_tensor(numel, torch.float32, seed=2), 0.5, None, 0.0, False)
+        assert codec.pack(residual, None)
+        codecs.append(codec)
+        residuals.append(residual)
+    compiled, by_reference = codecs
+    assert torch.equal(compiled.indices, by_reference.indices)
+    assert (compiled.wire.int() - by_reference.wire.int()).abs().max() <= 1  # at a step's edge
+    torch.testing.assert_close(residuals[0], residuals[1], rtol=1e-5, atol=dct_tolerance(64) * 8)
+    unpacked = []
+    for codec in codecs:  # the same summed wire into the bucket
+        bucket = torch.full((numel,), math.nan)
+        codec.unpack(compiled.wire, compiled.scale, bucket)
+        unpacked.append(bucket)
+    torch.testing.assert_close(unpacked[0], unpacked[1], rtol=1e-5, atol=dct_tolerance(64) * 8)

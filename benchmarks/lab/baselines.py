@@ -6,24 +6,31 @@ Communication for Giant Model Training") as a DDP hook: full precision inside a 
 blockwise int4 between machines (DeepSpeed's own is CUDA-only). It is a benchmark baseline,
 labelled as such, not part of the library's API: it keeps no error feedback, as qgZ keeps none.
 
+:class:`DeMoState` with :func:`demo_hook` is DeMo (Peng, Quesnelle and Kingma 2024, "DeMo:
+Decoupled Momentum Optimization", arXiv 2411.19870; no package of it runs here) as a DDP hook:
+each rank keeps its own momentum, sends only its largest DCT components per chunk, and the
+optimizer steps by the sign of their mean (signum; AdamW with betas (0, 0) does that step with
+DeMo's decoupled weight decay).
+
 :class:`SparseLoCo` is SparseLoCo's scheme (Sarfi et al. 2025, "Communication Efficient LLM
 Pre-training with SparseLoCo", arXiv 2508.15706; no package provides it) between sites:
 synchronous rounds of top-k per chunk at 2 bits with error feedback, DDP inside each site.
 """
 
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
+from hetero_comm import ops
 from hetero_comm._checks import check_float, check_int
 from hetero_comm._collectives import all_gather_single
 from hetero_comm.hooks.two_level import Shares, TwoLevelState, two_level_hook
 from hetero_comm.sync.wire import pack_codes, unpack_codes
 
 __all__ = ["Int4BetweenMachinesState", "int4_between_machines_hook", "quantize_int4",
-           "dequantize_int4", "SparseLoCo", "encode_top_k_2bit", "decode_top_k_2bit"]
+           "dequantize_int4", "DeMoState", "demo_hook", "SparseLoCo", "encode_top_k_2bit", "decode_top_k_2bit"]
 
 INT4_LEVELS = 7  # symmetric: -7..7 (one code of 16 unused)
 
@@ -107,6 +114,68 @@ def int4_between_machines_hook(state: Int4BetweenMachinesState, bucket: dist.Gra
 
 # ----- SparseLoCo ----------------------------------------------------------------------------
 _TWO_BIT_CODES = torch.tensor([-3.0, -1.0, 1.0, 3.0]) / 3  # of the chunk's scale
+
+
+class DeMoState:
+    """DeMo's settings and each bucket's momentum (a baseline written from the paper).
+
+    Args:
+        process_group: the group to synchronise in (``None``: the default group).
+        chunk: values a DCT chunk, a power of two (the paper's 64).
+        top_k: components each rank sends a chunk, in [1, chunk].
+        decay: the momentum's decay ``beta`` (the paper's 0.999).
+
+    On the wire each component is its value as bfloat16 and its position in the chunk as one
+    byte (``chunk`` <= 256): ``3 * top_k`` bytes a chunk of ``4 * chunk`` dense bytes.
+    """
+
+    def __init__(self, *, process_group=None, chunk: int = 64, top_k: int = 2,
+                 decay: float = 0.999) -> None:
+        self.chunk = check_int("chunk", chunk, 1, 256)
+        if chunk & (chunk - 1):
+            raise ValueError(f"chunk must be a power of two (the DCT's block); got {chunk}")
+        self.top_k = check_int("top_k", top_k, 1, chunk)
+        self.decay = check_float("decay", decay, 0.0, 1.0)
+        self.process_group = process_group
+        self.momentum: Dict[int, torch.Tensor] = {}
+
+    def momentum_of(self, bucket: dist.GradBucket) -> torch.Tensor:
+        """The bucket's momentum (zeros at first, and when DDP re-lays its buckets out)."""
+        grad = bucket.buffer()
+        momentum = self.momentum.get(bucket.index())
+        if momentum is None or momentum.numel() != grad.numel():
+            momentum = self.momentum[bucket.index()] = torch.zeros(grad.numel(), device=grad.device)
+        return momentum
+
+
+@torch.no_grad()
+def demo_hook(state: DeMoState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """One DeMo step for a bucket: ``m = decay * m + g``; the ``top_k`` largest DCT components
+    of each chunk of ``m`` are taken out of ``m`` and all-gathered; the bucket becomes the sign
+    of the mean over ranks of what they took out, transformed back."""
+    grad, chunk, k = bucket.buffer(), state.chunk, state.top_k
+    numel = grad.numel()
+    momentum = state.momentum_of(bucket)
+    momentum.mul_(state.decay).add_(grad)
+    coefficients = ops.dct_encode(momentum, chunk, chunk)  # [chunks, chunk]
+    positions = coefficients.abs().topk(k, dim=1).indices
+    values = coefficients.gather(1, positions)
+    momentum.sub_(ops.dct_decode(torch.zeros_like(coefficients).scatter_(1, positions, values),
+                                 chunk, numel))
+    sent = values.numel()
+    payload = torch.cat([values.to(torch.bfloat16).view(-1).view(torch.uint8),
+                         positions.to(torch.uint8).view(-1)])
+    world_size = dist.get_world_size(state.process_group)
+    gathered = payload.new_empty(world_size * payload.numel())
+    dist.all_gather_into_tensor(gathered, payload, group=state.process_group)
+    mean = torch.zeros_like(coefficients)
+    for part in gathered.view(world_size, -1):
+        rank_values = part[:2 * sent].view(torch.bfloat16).float().view_as(values)
+        mean.scatter_add_(1, part[2 * sent:].long().view_as(positions), rank_values)
+    grad.copy_(ops.dct_decode(mean.div_(world_size), chunk, numel).sign_())
+    future = torch.futures.Future()
+    future.set_result(grad)
+    return future
 
 
 def _chunked(values: torch.Tensor, chunk: int) -> torch.Tensor:

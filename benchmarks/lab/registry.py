@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from hetero_comm._checks import check_choice, check_int
 from hetero_comm.recipes import density_for_ratio
-from .baselines import Int4BetweenMachinesState, int4_between_machines_hook
+from .baselines import DeMoState, Int4BetweenMachinesState, demo_hook, int4_between_machines_hook
 from hetero_comm.hooks import (AllreduceState, DCTQuantState, HookState, SegmentSparseState, TwoLevelState,
                      allreduce_hook, dct_quant_hook, segment_sparse_hook, two_level_hook)
 
@@ -27,7 +27,8 @@ class HookSpec:
     unequal batches can be weighted exactly; ``one_call``: :func:`hetero_comm.compress` builds
     the state and registers the hook from the model and its optimizer (settings: ``ratio``,
     ``machines``); ``collective``: building the state is a collective (it creates process
-    groups), so without a process group the settings' names are checked only.
+    groups), so without a process group the settings' names are checked only; ``hands_sign``:
+    the hook hands the optimizer a sign, for AdamW with betas ``(0, 0)`` (signum).
     """
 
     name: str
@@ -38,6 +39,7 @@ class HookSpec:
     defaults: Tuple[Tuple[str, object], ...] = ()
     one_call: bool = False
     collective: bool = False  # building the state creates process groups
+    hands_sign: bool = False
 
     @property
     def is_hetero_comm(self) -> bool:
@@ -122,6 +124,8 @@ HOOKS: Dict[str, HookSpec] = {spec.name: spec for spec in (
              TwoLevelState.dense, weighted=True, collective=True),
     HookSpec("int4_qgz", "ZeRO++ qgZ scheme: int4 between machines (baseline from the paper)",
              int4_between_machines_hook, Int4BetweenMachinesState, weighted=True, collective=True),
+    HookSpec("demo", "DeMo: each rank's top DCT components of its momentum, signum (baseline "
+             "from the paper)", demo_hook, DeMoState, weighted=False, hands_sign=True),
     *_torch_hooks(),
 )}
 WEIGHTED_HOOKS = tuple(name for name, spec in HOOKS.items() if spec.weighted)

@@ -141,6 +141,9 @@ class TrainConfig:
             raise ValueError("the sparse hook's output='sign' is a recipe for AdamW (with "
                              "betas=(0.0, 0.0)); SGD's learning rate is not one for sign "
                              "steps: use output='sum'")
+        if self.optimizer != "adamw" and HOOKS[self.hook].hands_sign:
+            raise ValueError(f"hook {self.hook!r} hands the optimizer a sign: use "
+                             f"optimizer='adamw' (betas (0, 0) step by lr times it)")
         if self.prepare_optimizer and not HOOKS[self.hook].is_hetero_comm:
             raise ValueError(f"prepare_optimizer needs a hetero_comm hook; {self.hook!r} is torch's")
         if HOOKS[self.hook].one_call and (self.prepare_optimizer or self.skip_dropped):
@@ -172,13 +175,15 @@ class TrainConfig:
         return 0.0 if self.hook_settings.get("momentum") else self.momentum
 
     def adam_betas(self) -> Tuple[float, float]:
-        """AdamW's betas: ``(0.0, 0.0)`` with the sparse hook's ``output="sign"`` (AdamW then
+        """AdamW's betas: ``(0.0, 0.0)`` with the sparse hook's ``output="sign"`` or a hook that
+        hands a sign (DeMo's baseline; AdamW then
         steps by ``lr`` times the sign it is given, with its decoupled weight decay: error
         feedback already accumulates the gradient as a momentum would); else
         ``(0.9, 0.999)``."""
         if self.prepare_optimizer:
             return (0.9, 0.999)
-        return (0.0, 0.0) if self.hook_settings.get("output") == "sign" else (0.9, 0.999)
+        signs = self.hook_settings.get("output") == "sign" or HOOKS[self.hook].hands_sign
+        return (0.0, 0.0) if signs else (0.9, 0.999)
 
     def make_optimizer(self, parameters, total_steps: int):
         """The optimizer and its per-step learning-rate schedule."""

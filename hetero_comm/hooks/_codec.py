@@ -11,6 +11,7 @@ own) and issues five operator calls: :func:`hetero_comm.ops.sparse_encode_`, the
 """
 
 import math
+import time
 import weakref
 from typing import Optional
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
+from .._backend import kernel_backend
 from .._layout import dct_coeffs_shape, num_segments
 from ._non_finite import NonFiniteGradient
 from ._plan import PlanBucket
@@ -52,6 +54,45 @@ class BucketCodec:
         self.indices = torch.empty(k, dtype=torch.int64, device=device)
         self.wire = torch.empty(k * segment, dtype=WIRE_DTYPES[state.wire_dtype], device=device)
         self.sign = state.output == "sign"
+        self.device = device
+        # the compiled ops called directly: the hook's host time is a few calls a bucket
+        self.compiled = device.type == "cpu" and kernel_backend(device) == "compiled"
+
+    def encode(self, residual: torch.Tensor, grad: torch.Tensor, weight: float,
+               velocity: Optional[torch.Tensor], momentum: float, nesterov: bool) -> None:
+        """:func:`hetero_comm.ops.sparse_encode_` into this codec's importance."""
+        if self.compiled:
+            torch.ops.hetero_comm.sparse_encode_.default(
+                residual, grad, weight, velocity, momentum, nesterov, self.segment,
+                self.block_size, self.coefficients, self.importance)
+        else:
+            ops.sparse_encode_(residual, grad, self.segment, self.importance, weight=weight,
+                               velocity=velocity, momentum=momentum, nesterov=nesterov,
+                               block_size=self.block_size, coefficients=self.coefficients)
+
+    def pack(self, residual: torch.Tensor, velocity: Optional[torch.Tensor]) -> bool:
+        """:func:`hetero_comm.ops.sparse_pack_` of the agreed importance onto this codec's
+        wire; False if the importance is not finite."""
+        if self.compiled:
+            return torch.ops.hetero_comm.sparse_pack_.default(
+                residual, self.coefficients, velocity, self.importance, self.segment,
+                self.block_size, self.scale_factor, self.levels, self.indices, self.scale,
+                self.wire)
+        return ops.sparse_pack_(residual, self.importance, self.segment, self.indices, self.wire,
+                                block_size=self.block_size, coefficients=self.coefficients,
+                                velocity=velocity, levels=self.levels, scale=self.scale,
+                                scale_factor=self.scale_factor)
+
+    def unpack(self, wire: torch.Tensor, scale: Optional[torch.Tensor], grad: torch.Tensor) -> None:
+        """:func:`hetero_comm.ops.sparse_unpack_` of the summed ``wire`` into ``grad``."""
+        if self.compiled:
+            torch.ops.hetero_comm.sparse_unpack_.default(
+                wire, self.indices, scale, self.levels, self.segment, self.block_size, self.sign,
+                self.coefficients, grad)
+        else:
+            ops.sparse_unpack_(wire, self.indices, self.segment, grad, levels=self.levels,
+                               scale=scale, block_size=self.block_size,
+                               coefficients=self.coefficients, sign=self.sign)
 
     def wire_bytes(self) -> int:
         """Bytes handed to the collectives per step: the importance and the wire."""
@@ -70,6 +111,10 @@ class CodecBuffers:
     def codec_for(self, state, plan_bucket: PlanBucket, grad: torch.Tensor, index: int) -> BucketCodec:
         owner = plan_bucket.origin  # (the two-level sync's share, the kept part of one)
         numel = grad.numel()
+        codec = self._codecs.get(owner)
+        if codec is not None and codec.numel == numel and codec.device == grad.device \
+                and state.segments_to_send(codec.count, state.step) == codec.k:
+            return codec  # (the segments follow from the settings and numel alone)
         segment = state.segment_size_for(numel)
         block = state.dct_block_size if state.basis == "dct" else 0
         count = (num_segments(numel, segment) if not block
@@ -77,11 +122,8 @@ class CodecBuffers:
         k = state.segments_to_send(count, state.step)
         if not block and k < count < MIN_SEGMENTS_PER_BUCKET:
             state.warn_coarse_segments(index, numel, segment, count)
-        codec = self._codecs.get(owner)
-        if codec is None or (codec.numel, codec.k, codec.segment) != (numel, k, segment) \
-                or codec.importance.device != grad.device:
-            codec = self._codecs[owner] = BucketCodec(state, numel, k, segment, count, grad.device)
-            self.builds += 1
+        codec = self._codecs[owner] = BucketCodec(state, numel, k, segment, count, grad.device)
+        self.builds += 1
         return codec
 
 
@@ -95,11 +137,10 @@ def codec_allreduce(state, plan_bucket: PlanBucket, grad: torch.Tensor, index: i
     codec = state.codecs.codec_for(state, plan_bucket, grad, index)  # (too many ranks for
     # the int8 wire raise there, before anything is written)
     velocity: Optional[torch.Tensor] = plan_bucket.tensors["momentum"] if state.momentum else None
-    with state.statistics.timer("encode_seconds"):
-        ops.sparse_encode_(plan_bucket.tensors["residual"], grad, codec.segment, codec.importance,
-                           weight=state.contribution_weight(), velocity=velocity,
-                           momentum=state.momentum, nesterov=state.nesterov,
-                           block_size=codec.block_size, coefficients=codec.coefficients)
+    began = time.perf_counter()
+    codec.encode(plan_bucket.tensors["residual"], grad, state.contribution_weight(), velocity,
+                 state.momentum, state.nesterov)
+    state.statistics.counters["encode_seconds"] += time.perf_counter() - began
     work = dist.all_reduce(codec.importance, group=state.exchange_group(), async_op=True)
     agreement = AgreementInFlight(state, codec, plan_bucket, grad, index, velocity, work)
     if agreements is None:
@@ -130,13 +171,9 @@ class AgreementInFlight:
         state, codec, grad = self.state, self.codec, self.grad
         try:
             self.work.wait()
-            with state.statistics.timer("encode_seconds"):
-                finite = ops.sparse_pack_(self.plan_bucket.tensors["residual"], codec.importance,
-                                          codec.segment, codec.indices, codec.wire,
-                                          block_size=codec.block_size,
-                                          coefficients=codec.coefficients, velocity=self.velocity,
-                                          levels=codec.levels, scale=codec.scale,
-                                          scale_factor=codec.scale_factor)
+            began = time.perf_counter()
+            finite = codec.pack(self.plan_bucket.tensors["residual"], self.velocity)
+            state.statistics.counters["encode_seconds"] += time.perf_counter() - began
             if not finite:  # its own tensors too: a kept part's are scattered back later
                 for tensor in self.plan_bucket.tensors.values():
                     tensor.zero_()
@@ -186,11 +223,9 @@ class AgreementInFlight:
                 (self.wire_work if summed is None else summed).wait()
             wire, scale = ((codec.wire, codec.scale) if self.wire_work is not None
                            else (self.summed.wire, self.summed.scale))
-            with self.state.statistics.timer("decode_seconds"):
-                ops.sparse_unpack_(wire, codec.indices, codec.segment, self.grad,
-                                   levels=codec.levels, scale=scale,
-                                   block_size=codec.block_size, coefficients=codec.coefficients,
-                                   sign=codec.sign)
+            began = time.perf_counter()
+            codec.unpack(wire, scale, self.grad)
+            self.state.statistics.counters["decode_seconds"] += time.perf_counter() - began
         except BaseException as error:
             self.delivered.set_exception(error)
         else:
