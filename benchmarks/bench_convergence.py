@@ -1,9 +1,10 @@
 """Does compressed sync converge where people train? Final validation loss (and accuracy) of
-every hook against dense, on several workloads and optimizers, at 2 and 4 gloo ranks.
+every hook against dense, on several workloads and optimizers, at 2 to 16 gloo ranks.
 
 Workloads:
 * ``gpt_adamw``: a byte-level transformer (0.83M parameters) on real text (Python's pydoc
-  topics), AdamW with linear warm-up and a cosine schedule, clipping 1.0;
+  topics), AdamW at 3e-3 with linear warm-up and a cosine schedule, clipping 1.0;
+  ``gpt_adamw_0.001`` the same at 1e-3;
 * ``digits_sgd_<lr>``: the digits MLP with SGD, momentum 0.9, at lr 0.02, 0.05 and 0.1;
 * ``cnn_sgd``: the digits CNN (13.8K parameters), SGD lr 0.05, momentum 0.9, 12 epochs (at 4
   ranks 132 steps; at 6 the recipe fell 1.4-7 points behind there, docs/recipes.md "Not yet").
@@ -37,19 +38,21 @@ from statistics import mean
 from typing import Optional
 
 from hetero_comm.hooks import DCT
+from hetero_comm.hooks.segment_sparse import SIGN_LR_SCALE
 from lab.training import TrainConfig, run_training
 
 WORKLOADS = {
-    "gpt_adamw": dict(model="gpt", hidden=128, optimizer="adamw", lr=3e-3, weight_decay=0.01,
-                      lr_warmup_steps=30, lr_schedule="cosine", clip_norm=1.0, epochs=4,
-                      global_batch=32),
+    **{name: dict(model="gpt", hidden=128, optimizer="adamw", lr=lr, weight_decay=0.01,
+                  lr_warmup_steps=30, lr_schedule="cosine", clip_norm=1.0, epochs=4,
+                  global_batch=32)
+       for name, lr in (("gpt_adamw", 3e-3), ("gpt_adamw_0.001", 1e-3))},
     **{f"digits_sgd_{lr}": dict(model="mlp", optimizer="sgd", lr=lr, momentum=0.9, epochs=8,
                                 global_batch=64) for lr in (0.02, 0.05, 0.1)},
     "cnn_sgd": dict(model="cnn", hidden=64, optimizer="sgd", lr=0.05, momentum=0.9, epochs=12,
                     global_batch=64),
 }
 # Seeds per cell when --seeds is not given.
-SEEDS = {workload: 1 if workload == "gpt_adamw" else 3 for workload in WORKLOADS}
+SEEDS = {workload: 1 if workload.startswith("gpt_adamw") else 3 for workload in WORKLOADS}
 ROWS = {
     "dense": ("dense allreduce", "dense", {}),
     "fp16": ("torch fp16_compress", "fp16", {}),
@@ -117,9 +120,20 @@ ROWS = {
                                           basis="dct", output="sign", int8_sum=how))
        for p in (3, 5) for suffix, title, how in (("", "", "allreduce"),
                                                   ("_two_phase", ", two phases", "two_phase"))},
+    # DeMo (baseline written from the paper, benchmarks/lab/baselines.py): each rank's top_k
+    # DCT components of every 64 values of its momentum, all-gathered as bfloat16 values and
+    # one-byte positions (3 bytes each: 43x at 2, 85x at 1); signum at the AdamW recipe's
+    # rate (RUN_LIKE_THE_RECIPE).
+    **{f"demo_k{k}": (f"DeMo (baseline), top {k} of 64", "demo", dict(chunk=64, top_k=k))
+       for k in (1, 2)},
 }
 PREPARED = {row for row, (_, hook, _) in ROWS.items() if row.startswith("recipe_") and hook != "recipe"}
-ADAMW_ONLY = {row for row, (_, _, settings) in ROWS.items() if settings.get("output") == "sign"} | {"recipe_adamw"}
+ADAMW_ONLY = ({row for row, (_, hook, settings) in ROWS.items()
+               if settings.get("output") == "sign" or hook == "demo"} | {"recipe_adamw"})
+# Rows stepping by a sign at the rate and decay the one call gives the AdamW recipe (its
+# SIGN_LR_SCALE times the workload's rate, the decay divided by it), so that the comparison is
+# of what is sent, not of the rate.
+RUN_LIKE_THE_RECIPE = {row for row, (_, hook, _) in ROWS.items() if hook == "demo"}
 SGD_ONLY = {row for row, (_, _, settings) in ROWS.items() if settings.get("momentum")} | {"recipe_sgd"}
 # Without --rows: the peers, and every hetero_comm mode at 30x or more (the plain sparse hook,
 # the DCT hook, the two recipes, and the SGD recipe without its minimum of segments); the rest
@@ -141,6 +155,9 @@ def run(workload: str, ranks: int, row: str, quick: bool, epochs: Optional[int] 
         options["epochs"] = epochs
     if quick:
         options["epochs"] = 1
+    if row in RUN_LIKE_THE_RECIPE:
+        options["lr"] *= SIGN_LR_SCALE
+        options["weight_decay"] /= SIGN_LR_SCALE
     if hook == "powersgd":
         # On gloo, torch's powerSGD_hook with several buckets lets ranks issue collectives in
         # different orders (a "collective mismatch" abort, seen at 4 ranks): one bucket.

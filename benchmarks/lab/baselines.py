@@ -30,7 +30,7 @@ from hetero_comm.hooks.two_level import Shares, TwoLevelState, two_level_hook
 from hetero_comm.sync.wire import pack_codes, unpack_codes
 
 __all__ = ["Int4BetweenMachinesState", "int4_between_machines_hook", "quantize_int4",
-           "dequantize_int4", "DeMoState", "demo_hook", "SparseLoCo", "encode_top_k_2bit", "decode_top_k_2bit"]
+           "dequantize_int4", "DeMoState", "demo_exchange", "demo_hook", "SparseLoCo", "encode_top_k_2bit", "decode_top_k_2bit"]
 
 INT4_LEVELS = 7  # symmetric: -7..7 (one code of 16 unused)
 
@@ -139,23 +139,22 @@ class DeMoState:
         self.process_group = process_group
         self.momentum: Dict[int, torch.Tensor] = {}
 
-    def momentum_of(self, bucket: dist.GradBucket) -> torch.Tensor:
-        """The bucket's momentum (zeros at first, and when DDP re-lays its buckets out)."""
-        grad = bucket.buffer()
-        momentum = self.momentum.get(bucket.index())
+    def momentum_of(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        """Bucket ``index``'s momentum (zeros at first, and when DDP re-lays its buckets out)."""
+        momentum = self.momentum.get(index)
         if momentum is None or momentum.numel() != grad.numel():
-            momentum = self.momentum[bucket.index()] = torch.zeros(grad.numel(), device=grad.device)
+            momentum = self.momentum[index] = torch.zeros(grad.numel(), device=grad.device)
         return momentum
 
 
 @torch.no_grad()
-def demo_hook(state: DeMoState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """One DeMo step for a bucket: ``m = decay * m + g``; the ``top_k`` largest DCT components
-    of each chunk of ``m`` are taken out of ``m`` and all-gathered; the bucket becomes the sign
-    of the mean over ranks of what they took out, transformed back."""
-    grad, chunk, k = bucket.buffer(), state.chunk, state.top_k
-    numel = grad.numel()
-    momentum = state.momentum_of(bucket)
+def demo_exchange(state: DeMoState, index: int, grad: torch.Tensor) -> torch.Tensor:
+    """One DeMo step for bucket ``index``'s flat ``grad``, which it overwrites and returns:
+    ``m = decay * m + grad``; the ``top_k`` largest DCT components of each chunk of ``m`` are
+    taken out of ``m`` and all-gathered; ``grad`` becomes the sign of the mean over ranks of
+    what they took out, transformed back."""
+    chunk, k, numel = state.chunk, state.top_k, grad.numel()
+    momentum = state.momentum_of(index, grad)
     momentum.mul_(state.decay).add_(grad)
     coefficients = ops.dct_encode(momentum, chunk, chunk)  # [chunks, chunk]
     positions = coefficients.abs().topk(k, dim=1).indices
@@ -172,9 +171,13 @@ def demo_hook(state: DeMoState, bucket: dist.GradBucket) -> torch.futures.Future
     for part in gathered.view(world_size, -1):
         rank_values = part[:2 * sent].view(torch.bfloat16).float().view_as(values)
         mean.scatter_add_(1, part[2 * sent:].long().view_as(positions), rank_values)
-    grad.copy_(ops.dct_decode(mean.div_(world_size), chunk, numel).sign_())
+    return grad.copy_(ops.dct_decode(mean.div_(world_size), chunk, numel).sign_())
+
+
+def demo_hook(state: DeMoState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """:func:`demo_exchange` as a DDP communication hook (synchronous)."""
     future = torch.futures.Future()
-    future.set_result(grad)
+    future.set_result(demo_exchange(state, bucket.index(), bucket.buffer()))
     return future
 
 
