@@ -2,11 +2,14 @@
 thread): the floor under the hook's host time per bucket (docs/design/hooks.md).
 
 A bucket of ``--numel`` float32 values in segments of ``--segment`` (the elements basis, the
-int8 wire, 10% of the segments), and the same with the DCT basis (blocks of 64, groups of 4);
+int8 wire, 10% of the segments), and the same with the DCT basis (blocks of 64 in groups of
+``--dct-segment``; by default all blocks in one group, as the AdamW recipe cuts a bucket this
+small);
 each call's median over ``--calls`` calls, with a dense ``dist.all_reduce`` of the importance
 on a world size 1 gloo group beside them.
 
-    python benchmarks/bench_codec_calls.py [--numel 4160] [--segment 16] [--calls 2000]
+    python benchmarks/bench_codec_calls.py [--numel 4160] [--segment 16] [--dct-segment 65]
+        [--calls 2000]
 """
 
 import argparse
@@ -64,6 +67,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=4160)
     parser.add_argument("--segment", type=int, default=16)
+    parser.add_argument("--dct-segment", type=int, default=None,
+                        help="blocks a DCT group (default: every block of the bucket)")
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args()
     with socket.socket() as probe:  # a free port on the loopback
@@ -73,7 +78,7 @@ def main() -> None:
     print(f"codec calls: torch {torch.__version__}, kernels {hetero_comm.kernel_backend('cpu')}, "
           f"{torch.get_num_threads()} threads; a bucket of {args.numel} values, median us a call")
     elements = rows(args.numel, args.segment, 0, args.calls)
-    dct = rows(args.numel, 4, 64, args.calls)
+    dct = rows(args.numel, args.dct_segment or -(-args.numel // 64), 64, args.calls)
     print(f"  {'call':<30} {'elements, int8':>15} {'DCT 64, int8':>13}")
     for name in elements:
         print(f"  {name:<30} {elements[name]:>15.1f} {dct[name]:>13.1f}")
