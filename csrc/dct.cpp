@@ -35,8 +35,8 @@ int64_t grain_blocks(int64_t block_size) {
 }
 
 // The transform's tables for one block size (a power of two): the twiddles and the
-// orthonormal scale of every coefficient. Computed once per block size and kept (a call on a
-// small bucket would otherwise spend a fifth of its time on the cosines).
+// orthonormal scale of every coefficient. Computed once per block size and kept, instead of
+// block_size cosines and square roots in double on every call.
 struct DctTables {
   std::vector<float> twiddles, ortho;
 };
@@ -62,8 +62,8 @@ struct LanePlan {
         batches(num_segments(blocks, kLanes)),
         grain(std::max<int64_t>(1, grain_blocks(block_size) / kLanes)) {}
   const DctTables& tables;
-  const std::vector<float>& twiddles;  // (the first `keep` scales of `ortho` are used)
-  const std::vector<float>& ortho;
+  const std::vector<float>& twiddles;
+  const std::vector<float>& ortho;  // every coefficient's; a layout keeping `keep` reads the first
   const int64_t blocks, batches, grain;
 };
 

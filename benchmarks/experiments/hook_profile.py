@@ -6,6 +6,9 @@ per bucket and as a share of the hook's time. The profiler's own cost inflates e
 call, so read the shares, not the absolute figures.
 
     PYTHONPATH=benchmarks python benchmarks/experiments/hook_profile.py [--optimizer sgd|adamw]
+
+``--unprofiled`` runs the steps (3,000) without cProfile, for a sampling profiler outside:
+``py-spy record -f raw -o out.txt -- python benchmarks/experiments/hook_profile.py --unprofiled``.
 """
 
 import argparse
@@ -27,6 +30,8 @@ STEPS = 300
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    parser.add_argument("--unprofiled", action="store_true",
+                        help="3000 steps without cProfile (for py-spy or perf outside)")
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -46,6 +51,11 @@ def main() -> None:
 
     for _ in range(20):
         step()
+    if args.unprofiled:
+        for _ in range(10 * STEPS):
+            step()
+        dist.destroy_process_group()
+        return
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(STEPS):

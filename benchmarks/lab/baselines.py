@@ -10,7 +10,8 @@ labelled as such, not part of the library's API: it keeps no error feedback, as 
 Decoupled Momentum Optimization", arXiv 2411.19870; no package of it runs here) as a DDP hook:
 each rank keeps its own momentum, sends only its largest DCT components per chunk, and the
 optimizer steps by the sign of their mean (signum; AdamW with betas (0, 0) does that step with
-DeMo's decoupled weight decay).
+DeMo's decoupled weight decay). :func:`demo_exchange` says where it departs from the authors'
+code.
 
 :class:`SparseLoCo` is SparseLoCo's scheme (Sarfi et al. 2025, "Communication Efficient LLM
 Pre-training with SparseLoCo", arXiv 2508.15706; no package provides it) between sites:
@@ -151,8 +152,13 @@ class DeMoState:
 def demo_exchange(state: DeMoState, index: int, grad: torch.Tensor) -> torch.Tensor:
     """One DeMo step for bucket ``index``'s flat ``grad``, which it overwrites and returns:
     ``m = decay * m + grad``; the ``top_k`` largest DCT components of each chunk of ``m`` are
-    taken out of ``m`` and all-gathered; ``grad`` becomes the sign of the mean over ranks of
-    what they took out, transformed back."""
+    taken out of ``m`` and all-gathered; ``grad`` becomes the sign of what they took out,
+    averaged per component over the ranks that sent it and transformed back.
+
+    Where this differs from the authors' optimizer: it chunks the flat DDP bucket in 1D chunks
+    of ``chunk`` (the last zero-padded), where they chunk each parameter (matrices in 2D tiles,
+    64 x 64 with 32 components by default); its momentum adds the gradient, not the rate times
+    it (a hook does not see the rate)."""
     chunk, k, numel = state.chunk, state.top_k, grad.numel()
     momentum = state.momentum_of(index, grad)
     momentum.mul_(state.decay).add_(grad)
@@ -167,11 +173,17 @@ def demo_exchange(state: DeMoState, index: int, grad: torch.Tensor) -> torch.Ten
     world_size = dist.get_world_size(state.process_group)
     gathered = payload.new_empty(world_size * payload.numel())
     dist.all_gather_into_tensor(gathered, payload, group=state.process_group)
-    mean = torch.zeros_like(coefficients)
+    summed, senders = torch.zeros_like(coefficients), torch.zeros_like(coefficients)
+    ones = torch.ones_like(values)
     for part in gathered.view(world_size, -1):
-        rank_values = part[:2 * sent].view(torch.bfloat16).float().view_as(values)
-        mean.scatter_add_(1, part[2 * sent:].long().view_as(positions), rank_values)
-    return grad.copy_(ops.dct_decode(mean.div_(world_size), chunk, numel).sign_())
+        # (a copy: an odd rank's values may start at an odd byte, which a bfloat16 view refuses)
+        rank_values = part[:2 * sent].clone().view(torch.bfloat16).float().view_as(values)
+        rank_positions = part[2 * sent:].long().view_as(positions)
+        summed.scatter_add_(1, rank_positions, rank_values)
+        senders.scatter_add_(1, rank_positions, ones)
+    # each component's mean over the ranks that sent it, as the authors' code averages
+    mean = summed.div_(senders.clamp_(min=1))
+    return grad.copy_(ops.dct_decode(mean, chunk, numel).sign_())
 
 
 def demo_hook(state: DeMoState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
