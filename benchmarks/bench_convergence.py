@@ -46,13 +46,18 @@ WORKLOADS = {
                   lr_warmup_steps=30, lr_schedule="cosine", clip_norm=1.0, epochs=4,
                   global_batch=32)
        for name, lr in (("gpt_adamw", 3e-3), ("gpt_adamw_0.001", 1e-3))},
+    # the transformer at about ten times the parameters (8.46M; bench_generality's gpt_large)
+    **{name: dict(model="gpt", hidden=416, optimizer="adamw", lr=lr, weight_decay=0.01,
+                  lr_warmup_steps=30, lr_schedule="cosine", clip_norm=1.0, epochs=4,
+                  global_batch=32)
+       for name, lr in (("gpt_large_adamw", 1e-3), ("gpt_large_adamw_0.0003", 3e-4))},
     **{f"digits_sgd_{lr}": dict(model="mlp", optimizer="sgd", lr=lr, momentum=0.9, epochs=8,
                                 global_batch=64) for lr in (0.02, 0.05, 0.1)},
     "cnn_sgd": dict(model="cnn", hidden=64, optimizer="sgd", lr=0.05, momentum=0.9, epochs=12,
                     global_batch=64),
 }
 # Seeds per cell when --seeds is not given.
-SEEDS = {workload: 1 if workload.startswith("gpt_adamw") else 3 for workload in WORKLOADS}
+SEEDS = {workload: 1 if workload.startswith("gpt_") else 3 for workload in WORKLOADS}
 ROWS = {
     "dense": ("dense allreduce", "dense", {}),
     "fp16": ("torch fp16_compress", "fp16", {}),
@@ -282,9 +287,15 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=None,
                         help="seeds 0..N-1 per cell (default: SEEDS, 1 for the transformer, 3 elsewhere)")
     parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--table", metavar="JSON", help="run nothing: the table of a results file")
     args = parser.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print(table(json.load(f)))
+        return 0
     os.makedirs(args.out, exist_ok=True)
     results = []
+    saved = os.path.join(args.out, "bench_convergence.json")
     for workload in args.workloads.split(","):
         for ranks in (int(r) for r in args.ranks.split(",")):
             for row in args.rows.split(","):
@@ -292,10 +303,10 @@ def main() -> int:
                     result = run(workload, ranks, row, args.quick, args.epochs, seed)
                     if result is not None:
                         results.append(result)
+                        with open(saved, "w") as f:  # kept as it goes: a long run stopped keeps its cells
+                            json.dump(results, f, indent=1)
                     print(f"  done: {workload}, {ranks} ranks, {row}, seed {seed}", file=sys.stderr, flush=True)
     print(table(results))
-    with open(os.path.join(args.out, "bench_convergence.json"), "w") as f:
-        json.dump(results, f, indent=1)
     print(f"plot: {plot(results, os.path.join(args.out, 'bench_convergence.png'))}")
     return 0
 
