@@ -57,6 +57,8 @@ class DeviceFiniteChecks:
     def report(self) -> List[NonFiniteGradient]:
         """Reset the error feedback of every bucket whose flag arrived false; returns what
         was found, for the state to count."""
+        if not self._pending:
+            return []
         failed, still_in_flight = [], []
         for host, event, plan_bucket, index, step in self._pending:
             if event is not None and not event.query():  # one query per flag

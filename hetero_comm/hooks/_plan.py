@@ -153,12 +153,13 @@ class Plan:
         return [self._param_of_key[key] for key in part.keys]
 
     # ------------------------------------------------------------------- routing
-    def route(self, bucket: dist.GradBucket) -> Optional[Route]:
-        """The plan buckets that hold this bucket's state, created or re-laid-out where
-        needed; ``None``: send this bucket dense this time (see the module docstring).
-        A route found is kept until a plan bucket is added."""
-        device = bucket.buffer().device
-        known = (tuple(map(id, bucket.parameters())), device)
+    def route(self, bucket: dist.GradBucket, params: List[torch.Tensor],
+              device: torch.device) -> Optional[Route]:
+        """The plan buckets that hold this bucket's state (``params``, its parameters, on
+        ``device``), created or re-laid-out where needed; ``None``: send this bucket dense
+        this time (see the module docstring). A route found is kept until a plan bucket is
+        added."""
+        known = (tuple(map(id, params)), device)
         route = self._routes.get(known)
         if route is None:
             route = self._route(bucket, device)

@@ -123,12 +123,13 @@ class HookState:
             agree_across_ranks(f"{type(self).__name__} settings", shared, self.process_group)
         self._settings_agreed = True
 
-    def claim(self, bucket: dist.GradBucket) -> None:
+    def claim(self, bucket: dist.GradBucket, params: Optional[List[torch.Tensor]] = None) -> None:
         """Make sure the bucket belongs to this state's model: a state keeps error feedback
         and counters for one model, so a second model sharing it would corrupt both. At the
-        first bucket, :meth:`agree_settings` (every rank's hook runs it there)."""
+        first bucket, :meth:`agree_settings` (every rank's hook runs it there). ``params``:
+        ``bucket.parameters()``, where the caller has them already."""
         self.agree_settings()
-        params = bucket.parameters()
+        params = bucket.parameters() if params is None else params
         if self._learning_model:
             self._model_parameters.update((id(p), p) for p in params)
             self._learning_model = not bucket.is_last()
@@ -370,7 +371,8 @@ class ErrorFeedbackState(HookState):
         """Process one bucket: dense during warm-up, for small buckets or a layout the plan
         does not hold yet; else ``send`` each plan bucket's worth of it. Advances
         :attr:`step` after the last bucket."""
-        self.claim(bucket)
+        params = bucket.parameters()
+        self.claim(bucket, params)
         self.non_finite.collect_device_findings()  # CUDA: a bucket handed on holding NaN earlier
         self.callbacks.settle()
         grad = bucket.buffer()
@@ -380,7 +382,7 @@ class ErrorFeedbackState(HookState):
         compressing = self.step >= self.warmup_steps
         route = None
         if compressing and grad.numel() >= self.min_compress_numel:
-            route = self.plan.route(bucket)
+            route = self.plan.route(bucket, params, grad.device)
             if route is None:
                 self.statistics.count("dense_fallbacks")
         else:

@@ -66,6 +66,8 @@ class CallbackOrder:
     def settle(self) -> None:
         """On the hook's thread, before it acquires buffers: its stream waits for the
         callbacks' work, then their buffers go back to the pool."""
+        if not self._pending:  # (a callback appending now is settled at the next call)
+            return
         with self._lock:
             pending, self._pending = self._pending, []
         for done, device, buffers in pending:

@@ -174,7 +174,7 @@ class SegmentSparseState(ErrorFeedbackState):
         """Whether buckets go through the codec with their agreement pipelined: on the CPU,
         where waiting for the importance's sum would stop the backward pass for a round trip
         per bucket (on a GPU the wait is the stream's, not the host's)."""
-        return grad.device.type == "cpu" and not self.non_finite.device_checks.on_device(grad.device)
+        return grad.is_cpu and not self.non_finite.device_checks.on_device(grad.device)
 
     def run(self, bucket: dist.GradBucket, send) -> torch.futures.Future[torch.Tensor]:
         """:meth:`ErrorFeedbackState.run`. On the CPU the codec sends the bucket
