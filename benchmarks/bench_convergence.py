@@ -4,7 +4,9 @@ every hook against dense, on several workloads and optimizers, at 2 to 16 gloo r
 Workloads:
 * ``gpt_adamw``: a byte-level transformer (0.83M parameters) on real text (Python's pydoc
   topics), AdamW at 3e-3 with linear warm-up and a cosine schedule, clipping 1.0;
-  ``gpt_adamw_0.001`` the same at 1e-3;
+  ``gpt_adamw_0.001`` the same at 1e-3; ``gpt_large_adamw`` (1e-3) and
+  ``gpt_large_adamw_0.0003`` the transformer at about ten times the size (width 416, 8.46M
+  parameters, bench_generality's ``gpt_large``);
 * ``digits_sgd_<lr>``: the digits MLP with SGD, momentum 0.9, at lr 0.02, 0.05 and 0.1;
 * ``cnn_sgd``: the digits CNN (13.8K parameters), SGD lr 0.05, momentum 0.9, 12 epochs (at 4
   ranks 132 steps; at 6 the recipe fell 1.4-7 points behind there, docs/recipes.md "Not yet").
@@ -25,7 +27,10 @@ compression, wall time) and writes a PNG of validation loss against steps and ag
 
 Usage: python benchmarks/bench_convergence.py [--workloads gpt_adamw,digits_sgd_0.05]
        [--ranks 2,4] [--rows dense,sparse_1] [--seeds N] [--quick] [--out DIR]
-(--rows defaults to DEFAULT_ROWS; ``--help`` lists every row, the density sweep included.)
+       python benchmarks/bench_convergence.py --table DIR/bench_convergence.json
+(the results file is rewritten after each run, so a long run stopped keeps its cells; --table
+prints their table.)
+--rows defaults to DEFAULT_ROWS; ``--help`` lists every row, the density sweep included.
 """
 
 import argparse

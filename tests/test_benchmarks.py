@@ -101,6 +101,22 @@ def test_codec_calls_benchmark_times_every_call():
     assert "kernels compiled" in out
 
 
+def test_convergence_benchmark_prints_the_table_of_a_results_file(tmp_path):
+    """--table reprints a results file (kept after each cell) with each row against dense of
+    its workload and ranks, seed by seed."""
+    def record(row, title, loss, accuracy, compression, seed=0):
+        return dict(workload="gpt_large_adamw", ranks=8, row=row, title=title, seed=seed,
+                    diverged=False, loss=loss, accuracy=accuracy, bytes_per_step=1000 / compression,
+                    compression=compression, wall_seconds=60.0, ranks_identical=True,
+                    curve=dict(step=[10], bytes=[100], test_loss=[loss]))
+    saved = tmp_path / "bench_convergence.json"
+    saved.write_text(json.dumps([record("dense", "dense allreduce", 2.0, 0.5, 1.0),
+                                 record("recipe_adamw", "AdamW recipe", 2.05, 0.48, 31.0)]))
+    out = run_script("bench_convergence", "--table", str(saved))
+    assert "| gpt_large_adamw | 8 | dense allreduce | 1 | 2.000 | +0.0 | 50.0% | +0.0 |" in out
+    assert "| gpt_large_adamw | 8 | AdamW recipe | 1 | 2.050 | +2.5 | 48.0% | -2.0 | 32 | 31.0x |" in out
+
+
 def test_hook_cost_benchmark_reports_every_configuration(tmp_path):
     saved, profile = tmp_path / "cost.json", tmp_path / "profile.txt"
     out = run_script("bench_hook_cost", "--device", "cpu", "--width", "64", "--layers", "2",
