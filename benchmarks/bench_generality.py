@@ -19,12 +19,18 @@ accuracy gap (points) to dense, its compression (dense bytes per step / bytes pe
 a verdict: "ok" within 2% loss and 1 point accuracy of dense at 25x or more, else "not yet"
 with what it missed.
 
+``--baselines powersgd_1,demo_k2`` also trains the peers from each seed, beside the recipe:
+torch's PowerSGD at rank 1 (one bucket, as bench_convergence runs it) and DeMo (the lab's
+baseline written from its paper, top 2 of every 64 DCT components; AdamW only, at the AdamW
+recipe's rate and decay, as bench_convergence runs it). Their loss and accuracy gaps to dense
+and their compression go in one more column.
+
 ``--json PATH`` keeps every case's record; cases already in that file are not run again, so a
 sweep can be run in parts and the table printed over all of them (``--fresh`` ignores the file).
 
 Usage: python benchmarks/bench_generality.py [--models resnet,gru,gpt_large] [--optimizers adamw,sgd]
        [--lrs 1e-3,3e-3] [--ranks 2,4] [--epochs N] [--seeds N] [--ratio R] [--json PATH] [--fresh]
-       [--quick]
+       [--baselines powersgd_1,demo_k2] [--quick]
        python benchmarks/bench_generality.py --json PATH --table   (the table only)
 """
 
@@ -39,6 +45,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from hetero_comm.hooks.segment_sparse import SIGN_LR_SCALE
 from lab.training import TrainConfig, run_training
 
 OPTIMIZERS = {  # the dense optimizer's settings, as the user has them
@@ -70,15 +77,21 @@ LRS = {
 }
 LRS.update({(model, "sgd_nesterov"): rates for (model, optimizer), rates in list(LRS.items())
             if optimizer == "sgd"})
+# Peers trained beside the recipe with --baselines: title, the lab's hook, its settings.
+BASELINES = {
+    "powersgd_1": ("PowerSGD 1", "powersgd", dict(matrix_approximation_rank=1)),
+    "demo_k2": ("DeMo 2/64", "demo", dict(chunk=64, top_k=2)),
+}
 MAX_LOSS_GAP_PERCENT = 2.0
 MAX_ACCURACY_DROP_POINTS = 1.0
 MIN_COMPRESSION = 25.0
 
 
-def train(options: dict, hook: str) -> dict:
-    """One run with ``hook`` ("dense" or "recipe"). A run whose final loss is not finite is
-    recorded as diverged."""
-    config = TrainConfig(hook=hook, **options)
+def train(options: dict, hook: str, settings: Optional[dict] = None) -> dict:
+    """One run with ``hook`` ("dense", "recipe" or a baseline's, with its ``settings``). A run
+    whose final loss is not finite is recorded as diverged."""
+    config = TrainConfig(hook=hook, **options) if settings is None else \
+        TrainConfig(hook=hook, hook_settings=settings, **options)
     began = time.perf_counter()
     record = run_training(config, timeout=3600)  # a non-finite gradient reaches the loss as NaN
     loss = record["epochs"]["test_loss"][-1]
@@ -90,10 +103,24 @@ def train(options: dict, hook: str) -> dict:
                 wall_seconds=time.perf_counter() - began)
 
 
+def baseline_options(name: str, options: dict) -> Optional[dict]:
+    """The run options of baseline ``name`` for a case's ``options``; None where it does not
+    apply (DeMo steps by a sign: AdamW only)."""
+    hook = BASELINES[name][1]
+    if hook == "powersgd":  # torch's hook with several buckets can issue collectives out of order on gloo
+        return dict(options, bucket_cap_mb=64)
+    if options["optimizer"] != "adamw":
+        return None
+    return dict(options, lr=options["lr"] * SIGN_LR_SCALE,
+                weight_decay=options["weight_decay"] / SIGN_LR_SCALE)
+
+
 def run_case(model: str, optimizer: str, lr: float, ranks: int, epochs: Optional[int],
-             quick: bool, seeds: int = 1, ratio: Optional[float] = None) -> dict:
-    """Dense and the recipe from each of ``seeds`` seeds (0, 1, ...); with several, ``dense``
-    and ``recipe_run`` hold their means and ``per_seed`` every run. ``ratio``: the recipe at
+             quick: bool, seeds: int = 1, ratio: Optional[float] = None,
+             baselines: tuple = ()) -> dict:
+    """Dense and the recipe (and ``baselines``, names in :data:`BASELINES`) from each of
+    ``seeds`` seeds (0, 1, ...); with several, ``dense``, ``recipe_run`` and each baseline's
+    run hold their means and ``per_seed`` every run. ``ratio``: the recipe at
     ``compress(ratio=...)`` instead of its own."""
     options = dict(MODELS[model], **OPTIMIZERS[optimizer], lr=lr, workers=ranks)
     options["global_batch"] = options["global_batch"] // 2 * ranks
@@ -105,13 +132,24 @@ def run_case(model: str, optimizer: str, lr: float, ranks: int, epochs: Optional
     case = dict(model=model, optimizer=optimizer, lr=lr, ranks=ranks, ratio=ratio, options=options,
                 recipe="hetero_comm.compress", command="python " + " ".join(sys.argv),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    applying = {name: baseline_options(name, options) for name in baselines}
+    applying = {name: settings for name, settings in applying.items() if settings is not None}
     runs = [dict(seed=seed, dense=train(dict(options, seed=seed), "dense"),
-                 recipe_run=train(dict(recipe_options, seed=seed), "recipe")) for seed in range(seeds)]
+                 recipe_run=train(dict(recipe_options, seed=seed), "recipe"),
+                 baselines={name: train(dict(baseline, seed=seed), BASELINES[name][1], BASELINES[name][2])
+                            for name, baseline in applying.items()})
+            for seed in range(seeds)]
+    if baselines:
+        case["baselines_asked"] = list(baselines)
     if seeds == 1:
         case.update(dense=runs[0]["dense"], recipe_run=runs[0]["recipe_run"])
+        if applying:
+            case["baselines"] = runs[0]["baselines"]
     else:
         case.update(seeds=seeds, per_seed=runs, dense=mean_run([r["dense"] for r in runs]),
                     recipe_run=mean_run([r["recipe_run"] for r in runs]))
+        if applying:
+            case["baselines"] = {name: mean_run([r["baselines"][name] for r in runs]) for name in applying}
     case.update(judge(case["dense"], case["recipe_run"]))
     return case
 
@@ -157,7 +195,21 @@ def judge(dense: dict, recipe: dict) -> Dict[str, object]:
 
 def key(case: dict) -> tuple:
     return (case["model"], case["optimizer"], float(case["lr"]), int(case["ranks"]),
-            int(case["options"]["epochs"]), int(case.get("seeds", 1)), float(case.get("ratio") or 0))
+            int(case["options"]["epochs"]), int(case.get("seeds", 1)), float(case.get("ratio") or 0),
+            tuple(case.get("baselines_asked", ())))
+
+
+def baselines_cell(case: dict) -> str:
+    """Each baseline's loss gap (%) and accuracy gap (points) to dense, and its compression."""
+    dense, parts = case["dense"], []
+    for name, run in case.get("baselines", {}).items():
+        title = BASELINES[name][0]
+        if run["diverged"] or dense["diverged"]:
+            parts.append(f"{title}: diverged" if run["diverged"] else f"{title}: {run['compression']:.0f}x")
+            continue
+        parts.append(f"{title}: {100 * (run['loss'] / dense['loss'] - 1):+.1f}% / "
+                     f"{100 * (run['accuracy'] - dense['accuracy']):+.1f} ({run['compression']:.0f}x)")
+    return "; ".join(parts)
 
 
 def cell(run: dict) -> str:
@@ -169,8 +221,8 @@ def cell(run: dict) -> str:
 def table(cases: List[dict]) -> str:
     lines = ["| model | optimizer | lr | ranks | epochs | seeds | dense val loss | dense val acc | "
              "recipe val loss | recipe val acc | loss gap % | acc gap, points | compression | verdict | "
-             "gaps over seeds | wall s (dense, recipe) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "gaps over seeds | wall s (dense, recipe) | baselines: loss gap / acc gap (compression) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in sorted(cases, key=key):
         dense, recipe = c["dense"], c["recipe_run"]
         c = dict(c, **judge(dense, recipe))  # by this script's thresholds, not the file's
@@ -182,7 +234,7 @@ def table(cases: List[dict]) -> str:
         lines.append(f"| {c['model']} | {c['optimizer']} | {c['lr']:g} | {c['ranks']} | {c['options']['epochs']} | "
                      f"{c.get('seeds', 1)} | {cell(dense)} | "
                      f"{cell(recipe)} | {gaps} | {compression} | {c['verdict']} | {seed_gaps(c)} | "
-                     f"{dense['wall_seconds']:.0f}, {recipe['wall_seconds']:.0f} |")
+                     f"{dense['wall_seconds']:.0f}, {recipe['wall_seconds']:.0f} | {baselines_cell(c)} |")
     return "\n".join(lines)
 
 
@@ -208,6 +260,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=None, help="override every model's epochs")
     parser.add_argument("--seeds", type=int, default=1,
                         help="seeds per case (0, 1, ...): the table shows their means")
+    parser.add_argument("--baselines", default="",
+                        help=f"peers trained beside the recipe, of: {', '.join(BASELINES)}")
     parser.add_argument("--ratio", type=float, default=None,
                         help="the recipe at compress(ratio=RATIO) instead of its own (a separate case)")
     parser.add_argument("--json", default=None, help="records of every case (read first, then extended)")
@@ -221,6 +275,9 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"--{name}: unknown {', '.join(sorted(unknown))}; known: {', '.join(known)}")
     if args.seeds < 1:
         parser.error(f"--seeds must be at least 1; got {args.seeds}")
+    unknown = set(args.baselines.split(",")) - set(BASELINES) if args.baselines else set()
+    if unknown:
+        parser.error(f"--baselines: unknown {', '.join(sorted(unknown))}; known: {', '.join(BASELINES)}")
     if args.table and not (args.json and os.path.exists(args.json)):
         parser.error("--table needs --json with cases in it")
     return args
@@ -230,17 +287,19 @@ def run_sweep(args: argparse.Namespace, cases: List[dict]) -> None:
     """Run every case the arguments name that ``cases`` lacks, appending each (and saving the
     list to ``--json`` after each, so a sweep cut short keeps what it measured)."""
     done = {key(c) for c in cases}
+    baselines = tuple(args.baselines.split(",")) if args.baselines else ()
     for model in args.models.split(","):
         for optimizer in args.optimizers.split(","):
             lrs = [float(lr) for lr in args.lrs.split(",")] if args.lrs else LRS[model, optimizer]
             for lr in lrs:
                 for ranks in (int(r) for r in args.ranks.split(",")):
                     epochs = 1 if args.quick else args.epochs or MODELS[model]["epochs"]
-                    if (model, optimizer, float(lr), ranks, epochs, args.seeds, args.ratio or 0.0) in done:
+                    if (model, optimizer, float(lr), ranks, epochs, args.seeds, args.ratio or 0.0,
+                            baselines) in done:
                         print(f"  kept: {model}, {optimizer}, lr {lr:g}, {ranks} ranks", file=sys.stderr)
                         continue
                     case = run_case(model, optimizer, lr, ranks, args.epochs, args.quick, args.seeds,
-                                    args.ratio)
+                                    args.ratio, baselines)
                     cases.append(case)
                     print(f"  done: {model}, {optimizer}, lr {lr:g}, {ranks} ranks: {case['verdict']} "
                           f"({case['dense']['wall_seconds']:.0f} s + {case['recipe_run']['wall_seconds']:.0f} s)",

@@ -254,3 +254,27 @@ def test_fsdp_benchmark_runs_every_row_and_reprints_its_table(tmp_path):
     assert records["recipe"]["compression"] > 4 and records["dense"]["compression"] == 1
     again = run_script("bench_fsdp", "--json", str(saved), "--table")
     assert [line for line in again.splitlines() if line.startswith("| cnn_sgd")] == rows
+
+
+@pytest.mark.slow
+def test_generality_benchmark_trains_the_baselines_that_apply_beside_the_recipe(tmp_path):
+    """--baselines: PowerSGD beside either optimizer, DeMo (a sign step) beside AdamW only,
+    each judged against dense of its seed in the last column; a case with baselines is a case
+    of its own."""
+    saved = tmp_path / "generality.json"
+    common = ("--quick", "--models", "resnet", "--lrs", "1e-3", "--json", str(saved))
+    run_script("bench_generality", *common, "--optimizers", "adamw")
+    out = run_script("bench_generality", *common, "--optimizers", "adamw,sgd",
+                     "--baselines", "powersgd_1,demo_k2")
+    plain, adamw, sgd = json.loads(saved.read_text())
+    assert "baselines" not in plain
+    assert set(adamw["baselines"]) == {"powersgd_1", "demo_k2"} and set(sgd["baselines"]) == {"powersgd_1"}
+    for run in (*adamw["baselines"].values(), *sgd["baselines"].values()):
+        assert not run["diverged"] and run["compression"] > 1
+    assert adamw["baselines"]["demo_k2"]["loss"] != adamw["recipe_run"]["loss"]
+    rows = [line for line in out.splitlines() if line.startswith("| resnet")]
+    assert len(rows) == 3
+    adamw_row = next(row for row in rows if "| adamw |" in row and "DeMo" in row)
+    assert "PowerSGD 1: " in adamw_row and "DeMo 2/64: " in adamw_row and "x)" in adamw_row
+    sgd_row = next(row for row in rows if "| sgd |" in row)
+    assert "PowerSGD 1: " in sgd_row and "DeMo" not in sgd_row
