@@ -3,11 +3,15 @@
 its own. The model is bench_hook_cost's small-bucket one (16 layers of 64 x 64, buckets of
 4-8K values); the recipe is registered by ``hetero_comm.compress``.
 
-    PYTHONPATH=benchmarks python benchmarks/experiments/hook_floor.py [--steps 500]
+    PYTHONPATH=benchmarks python benchmarks/experiments/hook_floor.py [--steps 2100]
 
 Prints, per recipe, the hook's time a bucket split into the codec's kernel calls (timed as
 the hook times them), the ``dist.all_reduce`` calls (issue only: the hook waits for them
-elsewhere) and the rest (the hook's Python); then the parts alone: a gloo allreduce issued
+elsewhere) and the rest (the hook's Python); then what a bucket adds to the step against a
+hook that hands the bucket back, for DDP's own allreduce, for the least a Python hook can do
+with the codec (its three kernel calls and two collectives a bucket, pipelined as the
+library's, and nothing else: no plan, statistics or checks) and for the recipe; then the
+parts alone: a gloo allreduce issued
 and waited for, a kernel call on a 64-value bucket (the call's own cost), a
 ``torch.futures.Future`` made and completed, and the codec's three kernels on one bucket
 called again and again, on 11 buckets in turn (as a step meets them), and with 4 MB copied
@@ -81,6 +85,103 @@ def per_bucket_split(optimizer_name: str, steps: int) -> dict:
     return dict(hook=spent["hook"] * scale, kernels=kernels * scale,
                 allreduce=spent["allreduce"] * scale,
                 rest=(spent["hook"] - kernels - spent["allreduce"]) * scale)
+
+
+RETURNED_BUCKETS = [0]  # buckets the "returned" hook has handed back
+
+
+def small_bucket_step(optimizer_name: str, hook_kind: str):
+    """One training step of the small-bucket model with ``hook_kind``: "returned" (the
+    bucket handed back), "allreduce" (DDP's own), "least" (:func:`least_exchange_hook`) or
+    "recipe"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(16)])
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.016)
+    optimizer = (torch.optim.AdamW(ddp.parameters(), lr=1e-4) if optimizer_name == "adamw"
+                 else torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9))
+    if hook_kind == "recipe":
+        hetero_comm.compress(ddp, optimizer)
+    elif hook_kind == "least":
+        ddp.register_comm_hook(None, least_exchange_hook(hetero_comm.recipes.recipe_for(optimizer).settings))
+    elif hook_kind == "returned":
+        def returned(_, bucket):
+            RETURNED_BUCKETS[0] += 1
+            future = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
+        ddp.register_comm_hook(None, returned)
+    batch = torch.randn(8, 64)
+
+    def step():
+        optimizer.zero_grad(set_to_none=False)
+        ddp(batch).square().mean().backward()
+        optimizer.step()
+    return step
+
+
+def least_exchange_hook(settings: dict):
+    """A DDP hook that does only what the recipe's exchange cannot do without: per bucket the
+    codec's encode and the importance's allreduce, then the previous bucket's pack and wire
+    allreduce, and the unpack of every wire that has arrived (all at the last bucket). No
+    plan, warm-up, statistics, non-finite or settings checks: the bound on the hook's Python."""
+    state = hetero_comm.hooks.SegmentSparseState(**settings)
+    codecs, agreeing, summing = {}, [], []
+
+    def hook(_, bucket):
+        grad, last = bucket.buffer(), bucket.is_last()
+        entry = codecs.get(bucket.index())
+        if entry is None or entry[0].numel != grad.numel():  # (DDP's first step lays out others)
+            numel, segment = grad.numel(), state.segment_size_for(grad.numel())
+            block = state.dct_block_size if state.basis == "dct" else 0
+            count = (num_segments(numel, segment) if not block
+                     else num_segments(num_segments(numel, block), segment) * block)
+            entry = codecs[bucket.index()] = (
+                codec_module.BucketCodec(state, numel, state.segments_to_send(count, 10**6), segment,
+                                         count, grad.device),
+                torch.zeros(numel), torch.zeros(numel) if state.momentum else None)
+        codec, residual, velocity = entry
+        codec.encode(residual, grad, 1.0, velocity, state.momentum, state.nesterov)
+        delivered = torch.futures.Future()
+        agreeing.append((entry, grad, delivered, dist.all_reduce(codec.importance, async_op=True)))
+        finishing = agreeing[:] if last else agreeing[:-1]
+        del agreeing[:len(finishing)]
+        for (codec, residual, velocity), grad, future, work in finishing:
+            work.wait()
+            codec.pack(residual, velocity)
+            summing.append((codec, grad, future, dist.all_reduce(codec.wire, async_op=True)))
+        waiting = []
+        for codec, grad, future, work in summing:
+            if last or work.is_completed():
+                work.wait()
+                codec.unpack(codec.wire, codec.scale, grad)
+                future.set_result(grad)
+            else:
+                waiting.append((codec, grad, future, work))
+        summing[:] = waiting
+        return delivered
+
+    return hook
+
+
+def added_per_bucket(optimizer_name: str, steps: int) -> dict:
+    """Microseconds a bucket each hook adds to the step against the bucket handed back (the
+    configurations taking turns, the median of seven rounds)."""
+    kinds = ("returned", "allreduce", "least", "recipe")
+    stepping = {kind: small_bucket_step(optimizer_name, kind) for kind in kinds}
+    for step in stepping.values():
+        for _ in range(20):
+            step()
+    rounds = {kind: [] for kind in kinds}
+    RETURNED_BUCKETS[0] = 0
+    for _ in range(7):
+        for kind, step in stepping.items():
+            began = time.perf_counter()
+            for _ in range(steps // 7):
+                step()
+            rounds[kind].append((time.perf_counter() - began) / (steps // 7))
+    median = {kind: statistics.median(times) for kind, times in rounds.items()}
+    buckets = RETURNED_BUCKETS[0] / (7 * (steps // 7))
+    return {kind: (median[kind] - median["returned"]) * 1e6 / buckets for kind in kinds[1:]}
 
 
 def median_us(call, calls: int = 2000, rounds: int = 5) -> float:
@@ -164,7 +265,7 @@ def kernel_costs(optimizer_name: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=2100)
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -176,6 +277,11 @@ def main() -> None:
         split = per_bucket_split(name, args.steps)
         print(f"| {name} | {split['hook']:.0f} | {split['kernels']:.0f} | {split['allreduce']:.0f} | "
               f"{split['rest']:.0f} |")
+    print("\n| recipe | added a bucket, us: DDP's allreduce | the least exchange | the recipe |")
+    print("|---|---|---|---|")
+    for name in ("sgd", "adamw"):
+        added = added_per_bucket(name, args.steps)
+        print(f"| {name} | {added['allreduce']:.0f} | {added['least']:.0f} | {added['recipe']:.0f} |")
     print("\n| part alone | us |")
     print("|---|---|")
     for part, us in collective_costs().items():
