@@ -287,7 +287,7 @@ def run_sweep(args: argparse.Namespace, cases: List[dict]) -> None:
     """Run every case the arguments name that ``cases`` lacks, appending each (and saving the
     list to ``--json`` after each, so a sweep cut short keeps what it measured)."""
     done = {key(c) for c in cases}
-    baselines = tuple(args.baselines.split(",")) if args.baselines else ()
+    baselines = tuple(sorted(args.baselines.split(","))) if args.baselines else ()
     for model in args.models.split(","):
         for optimizer in args.optimizers.split(","):
             lrs = [float(lr) for lr in args.lrs.split(",")] if args.lrs else LRS[model, optimizer]

@@ -7,7 +7,7 @@ its own. The model is bench_hook_cost's small-bucket one (16 layers of 64 x 64, 
 
 Prints, per recipe, the hook's time a bucket split into the codec's kernel calls (timed as
 the hook times them), the ``dist.all_reduce`` calls (issue only: the hook waits for them
-elsewhere) and the rest (the hook's Python); then what a bucket adds to the step against a
+elsewhere) and the rest (the hook's Python and its waits); then what a bucket adds to the step against a
 hook that hands the bucket back, for DDP's own allreduce, for the least a Python hook can do
 with the codec (its three kernel calls and two collectives a bucket, pipelined as the
 library's, and nothing else: no plan, statistics or checks) and for the recipe; then the
@@ -163,9 +163,13 @@ def least_exchange_hook(settings: dict):
     return hook
 
 
+ROUNDS = 30
+
+
 def added_per_bucket(optimizer_name: str, steps: int) -> dict:
     """Microseconds a bucket each hook adds to the step against the bucket handed back (the
-    configurations taking turns, the median of seven rounds)."""
+    configurations taking turns in :data:`ROUNDS` short rounds, so that the machine's drift
+    meets each alike; the median round)."""
     kinds = ("returned", "allreduce", "least", "recipe")
     stepping = {kind: small_bucket_step(optimizer_name, kind) for kind in kinds}
     for step in stepping.values():
@@ -173,14 +177,15 @@ def added_per_bucket(optimizer_name: str, steps: int) -> dict:
             step()
     rounds = {kind: [] for kind in kinds}
     RETURNED_BUCKETS[0] = 0
-    for _ in range(7):
+    per_round = max(1, steps // ROUNDS)
+    for _ in range(ROUNDS):
         for kind, step in stepping.items():
             began = time.perf_counter()
-            for _ in range(steps // 7):
+            for _ in range(per_round):
                 step()
-            rounds[kind].append((time.perf_counter() - began) / (steps // 7))
+            rounds[kind].append((time.perf_counter() - began) / per_round)
     median = {kind: statistics.median(times) for kind, times in rounds.items()}
-    buckets = RETURNED_BUCKETS[0] / (7 * (steps // 7))
+    buckets = RETURNED_BUCKETS[0] / (ROUNDS * per_round)
     return {kind: (median[kind] - median["returned"]) * 1e6 / buckets for kind in kinds[1:]}
 
 
@@ -211,7 +216,7 @@ def collective_costs() -> dict:
     def made_and_completed():
         torch.futures.Future().set_result(importance)
 
-    return {"gloo allreduce of 264 float32: issue only": median_us(issue, 1000),
+    return {"gloo allreduce of 264 float32: issue (waited for every tenth)": median_us(issue, 1000),
             "gloo allreduce of 264 float32: issue and wait": median_us(
                 lambda: dist.all_reduce(importance, async_op=True).wait(), 1000),
             "torch.futures.Future() and set_result": median_us(made_and_completed)}
@@ -271,17 +276,19 @@ def main() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, kernels {kernel_backend('cpu')}, 1 thread, world size 1")
-    print("\n| recipe | hook, us a bucket | kernel calls | dist.all_reduce calls | the rest |")
+    print("\n| recipe | hook, us a bucket | kernel calls | dist.all_reduce calls | the rest (Python, waits) |")
     print("|---|---|---|---|---|")
     for name in ("sgd", "adamw"):
         split = per_bucket_split(name, args.steps)
         print(f"| {name} | {split['hook']:.0f} | {split['kernels']:.0f} | {split['allreduce']:.0f} | "
               f"{split['rest']:.0f} |")
-    print("\n| recipe | added a bucket, us: DDP's allreduce | the least exchange | the recipe |")
-    print("|---|---|---|---|")
+    print("\n| recipe | added a bucket, us: DDP's allreduce | the least exchange | the recipe | "
+          "least / DDP | recipe / DDP |")
+    print("|---|---|---|---|---|---|")
     for name in ("sgd", "adamw"):
         added = added_per_bucket(name, args.steps)
-        print(f"| {name} | {added['allreduce']:.0f} | {added['least']:.0f} | {added['recipe']:.0f} |")
+        print(f"| {name} | {added['allreduce']:.0f} | {added['least']:.0f} | {added['recipe']:.0f} | "
+              f"{added['least'] / added['allreduce']:.1f}x | {added['recipe'] / added['allreduce']:.1f}x |")
     print("\n| part alone | us |")
     print("|---|---|")
     for part, us in collective_costs().items():
