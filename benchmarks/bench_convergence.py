@@ -110,6 +110,8 @@ ROWS = {
     "recipe_adamw": ("AdamW recipe: DCT-sign 10%, int8, segments of 512", "recipe", {}),
     "recipe_sgd": ("SGD recipe: 8%, int8, segments of 512 or 150 per bucket, momentum corr.",
                    "recipe", {}),
+    # The one call asked for less compression (its rule for short runs, docs/recipes.md).
+    **{f"recipe_ratio_{r}": (f"the one call at ratio={r}", "recipe", dict(ratio=r)) for r in (8, 16)},
     # The SGD recipe written out without min_segments_per_bucket, and with segments of 64 given
     # by hand (the size it picks for the CNN's one bucket), the dense optimizer handed to
     # state.prepare_optimizer (PREPARED).
