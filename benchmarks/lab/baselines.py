@@ -172,7 +172,7 @@ def demo_exchange(state: DeMoState, index: int, grad: torch.Tensor) -> torch.Ten
                          positions.to(torch.uint8).view(-1)])
     world_size = dist.get_world_size(state.process_group)
     gathered = payload.new_empty(world_size * payload.numel())
-    dist.all_gather_into_tensor(gathered, payload, group=state.process_group)
+    all_gather_single(gathered, payload, group=state.process_group)
     summed, senders = torch.zeros_like(coefficients), torch.zeros_like(coefficients)
     ones = torch.ones_like(values)
     for part in gathered.view(world_size, -1):
