@@ -38,12 +38,7 @@ from lab.launch import free_port
 
 def per_bucket_split(optimizer_name: str, steps: int) -> dict:
     """Microseconds a bucket: the hook's time and its parts, over ``steps`` steps."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(16)])
-    ddp = DistributedDataParallel(model, bucket_cap_mb=0.016)
-    optimizer = (torch.optim.AdamW(ddp.parameters(), lr=1e-4) if optimizer_name == "adamw"
-                 else torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9))
-    state = hetero_comm.compress(ddp, optimizer)
+    step, state = small_bucket_step(optimizer_name, "recipe")
     spent = {"hook": 0.0, "allreduce": 0.0, "buckets": 0}
     plain_all_reduce, plain_run = dist.all_reduce, type(state).run
 
@@ -61,13 +56,6 @@ def per_bucket_split(optimizer_name: str, steps: int) -> dict:
         finally:
             spent["hook"] += time.perf_counter() - began
             spent["buckets"] += 1
-
-    batch = torch.randn(8, 64)
-
-    def step():
-        optimizer.zero_grad(set_to_none=False)
-        ddp(batch).square().mean().backward()
-        optimizer.step()
 
     for _ in range(20):
         step()
@@ -93,14 +81,15 @@ RETURNED_BUCKETS = [0]  # buckets the "returned" hook has handed back
 def small_bucket_step(optimizer_name: str, hook_kind: str):
     """One training step of the small-bucket model with ``hook_kind``: "returned" (the
     bucket handed back), "allreduce" (DDP's own), "least" (:func:`least_exchange_hook`) or
-    "recipe"."""
+    "recipe"; and the recipe's state (None for the others)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(16)])
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.016)
     optimizer = (torch.optim.AdamW(ddp.parameters(), lr=1e-4) if optimizer_name == "adamw"
                  else torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9))
+    state = None
     if hook_kind == "recipe":
-        hetero_comm.compress(ddp, optimizer)
+        state = hetero_comm.compress(ddp, optimizer)
     elif hook_kind == "least":
         ddp.register_comm_hook(None, least_exchange_hook(hetero_comm.recipes.recipe_for(optimizer).settings))
     elif hook_kind == "returned":
@@ -116,7 +105,7 @@ def small_bucket_step(optimizer_name: str, hook_kind: str):
         optimizer.zero_grad(set_to_none=False)
         ddp(batch).square().mean().backward()
         optimizer.step()
-    return step
+    return step, state
 
 
 def least_exchange_hook(settings: dict):
@@ -171,7 +160,7 @@ def added_per_bucket(optimizer_name: str, steps: int) -> dict:
     configurations taking turns in :data:`ROUNDS` short rounds, so that the machine's drift
     meets each alike; the median round)."""
     kinds = ("returned", "allreduce", "least", "recipe")
-    stepping = {kind: small_bucket_step(optimizer_name, kind) for kind in kinds}
+    stepping = {kind: small_bucket_step(optimizer_name, kind)[0] for kind in kinds}
     for step in stepping.values():
         for _ in range(20):
             step()

@@ -18,10 +18,8 @@ import pstats
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
 
-import hetero_comm
+from hook_floor import small_bucket_step  # (this script's folder is on the path when run)
 from lab.launch import free_port
 
 STEPS = 300
@@ -36,19 +34,7 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(16)])
-    ddp = DistributedDataParallel(model, bucket_cap_mb=0.016)
-    optimizer = (torch.optim.AdamW(ddp.parameters(), lr=1e-4) if args.optimizer == "adamw"
-                 else torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9))
-    hetero_comm.compress(ddp, optimizer)
-    batch = torch.randn(8, 64)
-
-    def step():
-        optimizer.zero_grad(set_to_none=False)
-        ddp(batch).square().mean().backward()
-        optimizer.step()
-
+    step, _ = small_bucket_step(args.optimizer, "recipe")
     for _ in range(20):
         step()
     if args.unprofiled:
