@@ -40,7 +40,7 @@ import os
 import sys
 import time
 from statistics import mean
-from typing import Optional
+from typing import List, Optional
 
 from hetero_comm.hooks import DCT
 from hetero_comm.hooks.segment_sparse import SIGN_LR_SCALE
@@ -284,6 +284,15 @@ def plot(results: list, path: str) -> str:
     return path
 
 
+def seeds_of(option: Optional[str], workload: str) -> List[int]:
+    """The seeds to run: 0..N-1 for a count, the listed seeds for a list, else the workload's default."""
+    if option is None:
+        return list(range(SEEDS[workload]))
+    if "," in option:
+        return [int(seed) for seed in option.split(",") if seed]  # "2," is seed 2 alone
+    return list(range(int(option)))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -291,14 +300,19 @@ def main() -> int:
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"of: {', '.join(ROWS)}")
     parser.add_argument("--quick", action="store_true", help="one epoch per run")
     parser.add_argument("--epochs", type=int, default=None, help="override every workload's epochs")
-    parser.add_argument("--seeds", type=int, default=None,
-                        help="seeds 0..N-1 per cell (default: SEEDS, 1 for the transformer, 3 elsewhere)")
+    parser.add_argument("--seeds", default=None,
+                        help="N for seeds 0..N-1 per cell, or a list such as 1,2 or 2, (default: SEEDS, 1 for "
+                             "the transformer, 3 elsewhere)")
     parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--table", metavar="JSON", help="run nothing: the table of a results file")
+    parser.add_argument("--table", metavar="JSON[,JSON...]",
+                        help="run nothing: the table of results files, their runs merged (seeds run apart)")
     args = parser.parse_args()
     if args.table:
-        with open(args.table) as f:
-            print(table(json.load(f)))
+        runs = []
+        for path in args.table.split(","):
+            with open(path) as f:
+                runs.extend(json.load(f))
+        print(table(runs))
         return 0
     os.makedirs(args.out, exist_ok=True)
     results = []
@@ -306,7 +320,7 @@ def main() -> int:
     for workload in args.workloads.split(","):
         for ranks in (int(r) for r in args.ranks.split(",")):
             for row in args.rows.split(","):
-                for seed in range(args.seeds or SEEDS[workload]):
+                for seed in seeds_of(args.seeds, workload):
                     result = run(workload, ranks, row, args.quick, args.epochs, seed)
                     if result is not None:
                         results.append(result)

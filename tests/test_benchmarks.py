@@ -115,6 +115,13 @@ def test_convergence_benchmark_prints_the_table_of_a_results_file(tmp_path):
     out = run_script("bench_convergence", "--table", str(saved))
     assert "| gpt_large_adamw | 8 | dense allreduce | 1 | 2.000 | +0.0 | 50.0% | +0.0 |" in out
     assert "| gpt_large_adamw | 8 | AdamW recipe | 1 | 2.050 | +2.5 | 48.0% | -2.0 | 32 | 31.0x |" in out
+    # Seeds run apart are merged: the cell's mean over both seeds, its gap paired seed by seed.
+    more = tmp_path / "seed_1.json"
+    more.write_text(json.dumps([record("dense", "dense allreduce", 1.0, 0.7, 1.0, seed=1),
+                                record("recipe_adamw", "AdamW recipe", 1.01, 0.69, 31.0, seed=1)]))
+    out = run_script("bench_convergence", "--table", f"{saved},{more}")
+    assert "| gpt_large_adamw | 8 | dense allreduce | 2 | 1.500 |" in out
+    assert "| gpt_large_adamw | 8 | AdamW recipe | 2 | 1.530 | +1.7 (+1.0..+2.5) |" in out
 
 
 def test_hook_cost_benchmark_reports_every_configuration(tmp_path):
