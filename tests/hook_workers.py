@@ -506,6 +506,52 @@ def op_calls_per_bucket(rank, world_size, optimizer_name, steps=3):
     return dict(per_bucket=(recipe - baseline) / buckets, buckets=buckets / steps, ratio=ratio)
 
 
+def fused_and_separate(rank, world_size, optimizer_name, steps=6):
+    """``hetero_comm.compress`` on small DDP buckets (4-8K values) trained twice, with the
+    CPU's exchange fusing consecutive buckets (the default) and with every bucket alone: the
+    final parameters of each, and the allreduce calls and buckets encoded in the last step."""
+    import hetero_comm
+    from hetero_comm.hooks import _codec
+
+    def train(fuse_below):
+        collectives, encoded = [], []
+        issue, encode = dist.all_reduce, _codec.BucketCodec.encode
+
+        def counted_issue(*args, **kwargs):
+            collectives.append(1)
+            return issue(*args, **kwargs)
+
+        def counted_encode(*args, **kwargs):
+            encoded.append(1)
+            return encode(*args, **kwargs)
+        saved, _codec.FUSE_BELOW_NUMEL = _codec.FUSE_BELOW_NUMEL, fuse_below
+        try:
+            torch.manual_seed(0)
+            model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(8)])
+            ddp = DistributedDataParallel(model, bucket_cap_mb=0.016)
+            optimizer = OPTIMIZERS[optimizer_name](ddp.parameters())
+            hetero_comm.compress(ddp, optimizer)
+            generator = torch.Generator().manual_seed(rank)
+            for _ in range(steps):
+                inputs = torch.randn(8, 64, generator=generator)
+                optimizer.zero_grad()
+                collectives.clear(), encoded.clear()
+                dist.all_reduce, _codec.BucketCodec.encode = counted_issue, counted_encode
+                try:
+                    ddp(inputs).square().mean().backward()
+                finally:
+                    dist.all_reduce, _codec.BucketCodec.encode = issue, encode
+                optimizer.step()
+            return flat(model.parameters()), len(collectives), len(encoded)
+        finally:
+            _codec.FUSE_BELOW_NUMEL = saved
+
+    fused, fused_calls, buckets = train(_codec.FUSE_BELOW_NUMEL)
+    separate, separate_calls, _ = train(0)
+    return dict(fused=fused, separate=separate, fused_calls=fused_calls,
+                separate_calls=separate_calls, buckets=buckets)
+
+
 def disagreeing_states(rank, world_size, hook, settings, rank_settings):
     """Every rank builds ``hook``'s state from ``settings``, the last rank updated with
     ``rank_settings``, and runs a step: what each rank's backward raised (type, message), and

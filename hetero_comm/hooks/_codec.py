@@ -13,7 +13,7 @@ own) and issues five operator calls: :func:`hetero_comm.ops.sparse_encode_`, the
 import math
 import time
 import weakref
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,13 @@ from ._plan import PlanBucket
 from ._sparse_parts import INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, WIRE_DTYPES
 from ._two_phase import add_to_residual, two_phase_int8_sum, two_phase_wire_bytes
 
-__all__ = ["BucketCodec", "CodecBuffers", "AgreementInFlight", "codec_allreduce"]
+__all__ = ["BucketCodec", "CodecBuffers", "AgreementInFlight", "ExchangePipeline",
+           "FUSE_BELOW_NUMEL", "codec_allreduce"]
+
+# Consecutive buckets are exchanged together until they hold this many values: an exchange
+# costs two collectives (about 70 us each on gloo at world size 1) besides its kernels (about
+# 9 ns a value), so alone a bucket of 4K values would spend three quarters of its time on them.
+FUSE_BELOW_NUMEL = 1 << 16
 
 
 class BucketCodec:
@@ -70,15 +76,16 @@ class BucketCodec:
                                velocity=velocity, momentum=momentum, nesterov=nesterov,
                                block_size=self.block_size, coefficients=self.coefficients)
 
-    def pack(self, residual: torch.Tensor, velocity: Optional[torch.Tensor]) -> bool:
-        """:func:`hetero_comm.ops.sparse_pack_` of the agreed importance onto this codec's
-        wire; False if the importance is not finite."""
+    def pack(self, residual: torch.Tensor, velocity: Optional[torch.Tensor],
+             importance: torch.Tensor) -> bool:
+        """:func:`hetero_comm.ops.sparse_pack_` of the agreed ``importance`` (this codec's, or
+        its copy in a fused group's sum) onto this codec's wire; False if it is not finite."""
         if self.compiled:
             return torch.ops.hetero_comm.sparse_pack_.default(
-                residual, self.coefficients, velocity, self.importance, self.segment,
+                residual, self.coefficients, velocity, importance, self.segment,
                 self.block_size, self.scale_factor, self.levels, self.indices, self.scale,
                 self.wire)
-        return ops.sparse_pack_(residual, self.importance, self.segment, self.indices, self.wire,
+        return ops.sparse_pack_(residual, importance, self.segment, self.indices, self.wire,
                                 block_size=self.block_size, coefficients=self.coefficients,
                                 velocity=velocity, levels=self.levels, scale=self.scale,
                                 scale_factor=self.scale_factor)
@@ -107,6 +114,7 @@ class CodecBuffers:
     def __init__(self) -> None:
         self._codecs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.builds = 0  # buffer sets made (a steady step makes none)
+        self._fused: dict = {}  # a step's n-th fused group -> its FusedBuffers
 
     def codec_for(self, state, plan_bucket: PlanBucket, grad: torch.Tensor, index: int) -> BucketCodec:
         owner = plan_bucket.origin  # (the two-level sync's share, the kept part of one)
@@ -126,14 +134,23 @@ class CodecBuffers:
         self.builds += 1
         return codec
 
+    def fused_for(self, ordinal: int, codecs: Tuple[BucketCodec, ...]) -> "FusedBuffers":
+        """The buffers of a step's ``ordinal``-th fused group, made anew when its members'
+        codecs change."""
+        buffers = self._fused.get(ordinal)
+        if buffers is None or not buffers.holds(codecs):
+            buffers = self._fused[ordinal] = FusedBuffers(codecs)
+            self.builds += 1
+        return buffers
+
 
 def codec_allreduce(state, plan_bucket: PlanBucket, grad: torch.Tensor, index: int,
-                    agreements: Optional[list] = None) -> torch.futures.Future:
+                    pipeline: Optional["ExchangePipeline"] = None) -> torch.futures.Future:
     """Steps 1-5 of :func:`~.segment_sparse.segment_sparse_hook` for ``grad`` (on the CPU),
-    laid out like ``plan_bucket``. Encodes and issues the importance's sum; without
-    ``agreements`` it waits for that sum and goes on (a non-finite one raises
-    :class:`NonFiniteGradient`); with it, the rest is appended there as an
-    :class:`AgreementInFlight` for the caller to finish later, in order."""
+    laid out like ``plan_bucket``. Encodes the importance; without ``pipeline`` it sums it,
+    waits and goes on (a non-finite sum raises :class:`NonFiniteGradient`); with it, the
+    bucket joins the pipeline's open group as an :class:`AgreementInFlight`, for the
+    pipeline to sum, finish and deliver later, in order."""
     codec = state.codecs.codec_for(state, plan_bucket, grad, index)  # (too many ranks for
     # the int8 wire raise there, before anything is written)
     velocity: Optional[torch.Tensor] = plan_bucket.tensors["momentum"] if state.momentum else None
@@ -141,50 +158,66 @@ def codec_allreduce(state, plan_bucket: PlanBucket, grad: torch.Tensor, index: i
     codec.encode(plan_bucket.tensors["residual"], grad, state.contribution_weight(), velocity,
                  state.momentum, state.nesterov)
     state.statistics.counters["encode_seconds"] += time.perf_counter() - began
-    work = dist.all_reduce(codec.importance, group=state.exchange_group(), async_op=True)
-    agreement = AgreementInFlight(state, codec, plan_bucket, grad, index, velocity, work)
-    if agreements is None:
+    agreement = AgreementInFlight(state, codec, plan_bucket, grad, index, velocity)
+    if pipeline is None:
+        agreement.issue()
         return agreement.finish(raise_non_finite=True)
-    agreements.append(agreement)
+    pipeline.add(agreement)
     return agreement.delivered
 
 
 class AgreementInFlight:
-    """A bucket whose importance's sum was issued: :meth:`finish` waits for it, packs the
-    agreed segments, issues the wire's sum and unpacks it into the bucket when it arrives
-    (completing :attr:`delivered`)."""
+    """A bucket whose importance is encoded: :meth:`issue` sums it, :meth:`finish` waits for
+    the sum, packs the agreed segments, issues the wire's sum and unpacks it into the bucket
+    when it arrives (completing :attr:`delivered`). In a :class:`FusedGroup` the group does
+    the summing and these steps are called one by one."""
 
     def __init__(self, state, codec: BucketCodec, plan_bucket: PlanBucket, grad: torch.Tensor,
-                 index: int, velocity: Optional[torch.Tensor], work) -> None:
+                 index: int, velocity: Optional[torch.Tensor]) -> None:
         self.state, self.codec, self.plan_bucket, self.grad = state, codec, plan_bucket, grad
-        self.index, self.step, self.velocity, self.work = index, state.step, velocity, work
+        self.index, self.step, self.velocity = index, state.step, velocity
+        self.work = self.wire_work = None
         self.delivered = torch.futures.Future()
+
+    def issue(self) -> None:
+        """Issue the importance's sum."""
+        self.work = dist.all_reduce(self.codec.importance, group=self.state.exchange_group(),
+                                    async_op=True)
+
+    def pack_agreed(self, importance: torch.Tensor, raise_non_finite: bool = False) -> bool:
+        """Pack the segments the summed ``importance`` selects onto the codec's wire and count
+        the bytes. Importance that is not finite (every rank summed the same, so all find it):
+        the bucket's error feedback restarts, the bucket is handed on as NaN and False is
+        returned (``raise_non_finite``: :class:`NonFiniteGradient` is raised instead, for the
+        state's ``run`` to do that)."""
+        state, codec, grad = self.state, self.codec, self.grad
+        began = time.perf_counter()
+        finite = codec.pack(self.plan_bucket.tensors["residual"], self.velocity, importance)
+        state.statistics.counters["encode_seconds"] += time.perf_counter() - began
+        if not finite:  # its own tensors too: a kept part's are scattered back later
+            for tensor in self.plan_bucket.tensors.values():
+                tensor.zero_()
+            self.plan_bucket.reset()
+            found = NonFiniteGradient(type(state).__name__, self.index, self.step)
+            if raise_non_finite:
+                raise found
+            self.delivered.set_result(state.non_finite.hand_on(grad, found).wait())
+            return False
+        state.count_exchange(self.index, grad.numel(), grad.numel() * grad.element_size(),
+                             codec.wire_bytes())
+        return True
 
     def finish(self, raise_non_finite: bool = False,
                wires: Optional[list] = None) -> torch.futures.Future:
-        """Pack and send; returns :attr:`delivered`. The sum is unpacked by a callback when it
-        arrives, or with ``wires`` by :meth:`deliver`, called by whoever keeps that list (this
-        agreement is appended to it). Importance that is not finite (every rank summed the
-        same, so all find it): the bucket's error feedback restarts and the bucket is handed on
-        as NaN (``raise_non_finite``: :class:`NonFiniteGradient` is raised instead, for the
-        state's ``run`` to do that)."""
-        state, codec, grad = self.state, self.codec, self.grad
+        """Wait for the importance's sum, pack and send; returns :attr:`delivered`. The sum is
+        unpacked by a callback when it arrives, or with ``wires`` by :meth:`deliver`, called by
+        whoever keeps that list (this agreement is appended to it). Non-finite importance:
+        :meth:`pack_agreed`."""
+        state, codec = self.state, self.codec
         try:
             self.work.wait()
-            began = time.perf_counter()
-            finite = codec.pack(self.plan_bucket.tensors["residual"], self.velocity)
-            state.statistics.counters["encode_seconds"] += time.perf_counter() - began
-            if not finite:  # its own tensors too: a kept part's are scattered back later
-                for tensor in self.plan_bucket.tensors.values():
-                    tensor.zero_()
-                self.plan_bucket.reset()
-                found = NonFiniteGradient(type(state).__name__, self.index, self.step)
-                if raise_non_finite:
-                    raise found
-                self.delivered.set_result(state.non_finite.hand_on(grad, found).wait())
+            if not self.pack_agreed(codec.importance, raise_non_finite):
                 return self.delivered
-            state.count_exchange(self.index, grad.numel(), grad.numel() * grad.element_size(),
-                                 codec.wire_bytes())
             if codec.two_phase:  # both collectives waited for here; the owner's rounding kept
                 self.summed = two_phase_int8_sum(codec.wire, codec.scale, codec.segment,
                                                  state.exchange_group())
@@ -223,10 +256,146 @@ class AgreementInFlight:
                 (self.wire_work if summed is None else summed).wait()
             wire, scale = ((codec.wire, codec.scale) if self.wire_work is not None
                            else (self.summed.wire, self.summed.scale))
-            began = time.perf_counter()
-            codec.unpack(wire, scale, self.grad)
-            self.state.statistics.counters["decode_seconds"] += time.perf_counter() - began
+            self.unpack(wire, scale)
         except BaseException as error:
             self.delivered.set_exception(error)
+
+    def unpack(self, wire: torch.Tensor, scale: Optional[torch.Tensor]) -> None:
+        """Unpack the summed ``wire`` into the bucket and complete :attr:`delivered`."""
+        began = time.perf_counter()
+        self.codec.unpack(wire, scale, self.grad)
+        self.state.statistics.counters["decode_seconds"] += time.perf_counter() - began
+        self.delivered.set_result(self.grad)
+
+
+class FusedBuffers:
+    """A fused group's two sums: its members' importances side by side, and their wires."""
+
+    def __init__(self, codecs: Tuple[BucketCodec, ...]) -> None:
+        self.codecs = codecs
+        self.importance = torch.empty(sum(c.importance.numel() for c in codecs),
+                                      device=codecs[0].device)
+        self.wire = torch.empty(sum(c.wire.numel() for c in codecs), dtype=codecs[0].wire.dtype,
+                                device=codecs[0].device)
+        self.importances = self.importance.split([c.importance.numel() for c in codecs])
+        self.wires = self.wire.split([c.wire.numel() for c in codecs])
+
+    def holds(self, codecs: Tuple[BucketCodec, ...]) -> bool:
+        return len(codecs) == len(self.codecs) and all(a is b for a, b in zip(codecs, self.codecs))
+
+
+class FusedGroup:
+    """Consecutive buckets exchanged together: one allreduce of their importances, then one
+    of their wires. Each bucket keeps its own selection, step and error feedback, so the
+    training is the one their separate exchanges give."""
+
+    def __init__(self, members: List[AgreementInFlight], buffers: FusedBuffers) -> None:
+        self.members, self.buffers = members, buffers
+        self.state = members[0].state
+        self.work = self.wire_work = None
+        self.packed: List[int] = []
+
+    def issue(self) -> None:
+        """Gather the members' importances and issue their sum."""
+        torch.cat([m.codec.importance for m in self.members], out=self.buffers.importance)
+        self.work = dist.all_reduce(self.buffers.importance, group=self.state.exchange_group(),
+                                    async_op=True)
+
+    def finish(self, wires: list) -> None:
+        """Wait for the importances' sum, pack every member, issue the wires' sum and append
+        this group to ``wires`` (a member whose importance is not finite is handed on as NaN
+        and not unpacked; its slot is sent all the same, as on every rank)."""
+        try:
+            self.work.wait()
+            self.packed = [i for i, (member, importance) in
+                           enumerate(zip(self.members, self.buffers.importances))
+                           if member.pack_agreed(importance)]
+            if self.packed:
+                torch.cat([m.codec.wire for m in self.members], out=self.buffers.wire)
+                self.wire_work = dist.all_reduce(self.buffers.wire,
+                                                 group=self.state.exchange_group(), async_op=True)
+        except BaseException as error:  # e.g. the group failed: whoever waits on a bucket sees it
+            self._fail(error)
+            return
+        wires.append(self)
+
+    def arrived(self) -> bool:
+        return self.wire_work is None or self.wire_work.is_completed()
+
+    def deliver(self) -> None:
+        """Wait for the wires' sum and unpack each packed member from its slot."""
+        try:
+            if self.wire_work is not None:
+                self.wire_work.wait()
+            for i in self.packed:
+                member = self.members[i]
+                member.unpack(self.buffers.wires[i], member.codec.scale)
+        except BaseException as error:
+            self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
+        for member in self.members:
+            if not member.delivered.done():
+                member.delivered.set_exception(error)
+
+
+class ExchangePipeline:
+    """The CPU's exchange of a step's buckets, in bucket order on every rank. Encoded buckets
+    gather in an open group until it holds :data:`FUSE_BELOW_NUMEL` values (or the step ends),
+    whose importances are then summed by one allreduce (a group of one: the bucket's own);
+    a group issued earlier is finished (its wires packed and their sum issued) once the
+    backward pass has moved on, so that the importance's round trip overlaps it."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+        self.open: List[AgreementInFlight] = []  # encoded, importance not yet summed
+        self.open_numel = 0
+        self.issued: list = []  # groups whose importance sum is in flight, in order
+        self.wires: list = []  # groups whose wire sum is in flight
+        self.groups_this_step = 0
+
+    def add(self, agreement: AgreementInFlight) -> None:
+        """Let ``agreement`` join the open group; sum the group's importances once it holds
+        enough values (the int8 sum in two phases: every bucket alone)."""
+        self.open.append(agreement)
+        self.open_numel += agreement.grad.numel()
+        if self.open_numel >= FUSE_BELOW_NUMEL or agreement.codec.two_phase:
+            self.close()
+
+    def close(self) -> None:
+        """Issue the open group's importance sum."""
+        if not self.open:
+            return
+        members, self.open, self.open_numel = self.open, [], 0
+        if len(members) == 1:
+            group = members[0]
         else:
-            self.delivered.set_result(self.grad)
+            codecs = tuple(m.codec for m in members)
+            group = FusedGroup(members, self.state.codecs.fused_for(self.groups_this_step, codecs))
+        self.groups_this_step += 1
+        group.issue()
+        self.issued.append(group)
+
+    def finish(self, count: int) -> None:
+        """Finish the first ``count`` groups issued, in order."""
+        finishing, self.issued = self.issued[:count], self.issued[count:]
+        for group in finishing:
+            group.finish(wires=self.wires)
+
+    def deliver(self, wait: bool) -> None:
+        """Unpack every wire whose sum has arrived (``wait``: every wire, waiting for it), on
+        this thread: no callback on the communication thread competes for the interpreter."""
+        waiting = []
+        for group in self.wires:
+            if wait or group.arrived():
+                group.deliver()
+            else:
+                waiting.append(group)
+        self.wires = waiting
+
+    def end_step(self) -> None:
+        """Sum what is open, finish and deliver everything: the step's last bucket."""
+        self.close()
+        self.finish(len(self.issued))
+        self.deliver(wait=True)
+        self.groups_this_step = 0

@@ -23,7 +23,7 @@ from ._optimizer import (HandedMomentumCorrectedSum, HandedSign, HandedSum, SIGN
 from ._plan import PlanBucket
 from ._sparse_parts import (INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, SEGMENTS, WIRE_DTYPES, WIRES,
                             AgreedNow, add_contribution, int8_levels, restart_sent_velocity)
-from ._codec import CodecBuffers, codec_allreduce
+from ._codec import CodecBuffers, ExchangePipeline, codec_allreduce
 from ._two_phase import TWO_PHASE_LEVELS, add_to_residual, two_phase_int8_sum, two_phase_wire_bytes
 from ._state import ErrorFeedbackState, check_state
 from .variants import DCT, Basis, resolve_basis, resolve_density
@@ -143,15 +143,14 @@ class SegmentSparseState(ErrorFeedbackState):
         self.codecs = CodecBuffers()
         self._costly_buckets: dict = {}  # this step's buckets that sent >= dense: index -> values
         self._warned_costly_buckets = False
-        self._agreements: list = []  # buckets whose importance sum is in flight
-        self._wires: list = []  # buckets whose wire's sum is in flight
+        self._pipeline = ExchangePipeline(self)  # the CPU's buckets in flight
 
     def __getstate__(self) -> dict:
         """:meth:`ErrorFeedbackState.__getstate__`; the coarse-segment warning and the codec
         buffers are per process."""
         state = super().__getstate__()
         state.pop("_warned_coarse_segments", None)
-        del state["codecs"], state["_agreements"], state["_wires"]
+        del state["codecs"], state["_pipeline"]
         del state["_costly_buckets"], state["_warned_costly_buckets"]
         return state
 
@@ -178,10 +177,11 @@ class SegmentSparseState(ErrorFeedbackState):
 
     def run(self, bucket: dist.GradBucket, send) -> torch.futures.Future[torch.Tensor]:
         """:meth:`ErrorFeedbackState.run`. On the CPU the codec sends the bucket
-        (:func:`._codec.codec_allreduce`) with its agreement pipelined: this bucket's
-        importance sum is issued, then the previous bucket's is read, its segments packed
-        and its wire issued (at the step's last bucket, this one's too). Every rank issues the
-        collectives in that one order, and the backward pass computes the next bucket while
+        (:func:`._codec.codec_allreduce`) with its agreement pipelined
+        (:class:`._codec.ExchangePipeline`): consecutive small buckets are grouped, a group's
+        importance sum is issued, then the previous group's is read, its segments packed and
+        its wire issued (at the step's last bucket, everything). Every rank issues the
+        collectives in that one order, and the backward pass computes the next buckets while
         an agreement makes its round trip. The future completes when the bucket's sum has
         been delivered into it."""
         last = bucket.is_last()
@@ -191,14 +191,17 @@ class SegmentSparseState(ErrorFeedbackState):
             finally:
                 if last:
                     self._warn_costly_buckets()
-        earlier = len(self._agreements)
+        pipeline = self._pipeline
+        earlier = len(pipeline.issued)
         try:
             return super().run(bucket, self._send_pipelined)
-        finally:  # the earlier buckets' agreements; at the step's last bucket, all
-            self._finish_agreements(len(self._agreements) if last else earlier)
-            self._deliver_wires(wait=last)
+        finally:  # the groups issued before this bucket; at the step's last bucket, all
             if last:
+                pipeline.end_step()
                 self._warn_costly_buckets()
+            else:
+                pipeline.finish(earlier)
+                pipeline.deliver(wait=False)
 
     def count_exchange(self, index: int, numel: int, dense_bytes: int, sent_bytes: int) -> None:
         """Count one compressed exchange's bytes; note a bucket that sent at least what its
@@ -234,24 +237,7 @@ class SegmentSparseState(ErrorFeedbackState):
 
     def _send_pipelined(self, state, plan_bucket, grad: torch.Tensor,
                         index: int) -> torch.futures.Future:
-        return codec_allreduce(state, plan_bucket, grad, index, agreements=self._agreements)
-
-    def _finish_agreements(self, count: int) -> None:
-        """Finish the first ``count`` agreements in flight, in the order they were issued."""
-        finishing, self._agreements = self._agreements[:count], self._agreements[count:]
-        for agreement in finishing:
-            agreement.finish(wires=self._wires)
-
-    def _deliver_wires(self, wait: bool) -> None:
-        """Unpack every wire whose sum has arrived (``wait``: every wire, waiting for it), on
-        this thread: no callback on the communication thread competes for the interpreter."""
-        waiting = []
-        for agreement in self._wires:
-            if wait or agreement.arrived():
-                agreement.deliver()
-            else:
-                waiting.append(agreement)
-        self._wires = waiting
+        return codec_allreduce(state, plan_bucket, grad, index, pipeline=self._pipeline)
 
     def basis_setting(self) -> Basis:
         """The ``basis`` as the constructor takes it: ``"elements"`` or a :class:`DCT`."""
