@@ -7,7 +7,8 @@ and reused every step while the bucket's shape and ``k`` stay, so a step allocat
 the int8 wire summed in two phases, :mod:`._two_phase`, whose collectives take buffers of their
 own) and issues five operator calls: :func:`hetero_comm.ops.sparse_encode_`, the importance's allreduce,
 :func:`hetero_comm.ops.sparse_pack_`, the wire's allreduce and, once the sum arrives,
-:func:`hetero_comm.ops.sparse_unpack_`.
+:func:`hetero_comm.ops.sparse_unpack_`. Consecutive small buckets share the two allreduces
+(:class:`ExchangePipeline`), each bucket keeping its own selection and scales.
 """
 
 import math
