@@ -9,8 +9,9 @@ Prints, per recipe, the hook's time a bucket split into the codec's kernel calls
 the hook times them), the ``dist.all_reduce`` calls (issue only: the hook waits for them
 elsewhere) and the rest (the hook's Python and its waits); then what a bucket adds to the step against a
 hook that hands the bucket back, for DDP's own allreduce, for the least a Python hook can do
-with the codec (its three kernel calls and two collectives a bucket, pipelined as the
-library's, and nothing else: no plan, statistics or checks) and for the recipe; then the
+with the codec and an exchange per bucket (its three kernel calls and two collectives a
+bucket, pipelined, and nothing else: no plan, statistics or checks) and for the recipe (which
+shares an exchange among consecutive small buckets, so it can come out below that); then the
 parts alone: a gloo allreduce issued
 and waited for, a kernel call on a 64-value bucket (the call's own cost), a
 ``torch.futures.Future`` made and completed, and the codec's three kernels on one bucket
@@ -109,10 +110,11 @@ def small_bucket_step(optimizer_name: str, hook_kind: str):
 
 
 def least_exchange_hook(settings: dict):
-    """A DDP hook that does only what the recipe's exchange cannot do without: per bucket the
+    """A DDP hook that does only what an exchange per bucket cannot do without: per bucket the
     codec's encode and the importance's allreduce, then the previous bucket's pack and wire
     allreduce, and the unpack of every wire that has arrived (all at the last bucket). No
-    plan, warm-up, statistics, non-finite or settings checks: the bound on the hook's Python."""
+    plan, warm-up, statistics, non-finite or settings checks: the bound on the hook's Python
+    when every bucket is exchanged alone."""
     state = hetero_comm.hooks.SegmentSparseState(**settings)
     codecs, agreeing, summing = {}, [], []
 

@@ -78,9 +78,12 @@ class BucketCodec:
                                block_size=self.block_size, coefficients=self.coefficients)
 
     def pack(self, residual: torch.Tensor, velocity: Optional[torch.Tensor],
-             importance: torch.Tensor) -> bool:
-        """:func:`hetero_comm.ops.sparse_pack_` of the agreed ``importance`` (this codec's, or
-        its copy in a fused group's sum) onto this codec's wire; False if it is not finite."""
+             importance: Optional[torch.Tensor] = None) -> bool:
+        """:func:`hetero_comm.ops.sparse_pack_` of the agreed ``importance`` (default: this
+        codec's; a fused group's sum holds its own copy) onto this codec's wire; False if it is
+        not finite."""
+        if importance is None:
+            importance = self.importance
         if self.compiled:
             return torch.ops.hetero_comm.sparse_pack_.default(
                 residual, self.coefficients, velocity, importance, self.segment,
