@@ -4,6 +4,7 @@ processes can import them.
 """
 
 import copy
+import gc
 import io
 import traceback
 import warnings
@@ -506,12 +507,18 @@ def op_calls_per_bucket(rank, world_size, optimizer_name, steps=3):
     return dict(per_bucket=(recipe - baseline) / buckets, buckets=buckets / steps, ratio=ratio)
 
 
-def fused_and_separate(rank, world_size, optimizer_name, steps=6):
-    """``hetero_comm.compress`` on small DDP buckets (4-8K values) trained twice, with the
-    CPU's exchange fusing consecutive buckets (the default) and with every bucket alone: the
-    final parameters of each, and the allreduce calls and buckets encoded in the last step."""
+def fused_and_separate(rank, world_size, optimizer_name, fuse_below=None, min_compress_numel=0,
+                       nan_at=None, steps=6):
+    """``hetero_comm.compress`` on small DDP buckets (5.2-6.3K values, of uneven sizes)
+    trained twice: with the CPU's exchange fusing consecutive buckets until they hold
+    ``fuse_below`` values (default: the library's) and with every bucket alone. Buckets below
+    ``min_compress_numel`` go dense between them; ``nan_at``: a step whose third layer's
+    gradient is NaN (that step's update is skipped, as a GradScaler does). The initial and
+    final parameters of each run, the allreduce calls and buckets encoded in the last step."""
     import hetero_comm
     from hetero_comm.hooks import _codec
+
+    widths = (64, 96, 64, 48, 64, 80, 64, 40, 64)
 
     def train(fuse_below):
         collectives, encoded = [], []
@@ -527,12 +534,19 @@ def fused_and_separate(rank, world_size, optimizer_name, steps=6):
         saved, _codec.FUSE_BELOW_NUMEL = _codec.FUSE_BELOW_NUMEL, fuse_below
         try:
             torch.manual_seed(0)
-            model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(8)])
+            model = nn.Sequential(*[nn.Sequential(nn.Linear(a, b), nn.Tanh())
+                                    for a, b in zip(widths, widths[1:])])
+            initial = flat(model.parameters())
+            step_now = [0]
+            model[2][0].weight.register_hook(
+                lambda grad: grad * float("nan") if step_now[0] == nan_at else grad)
             ddp = DistributedDataParallel(model, bucket_cap_mb=0.016)
             optimizer = OPTIMIZERS[optimizer_name](ddp.parameters())
-            hetero_comm.compress(ddp, optimizer)
+            state = hetero_comm.compress(ddp, optimizer)
+            state.min_compress_numel = min_compress_numel
             generator = torch.Generator().manual_seed(rank)
-            for _ in range(steps):
+            for step in range(steps):
+                step_now[0] = step
                 inputs = torch.randn(8, 64, generator=generator)
                 optimizer.zero_grad()
                 collectives.clear(), encoded.clear()
@@ -541,15 +555,76 @@ def fused_and_separate(rank, world_size, optimizer_name, steps=6):
                     ddp(inputs).square().mean().backward()
                 finally:
                     dist.all_reduce, _codec.BucketCodec.encode = issue, encode
-                optimizer.step()
-            return flat(model.parameters()), len(collectives), len(encoded)
+                if all(bool(p.grad.isfinite().all()) for p in model.parameters()):
+                    optimizer.step()
+            return initial, flat(model.parameters()), len(collectives), len(encoded)
         finally:
             _codec.FUSE_BELOW_NUMEL = saved
 
-    fused, fused_calls, buckets = train(_codec.FUSE_BELOW_NUMEL)
-    separate, separate_calls, _ = train(0)
-    return dict(fused=fused, separate=separate, fused_calls=fused_calls,
+    initial, fused, fused_calls, buckets = train(fuse_below or _codec.FUSE_BELOW_NUMEL)
+    _, separate, separate_calls, _ = train(0)
+    return dict(initial=initial, fused=fused, separate=separate, fused_calls=fused_calls,
                 separate_calls=separate_calls, buckets=buckets)
+
+
+def step_cut_short(rank, world_size, steps_after=3):
+    """The small-bucket model under ``hetero_comm.compress`` (AdamW) for three steps, then a
+    backward that raises midway (buckets of the later layers already handed to the hook), then
+    the same state on a new DDP model for ``steps_after`` steps: what the cut step's buckets'
+    futures held, how often the pipeline dropped a step's work, and the final parameters."""
+    import hetero_comm
+    from hetero_comm.hooks import _codec, segment_sparse_hook
+
+    widths = (64, 96, 64, 48, 64, 80, 64, 40, 64)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(a, b), nn.Tanh())
+                            for a, b in zip(widths, widths[1:])])
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.016)
+    optimizer = OPTIMIZERS["adamw"](ddp.parameters())
+    state = hetero_comm.compress(ddp, optimizer)
+    generator = torch.Generator().manual_seed(rank)
+
+    def step(net):
+        optimizer.zero_grad()
+        net(torch.randn(8, 64, generator=generator)).square().mean().backward()
+        optimizer.step()
+
+    for _ in range(3):
+        step(ddp)
+    cut = model[0][0].weight.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("cut")))
+    try:
+        step(ddp)
+    except RuntimeError:
+        pass
+    cut.remove()
+    pipeline = state._pipeline
+    in_flight = [m.delivered for m in pipeline.open]
+    for group in pipeline.issued + pipeline.wires:
+        in_flight.extend(m.delivered for m in getattr(group, "members", [group]))
+    discarded, discard = [], _codec.ExchangePipeline.discard
+
+    def counted_discard(self):
+        discarded.append(1)
+        return discard(self)
+    _codec.ExchangePipeline.discard = counted_discard
+    del ddp  # (its reducer's hooks on the parameters go with it)
+    gc.collect()
+    try:
+        again = DistributedDataParallel(model, bucket_cap_mb=0.016)
+        again.register_comm_hook(state, segment_sparse_hook)
+        for _ in range(steps_after):
+            step(again)
+    finally:
+        _codec.ExchangePipeline.discard = discard
+    def failed(future) -> bool:
+        try:
+            future.wait()
+        except RuntimeError:
+            return True
+        return False
+    return dict(in_flight=len(in_flight), undone=sum(not f.done() for f in in_flight),
+                failed=sum(failed(f) for f in in_flight if f.done()), discarded=len(discarded),
+                params=flat(model.parameters()), ratio=state.stats()["compression_ratio"])
 
 
 def disagreeing_states(rank, world_size, hook, settings, rank_settings):

@@ -134,6 +134,10 @@ def _rank_entry(rank, world_size, port, target, args, result, progress, environm
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
+    # Every rank's connections made before any may finish and close its own: a rank whose
+    # target raises at once would otherwise exit while a slower one is still connecting
+    # ("Gloo connectFullMesh failed ... Connection closed by peer").
+    dist.barrier()
     try:
         # By value: a tensor put in the queue as such is shared through a handle that dies with
         # this process, which may exit before the parent has read it.

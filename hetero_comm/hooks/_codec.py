@@ -147,6 +147,12 @@ class CodecBuffers:
             self.builds += 1
         return buffers
 
+    def keep_fused(self, count: int) -> None:
+        """Let go of the buffers of fused groups beyond the first ``count`` (and of the codecs
+        they hold)."""
+        for ordinal in [o for o in self._fused if o >= count]:
+            del self._fused[ordinal]
+
 
 def codec_allreduce(state, plan_bucket: PlanBucket, grad: torch.Tensor, index: int,
                     pipeline: Optional["ExchangePipeline"] = None) -> torch.futures.Future:
@@ -208,7 +214,7 @@ class AgreementInFlight:
             self.delivered.set_result(state.non_finite.hand_on(grad, found).wait())
             return False
         state.count_exchange(self.index, grad.numel(), grad.numel() * grad.element_size(),
-                             codec.wire_bytes())
+                             codec.wire_bytes(), self.step)
         return True
 
     def finish(self, raise_non_finite: bool = False,
@@ -356,14 +362,23 @@ class ExchangePipeline:
         self.open_numel = 0
         self.issued: list = []  # groups whose importance sum is in flight, in order
         self.wires: list = []  # groups whose wire sum is in flight
-        self.groups_this_step = 0
+        self.fused_ordinals: List[int] = []  # this step's groups of several buckets
+
+    def pending(self) -> bool:
+        return bool(self.open or self.issued or self.wires)
 
     def add(self, agreement: AgreementInFlight) -> None:
         """Let ``agreement`` join the open group; sum the group's importances once it holds
-        enough values (the int8 sum in two phases: every bucket alone)."""
+        enough values. A bucket that holds enough alone, or whose int8 wire is summed in two
+        phases, is exchanged alone (what is open goes first)."""
+        if agreement.codec.two_phase or agreement.grad.numel() >= FUSE_BELOW_NUMEL:
+            self.close()
+            self.open.append(agreement)
+            self.close()
+            return
         self.open.append(agreement)
         self.open_numel += agreement.grad.numel()
-        if self.open_numel >= FUSE_BELOW_NUMEL or agreement.codec.two_phase:
+        if self.open_numel >= FUSE_BELOW_NUMEL:
             self.close()
 
     def close(self) -> None:
@@ -374,9 +389,10 @@ class ExchangePipeline:
         if len(members) == 1:
             group = members[0]
         else:
+            ordinal = len(self.fused_ordinals)
             codecs = tuple(m.codec for m in members)
-            group = FusedGroup(members, self.state.codecs.fused_for(self.groups_this_step, codecs))
-        self.groups_this_step += 1
+            group = FusedGroup(members, self.state.codecs.fused_for(ordinal, codecs))
+            self.fused_ordinals.append(ordinal)
         group.issue()
         self.issued.append(group)
 
@@ -398,8 +414,24 @@ class ExchangePipeline:
         self.wires = waiting
 
     def end_step(self) -> None:
-        """Sum what is open, finish and deliver everything: the step's last bucket."""
+        """Sum what is open, finish and deliver everything: the step's last bucket. Buffers of
+        fused groups this step did not make are let go."""
         self.close()
         self.finish(len(self.issued))
         self.deliver(wait=True)
-        self.groups_this_step = 0
+        self.state.codecs.keep_fused(len(self.fused_ordinals))
+        self.fused_ordinals = []
+
+    def discard(self) -> None:
+        """Drop the work of a step that ended before its last bucket (the backward raised): a
+        new step's buckets must not be grouped or finished with it. Its buckets' futures fail."""
+        error = RuntimeError("the sparse exchange's step ended before its last bucket; its "
+                             "buckets in flight were dropped")
+        members = list(self.open)
+        for group in self.issued + self.wires:
+            members.extend(group.members if isinstance(group, FusedGroup) else [group])
+        for member in members:
+            if not member.delivered.done():
+                member.delivered.set_exception(error)
+        self.open, self.open_numel, self.issued, self.wires = [], 0, [], []
+        self.fused_ordinals = []

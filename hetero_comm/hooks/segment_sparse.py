@@ -192,6 +192,8 @@ class SegmentSparseState(ErrorFeedbackState):
                 if last:
                     self._warn_costly_buckets()
         pipeline = self._pipeline
+        if bucket.index() == 0 and pipeline.pending():  # DDP hands bucket 0 over first
+            pipeline.discard()
         earlier = len(pipeline.issued)
         try:
             return super().run(bucket, self._send_pipelined)
@@ -203,11 +205,14 @@ class SegmentSparseState(ErrorFeedbackState):
                 pipeline.finish(earlier)
                 pipeline.deliver(wait=False)
 
-    def count_exchange(self, index: int, numel: int, dense_bytes: int, sent_bytes: int) -> None:
+    def count_exchange(self, index: int, numel: int, dense_bytes: int, sent_bytes: int,
+                       step: Optional[int] = None) -> None:
         """Count one compressed exchange's bytes; note a bucket that sent at least what its
-        dense allreduce would (once the density has reached its setting)."""
+        dense allreduce would (once the density has reached its setting at ``step``, the
+        bucket's; default the current step)."""
         self.statistics.count_bytes(dense_bytes, sent_bytes, True)
-        if 0 < dense_bytes <= sent_bytes and self.density_at(self.step) <= self.density:
+        step = self.step if step is None else step
+        if 0 < dense_bytes <= sent_bytes and self.density_at(step) <= self.density:
             self._costly_buckets[index] = max(numel, self._costly_buckets.get(index, 0))
 
     def take_costly_buckets(self) -> dict:
