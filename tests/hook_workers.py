@@ -627,10 +627,14 @@ def step_cut_short(rank, world_size, steps_after=3):
                 params=flat(model.parameters()), ratio=state.stats()["compression_ratio"])
 
 
-def disagreeing_states(rank, world_size, hook, settings, rank_settings):
+def disagreeing_states(rank, world_size, hook, settings, rank_settings, rank_fuse_below=None):
     """Every rank builds ``hook``'s state from ``settings``, the last rank updated with
-    ``rank_settings``, and runs a step: what each rank's backward raised (type, message), and
-    whether the parameters' gradients were left as they were before the step (None)."""
+    ``rank_settings`` (and with ``rank_fuse_below``, its library's grouping of small buckets
+    changed, as another version's), and runs a step: what each rank's backward raised (type,
+    message)."""
+    if rank_fuse_below is not None and rank == world_size - 1:
+        from hetero_comm.hooks import _codec
+        _codec.FUSE_BELOW_NUMEL = rank_fuse_below
     chosen = dict(settings, **(rank_settings if rank == world_size - 1 else {}))
     model = make_model()
     ddp = DistributedDataParallel(model)

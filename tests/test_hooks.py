@@ -708,6 +708,16 @@ def test_states_built_differently_on_the_ranks_raise_on_every_rank_at_the_first_
 
 
 @pytest.mark.misuse
+def test_ranks_grouping_small_buckets_differently_raise_on_every_rank():
+    """How many values small buckets gather before one exchange is the library's, not a
+    setting; ranks whose libraries differ in it would issue different collectives, so it is
+    compared with the settings."""
+    for raised, message in run_ranks(2, disagreeing_states, "sparse",
+                                     dict(density=0.1, segment_size=16), {}, 1024):
+        assert raised == "ValueError" and "'fuse_below_numel': 1024" in message, message
+
+
+@pytest.mark.misuse
 def test_a_rank_weight_of_its_own_is_not_a_disagreement():
     results = run_ranks(2, disagreeing_states, "sparse", dict(density=0.1, segment_size=16),
                         dict(rank_weight=0.25))

@@ -119,9 +119,15 @@ class HookState:
             return
         shared = {name: value for name, value in self.settings().items()
                   if name not in self._per_rank_settings}
+        shared.update(self.agreed_constants())
         if shared:
             agree_across_ranks(f"{type(self).__name__} settings", shared, self.process_group)
         self._settings_agreed = True
+
+    def agreed_constants(self) -> dict:
+        """The library's constants that shape this state's collectives (compared with the
+        settings: ranks running different versions of the library must not exchange)."""
+        return {}
 
     def claim(self, bucket: dist.GradBucket, params: Optional[List[torch.Tensor]] = None) -> None:
         """Make sure the bucket belongs to this state's model: a state keeps error feedback

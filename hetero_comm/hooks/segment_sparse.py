@@ -23,6 +23,7 @@ from ._optimizer import (HandedMomentumCorrectedSum, HandedSign, HandedSum, SIGN
 from ._plan import PlanBucket
 from ._sparse_parts import (INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, SEGMENTS, WIRE_DTYPES, WIRES,
                             AgreedNow, add_contribution, int8_levels, restart_sent_velocity)
+from . import _codec
 from ._codec import CodecBuffers, ExchangePipeline, codec_allreduce
 from ._two_phase import TWO_PHASE_LEVELS, add_to_residual, two_phase_int8_sum, two_phase_wire_bytes
 from ._state import ErrorFeedbackState, check_state
@@ -167,6 +168,11 @@ class SegmentSparseState(ErrorFeedbackState):
                     density_warmup_steps=self.density_warmup_steps, wire_dtype=self.wire_dtype,
                     basis=self.basis_setting(), int8_sum=self.int8_sum, output=self.output,
                     **super().settings())
+
+    def agreed_constants(self) -> dict:
+        """:meth:`HookState.agreed_constants`: how many values consecutive buckets gather
+        before their exchange on the CPU (:data:`._codec.FUSE_BELOW_NUMEL`)."""
+        return dict(fuse_below_numel=_codec.FUSE_BELOW_NUMEL)
 
     # ---------------------------------------------------------------- the pipelined agreement
     def pipelines_agreement(self, grad: torch.Tensor) -> bool:
