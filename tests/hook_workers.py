@@ -507,6 +507,15 @@ def op_calls_per_bucket(rank, world_size, optimizer_name, steps=3):
     return dict(per_bucket=(recipe - baseline) / buckets, buckets=buckets / steps, ratio=ratio)
 
 
+def uneven_small_model() -> nn.Module:
+    """Eight tanh layers of uneven widths (34,312 parameters): with ``bucket_cap_mb=0.016``
+    DDP cuts them into 6 buckets of 5,184-6,256 values."""
+    widths = (64, 96, 64, 48, 64, 80, 64, 40, 64)
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(a, b), nn.Tanh())
+                           for a, b in zip(widths, widths[1:])])
+
+
 def fused_and_separate(rank, world_size, optimizer_name, fuse_below=None, min_compress_numel=0,
                        nan_at=None, steps=6):
     """``hetero_comm.compress`` on small DDP buckets (5.2-6.3K values, of uneven sizes)
@@ -517,8 +526,6 @@ def fused_and_separate(rank, world_size, optimizer_name, fuse_below=None, min_co
     final parameters of each run, the allreduce calls and buckets encoded in the last step."""
     import hetero_comm
     from hetero_comm.hooks import _codec
-
-    widths = (64, 96, 64, 48, 64, 80, 64, 40, 64)
 
     def train(fuse_below):
         collectives, encoded = [], []
@@ -533,9 +540,7 @@ def fused_and_separate(rank, world_size, optimizer_name, fuse_below=None, min_co
             return encode(*args, **kwargs)
         saved, _codec.FUSE_BELOW_NUMEL = _codec.FUSE_BELOW_NUMEL, fuse_below
         try:
-            torch.manual_seed(0)
-            model = nn.Sequential(*[nn.Sequential(nn.Linear(a, b), nn.Tanh())
-                                    for a, b in zip(widths, widths[1:])])
+            model = uneven_small_model()
             initial = flat(model.parameters())
             step_now = [0]
             model[2][0].weight.register_hook(
@@ -575,10 +580,7 @@ def step_cut_short(rank, world_size, steps_after=3):
     import hetero_comm
     from hetero_comm.hooks import _codec, segment_sparse_hook
 
-    widths = (64, 96, 64, 48, 64, 80, 64, 40, 64)
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(a, b), nn.Tanh())
-                            for a, b in zip(widths, widths[1:])])
+    model = uneven_small_model()
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.016)
     optimizer = OPTIMIZERS["adamw"](ddp.parameters())
     state = hetero_comm.compress(ddp, optimizer)
@@ -600,7 +602,7 @@ def step_cut_short(rank, world_size, steps_after=3):
     pipeline = state._pipeline
     in_flight = [m.delivered for m in pipeline.open]
     for group in pipeline.issued + pipeline.wires:
-        in_flight.extend(m.delivered for m in getattr(group, "members", [group]))
+        in_flight.extend(m.delivered for m in group.members)
     discarded, discard = [], _codec.ExchangePipeline.discard
 
     def counted_discard(self):

@@ -189,6 +189,11 @@ class AgreementInFlight:
         self.work = self.wire_work = None
         self.delivered = torch.futures.Future()
 
+    @property
+    def members(self) -> List["AgreementInFlight"]:
+        """The buckets exchanged together (a group of one: this one), as :class:`FusedGroup`."""
+        return [self]
+
     def issue(self) -> None:
         """Issue the importance's sum."""
         self.work = dist.all_reduce(self.codec.importance, group=self.state.exchange_group(),
@@ -429,7 +434,7 @@ class ExchangePipeline:
                              "buckets in flight were dropped")
         members = list(self.open)
         for group in self.issued + self.wires:
-            members.extend(group.members if isinstance(group, FusedGroup) else [group])
+            members.extend(group.members)
         for member in members:
             if not member.delivered.done():
                 member.delivered.set_exception(error)
