@@ -1,9 +1,10 @@
 // CPU kernels of dct_encode / dct_decode (and their out= forms dct_encode_into_ /
 // dct_decode_into_): blockwise orthonormal DCT-II and its inverse. Two algorithms, chosen
 // by cost: Lee's fast transform (O(log B) per element), which transforms eight blocks at once,
-// one per lane of a GCC vector, and for decoding very few coefficients a direct product with
-// the kept basis rows (keep multiply-adds per element). The coefficients are written and read
-// in place in either layout, plain [blocks, keep] or grouped [groups, keep, group] (DctLayout).
+// one per lane of a GCC vector (with an AVX2 clone for blocks of up to 256 values), and for
+// decoding very few coefficients a direct product with the kept basis rows (keep
+// multiply-adds per element). The coefficients are written and read in place in either
+// layout, plain [blocks, keep] or grouped [groups, keep, group] (DctLayout).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -11,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <mutex>
 #include <vector>
 
@@ -74,10 +76,49 @@ struct LanePlan {
 template <typename Body>
 void for_each_batch(const LanePlan& plan, int64_t block_size, const Body& body) {
   at::parallel_for(0, plan.batches, plan.grain, [&](int64_t first, int64_t last) {
-    std::vector<Lanes> work(block_size), scratch(block_size);
-    float* lanes = reinterpret_cast<float*>(work.data());
-    for (int64_t batch = first; batch < last; ++batch) body(batch, work.data(), scratch.data(), lanes);
+    // (aligned by hand: the allocator may give a Lanes vector 16 bytes' alignment only, and
+    // the AVX2 clone's loads need the full 32)
+    std::vector<float> storage(2 * block_size * kLanes + kLanes);
+    Lanes* work = reinterpret_cast<Lanes*>(
+        (reinterpret_cast<uintptr_t>(storage.data()) + sizeof(Lanes) - 1) & ~(sizeof(Lanes) - 1));
+    Lanes* scratch = work + block_size;
+    float* lanes = reinterpret_cast<float*>(work);
+    for (int64_t batch = first; batch < last; ++batch) body(batch, work, scratch, lanes);
   });
+}
+
+// One batch's transform, forward (dct2) or transposed (dct3). For blocks of up to 256 values
+// the sized recursion is inlined whole, so that the AVX2 clone computes all of it with 8-float
+// registers (the default clone splits each vector in two); larger blocks go through the
+// recursion out of line (inlined whole, a 4096-value block would be thousands of loops).
+#define HETERO_COMM_SMALL_DCT_SIZES(F) F(1) F(2) F(4) F(8) F(16) F(32) F(64) F(128) F(256)
+
+__attribute__((noinline)) void dct2_large(Lanes* x, Lanes* scratch, int64_t n, const float* twiddles) {
+  dct2_unnormalized(x, scratch, n, twiddles);
+}
+
+__attribute__((noinline)) void dct3_large(Lanes* x, Lanes* scratch, int64_t n, const float* twiddles) {
+  dct3_unnormalized(x, scratch, n, twiddles);
+}
+
+HC_ISA_CLONES __attribute__((flatten)) void dct2_batch(Lanes* x, Lanes* scratch, int64_t n,
+                                                       const float* twiddles) {
+  switch (n) {
+#define HETERO_COMM_CASE(size) case size: dct2_sized<size>(x, scratch, twiddles); return;
+    HETERO_COMM_SMALL_DCT_SIZES(HETERO_COMM_CASE)
+#undef HETERO_COMM_CASE
+  }
+  dct2_large(x, scratch, n, twiddles);
+}
+
+HC_ISA_CLONES __attribute__((flatten)) void dct3_batch(Lanes* x, Lanes* scratch, int64_t n,
+                                                       const float* twiddles) {
+  switch (n) {
+#define HETERO_COMM_CASE(size) case size: dct3_sized<size>(x, scratch, twiddles); return;
+    HETERO_COMM_SMALL_DCT_SIZES(HETERO_COMM_CASE)
+#undef HETERO_COMM_CASE
+  }
+  dct3_large(x, scratch, n, twiddles);
 }
 
 // The layout of a plain [blocks, keep] or grouped [groups, keep, group] coefficient tensor.
@@ -137,7 +178,7 @@ void encode_fast(const T* x, int64_t numel, int64_t block_size, const DctLayout&
       for (int64_t i = 0; i < len; ++i) lanes[i * kLanes + lane] = static_cast<float>(x[begin + i]);
       for (int64_t i = len; i < block_size; ++i) lanes[i * kLanes + lane] = 0.0f;
     }
-    dct2_unnormalized(work, scratch, block_size, plan.twiddles.data());
+    dct2_batch(work, scratch, block_size, plan.twiddles.data());
     const int64_t first = batch * kLanes;
     store_batch(lanes, plan.ortho.data(), layout, first,
                 static_cast<int>(std::min<int64_t>(kLanes, plan.blocks - first)), out);
@@ -174,7 +215,7 @@ void decode_fast(const float* coeffs, const DctLayout& layout, int64_t block_siz
   for_each_batch(plan, block_size, [&](int64_t batch, Lanes* work, Lanes* scratch, float* lanes) {
     load_batch(coeffs, plan.ortho.data(), layout, batch * kLanes, plan.blocks, lanes);
     for (int64_t k = layout.keep; k < block_size; ++k) work[k] = Lanes{};
-    dct3_unnormalized(work, scratch, block_size, plan.twiddles.data());
+    dct3_batch(work, scratch, block_size, plan.twiddles.data());
     for (int lane = 0; lane < kLanes && batch * kLanes + lane < plan.blocks; ++lane) {
       const int64_t begin = (batch * kLanes + lane) * block_size;
       const int64_t len = std::min(block_size, numel - begin);

@@ -70,59 +70,82 @@ inline void dct_decode_direct(const float* __restrict coeffs, int64_t keep,
   }
 }
 
-// Unnormalised DCT-II in place: x[k] <- sum_i x[i] cos(pi (2i + 1) k / (2n)).
-// `scratch` holds n values; both arrays are clobbered by the recursion.
-template <typename V>
-void dct2_unnormalized(V* x, V* scratch, int64_t n, const float* twiddles) {
-  if (n == 1) return;
-  if (n == 2) {  // the general step with half = 1, without the call overhead
+// Unnormalised DCT-II in place, for a size N known when compiling (so that the small
+// sizes' loops unroll and the recursion inlines): x[k] <- sum_i x[i] cos(pi (2i + 1) k / (2N)).
+// `scratch` holds N values; both arrays are clobbered by the recursion.
+template <int64_t N, typename V>
+inline void dct2_sized(V* x, V* scratch, const float* twiddles) {
+  if constexpr (N == 2) {
     const V low = x[0], high = x[1];
     x[0] = low + high;
     x[1] = (low - high) * twiddles[0];
-    return;
+  } else if constexpr (N > 2) {
+    constexpr int64_t half = N / 2;
+    const float* twiddle = twiddles + half - 1;
+    for (int64_t i = 0; i < half; ++i) {
+      const V low = x[i], high = x[N - 1 - i];
+      scratch[i] = low + high;
+      scratch[half + i] = (low - high) * twiddle[i];
+    }
+    dct2_sized<half>(scratch, x, twiddles);
+    dct2_sized<half>(scratch + half, x + half, twiddles);
+    for (int64_t i = 0; i + 1 < half; ++i) {
+      x[2 * i] = scratch[i];
+      x[2 * i + 1] = scratch[half + i] + scratch[half + i + 1];
+    }
+    x[N - 2] = scratch[half - 1];
+    x[N - 1] = scratch[N - 1];
   }
-  const int64_t half = n / 2;
-  const float* twiddle = twiddles + half - 1;
-  for (int64_t i = 0; i < half; ++i) {
-    const V low = x[i], high = x[n - 1 - i];
-    scratch[i] = low + high;
-    scratch[half + i] = (low - high) * twiddle[i];
-  }
-  dct2_unnormalized(scratch, x, half, twiddles);
-  dct2_unnormalized(scratch + half, x + half, half, twiddles);
-  for (int64_t i = 0; i + 1 < half; ++i) {
-    x[2 * i] = scratch[i];
-    x[2 * i + 1] = scratch[half + i] + scratch[half + i + 1];
-  }
-  x[n - 2] = scratch[half - 1];
-  x[n - 1] = scratch[n - 1];
 }
 
-// The transpose of dct2_unnormalized (an unnormalised DCT-III with full weight on x[0]):
-// x[i] <- sum_k x[k] cos(pi (2i + 1) k / (2n)).
-template <typename V>
-void dct3_unnormalized(V* x, V* scratch, int64_t n, const float* twiddles) {
-  if (n == 1) return;
-  if (n == 2) {  // the general step with half = 1, without the call overhead
+// The transpose of dct2_sized (an unnormalised DCT-III with full weight on x[0]):
+// x[i] <- sum_k x[k] cos(pi (2i + 1) k / (2N)).
+template <int64_t N, typename V>
+inline void dct3_sized(V* x, V* scratch, const float* twiddles) {
+  if constexpr (N == 2) {
     const V even = x[0], odd = x[1] * twiddles[0];
     x[0] = even + odd;
     x[1] = even - odd;
-    return;
+  } else if constexpr (N > 2) {
+    constexpr int64_t half = N / 2;
+    const float* twiddle = twiddles + half - 1;
+    scratch[0] = x[0];
+    scratch[half] = x[1];
+    for (int64_t i = 1; i < half; ++i) {
+      scratch[i] = x[2 * i];
+      scratch[half + i] = x[2 * i + 1] + x[2 * i - 1];
+    }
+    dct3_sized<half>(scratch, x, twiddles);
+    dct3_sized<half>(scratch + half, x + half, twiddles);
+    for (int64_t i = 0; i < half; ++i) {
+      const V even = scratch[i], odd = scratch[half + i] * twiddle[i];
+      x[i] = even + odd;
+      x[N - 1 - i] = even - odd;
+    }
   }
-  const int64_t half = n / 2;
-  const float* twiddle = twiddles + half - 1;
-  scratch[0] = x[0];
-  scratch[half] = x[1];
-  for (int64_t i = 1; i < half; ++i) {
-    scratch[i] = x[2 * i];
-    scratch[half + i] = x[2 * i + 1] + x[2 * i - 1];
+}
+
+// Applies F to every power of two in [1, 4096], the block sizes the callers accept.
+#define HETERO_COMM_DCT_SIZES(F) F(1) F(2) F(4) F(8) F(16) F(32) F(64) F(128) F(256) F(512) \
+  F(1024) F(2048) F(4096)
+
+// dct2_sized for a size known only when running (a power of two up to 4096; callers check).
+template <typename V>
+void dct2_unnormalized(V* x, V* scratch, int64_t n, const float* twiddles) {
+  switch (n) {
+#define HETERO_COMM_DCT2_CASE(size) case size: dct2_sized<size>(x, scratch, twiddles); return;
+    HETERO_COMM_DCT_SIZES(HETERO_COMM_DCT2_CASE)
+#undef HETERO_COMM_DCT2_CASE
   }
-  dct3_unnormalized(scratch, x, half, twiddles);
-  dct3_unnormalized(scratch + half, x + half, half, twiddles);
-  for (int64_t i = 0; i < half; ++i) {
-    const V even = scratch[i], odd = scratch[half + i] * twiddle[i];
-    x[i] = even + odd;
-    x[n - 1 - i] = even - odd;
+}
+
+// dct3_sized for a size known only when running (a power of two up to 4096; callers check).
+template <typename V>
+void dct3_unnormalized(V* x, V* scratch, int64_t n, const float* twiddles) {
+  switch (n) {
+#define HETERO_COMM_DCT3_CASE(size) case size: dct3_sized<size>(x, scratch, twiddles); return;
+    HETERO_COMM_DCT_SIZES(HETERO_COMM_DCT3_CASE)
+#undef HETERO_COMM_DCT3_CASE
   }
 }
 
