@@ -1,12 +1,14 @@
-"""When a recipe's collectives start and end inside one training step on a shaped link:
-``netbench``'s CNN (``cnn_wide``) at 2 ranks, one rank per namespace (root), DDP with
-``--bucket-mb`` buckets, ``hetero_comm.compress`` with SGD and momentum. Prints rank 0's
-timeline of the median step (forward, each hook, each ``dist.all_reduce`` issued and summed,
-backward, optimizer) and the median step of the same model with no communication, from
-the same run.
+"""When a recipe's collectives start and end inside one training step on a shaped link: 2
+ranks, one per namespace (root), DDP with ``--bucket-mb`` buckets, ``hetero_comm.compress``
+with the optimizer given. Prints rank 0's timeline of the median step (forward, each hook,
+each ``dist.all_reduce`` issued and summed, backward, optimizer) and the median step of the
+same model with no communication, from the same run.
+
+Models: ``cnn_wide`` (``netbench``'s CNN, 4.2M parameters, nearly all in one linear layer) or
+``gpt`` (the benchmark transformer, width 128: 0.83M parameters over its layers), batch 32.
 
 Usage: ``PYTHONPATH=benchmarks python benchmarks/experiments/step_timeline.py [--link 100mbit]
-[--bucket-mb 4] [--steps 20]``.
+[--model cnn_wide] [--optimizer sgd] [--bucket-mb 4] [--steps 20]``.
 """
 
 import argparse
@@ -18,6 +20,7 @@ import sys
 import time
 
 MODES = ("no communication", "hetero_comm.compress")
+MODELS = {"cnn_wide": 1024, "gpt": 128}  # model -> its width (make_workload's hidden)
 
 
 def worker() -> None:
@@ -53,9 +56,12 @@ def worker() -> None:
     dist.all_reduce = traced_all_reduce  # (the codec calls dist.all_reduce by attribute)
     for mode in MODES:
         torch.manual_seed(0)
-        x, y, _, _, model = make_workload("cnn_wide", 1024, 0, 0.0)
+        name = os.environ["MODEL"]
+        x, y, _, _, model = make_workload(name, MODELS[name], 0, 0.0)
         ddp = DistributedDataParallel(model, bucket_cap_mb=float(os.environ["BUCKET_MB"]))
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        optimizer = (torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+                     if os.environ["OPTIMIZER"] == "sgd"
+                     else torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.01))
         if mode == "hetero_comm.compress":
             register = ddp.register_comm_hook
 
@@ -85,7 +91,8 @@ def worker() -> None:
             events.clear()
             began[0] = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.cross_entropy(ddp(x[index]), y[index])
+            logits = ddp(x[index])  # (per image, or per byte of a text window)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, -2), y[index].flatten())
             mark("forward done")
             loss.backward()
             mark("backward done")
@@ -105,16 +112,20 @@ def worker() -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--link", default="100mbit", help="loopback or a netlab rate (100mbit)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="cnn_wide")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     parser.add_argument("--bucket-mb", type=float, default=4.0)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     from netbench import run_script_ranks
 
     records = run_script_ranks(os.path.abspath(__file__), 2,
-                               dict(WORLD_SIZE=2, BUCKET_MB=args.bucket_mb, STEPS=args.steps),
+                               dict(WORLD_SIZE=2, BUCKET_MB=args.bucket_mb, STEPS=args.steps,
+                                    MODEL=args.model, OPTIMIZER=args.optimizer),
                                args.link)
     print(f"# PYTHONPATH=benchmarks python benchmarks/experiments/step_timeline.py --link "
-          f"{args.link} --bucket-mb {args.bucket_mb:g} --steps {args.steps}")
+          f"{args.link} --model {args.model} --optimizer {args.optimizer} --bucket-mb "
+          f"{args.bucket_mb:g} --steps {args.steps}")
     for mode in MODES:
         record = records[mode]
         print(f"\n## {mode}: median step {statistics.median(record['steps']):.1f} ms "
