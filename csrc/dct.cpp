@@ -76,11 +76,11 @@ struct LanePlan {
 template <typename Body>
 void for_each_batch(const LanePlan& plan, int64_t block_size, const Body& body) {
   at::parallel_for(0, plan.batches, plan.grain, [&](int64_t first, int64_t last) {
-    // (aligned by hand: the allocator may give a Lanes vector 16 bytes' alignment only, and
-    // the AVX2 clone's loads need the full 32)
+    // (aligned by hand: a std::vector<Lanes> was seen 16-byte aligned here, and the AVX2
+    // clone's loads need 32)
     std::vector<float> storage(2 * block_size * kLanes + kLanes);
     Lanes* work = reinterpret_cast<Lanes*>(
-        (reinterpret_cast<uintptr_t>(storage.data()) + sizeof(Lanes) - 1) & ~(sizeof(Lanes) - 1));
+        (reinterpret_cast<std::uintptr_t>(storage.data()) + sizeof(Lanes) - 1) & ~(sizeof(Lanes) - 1));
     Lanes* scratch = work + block_size;
     float* lanes = reinterpret_cast<float*>(work);
     for (int64_t batch = first; batch < last; ++batch) body(batch, work, scratch, lanes);
@@ -91,6 +91,9 @@ void for_each_batch(const LanePlan& plan, int64_t block_size, const Body& body) 
 // the sized recursion is inlined whole, so that the AVX2 clone computes all of it with 8-float
 // registers (the default clone splits each vector in two); larger blocks go through the
 // recursion out of line (inlined whole, a 4096-value block would be thousands of loops).
+static_assert(kMaxBlockSize == 65536, "HETERO_COMM_DCT_SIZES (kernels/dct.h) lists the block "
+              "sizes up to 65536: extend it with kMaxBlockSize");
+
 #define HETERO_COMM_SMALL_DCT_SIZES(F) F(1) F(2) F(4) F(8) F(16) F(32) F(64) F(128) F(256)
 
 __attribute__((noinline)) void dct2_large(Lanes* x, Lanes* scratch, int64_t n, const float* twiddles) {

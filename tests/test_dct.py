@@ -56,6 +56,22 @@ def test_dct_decode_matches_scipy_and_reference(numel, block_size, device):
                                    rtol=0, atol=2 * dct_tolerance(block_size))
 
 
+@pytest.mark.parametrize("block_size", (8192, 65536))
+def test_dct_of_blocks_above_4096_matches_scipy(block_size, device):
+    # up to the largest block the kernels accept (2**16), with a short last block
+    x = random_tensor(block_size + 1000, torch.float32, seed=block_size)
+    blocks = 2
+    for keep in (16, block_size):
+        coeffs = ops.dct_encode(x.to(device), block_size, keep).cpu()
+        np.testing.assert_allclose(coeffs.numpy(), scipy_encode(x, block_size, keep), rtol=0,
+                                   atol=dct_tolerance(block_size))
+        decoded = ops.dct_decode(coeffs.to(device), block_size, x.numel()).cpu()
+        full = np.zeros((blocks, block_size))
+        full[:, :keep] = coeffs.double().numpy()
+        exact = scipy.fft.idct(full, type=2, norm="ortho", axis=1).reshape(-1)[:x.numel()]
+        np.testing.assert_allclose(decoded.numpy(), exact, rtol=0, atol=dct_tolerance(block_size))
+
+
 @pytest.mark.parametrize("block_size", (8, 256, 1024))
 def test_dct_round_trip_with_all_coefficients_is_lossless(block_size, device):
     x = random_tensor(10_007, torch.float32, seed=5)

@@ -125,11 +125,12 @@ inline void dct3_sized(V* x, V* scratch, const float* twiddles) {
   }
 }
 
-// Applies F to every power of two in [1, 4096], the block sizes the callers accept.
+// Applies F to every power of two in [1, 65536], the block sizes the callers accept
+// (kMaxBlockSize in csrc/checks.h).
 #define HETERO_COMM_DCT_SIZES(F) F(1) F(2) F(4) F(8) F(16) F(32) F(64) F(128) F(256) F(512) \
-  F(1024) F(2048) F(4096)
+  F(1024) F(2048) F(4096) F(8192) F(16384) F(32768) F(65536)
 
-// dct2_sized for a size known only when running (a power of two up to 4096; callers check).
+// dct2_sized for a size known only when running (a power of two up to 65536; callers check).
 template <typename V>
 void dct2_unnormalized(V* x, V* scratch, int64_t n, const float* twiddles) {
   switch (n) {
@@ -139,7 +140,7 @@ void dct2_unnormalized(V* x, V* scratch, int64_t n, const float* twiddles) {
   }
 }
 
-// dct3_sized for a size known only when running (a power of two up to 4096; callers check).
+// dct3_sized for a size known only when running (a power of two up to 65536; callers check).
 template <typename V>
 void dct3_unnormalized(V* x, V* scratch, int64_t n, const float* twiddles) {
   switch (n) {
