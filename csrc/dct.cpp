@@ -87,15 +87,11 @@ void for_each_batch(const LanePlan& plan, int64_t block_size, const Body& body) 
   });
 }
 
-// One batch's transform, forward (dct2) or transposed (dct3). For blocks of up to 256 values
-// the sized recursion is inlined whole, so that the AVX2 clone computes all of it with 8-float
-// registers (the default clone splits each vector in two); larger blocks go through the
-// recursion out of line (inlined whole, a 4096-value block would be thousands of loops).
 static_assert(kMaxBlockSize == 65536, "HETERO_COMM_DCT_SIZES (kernels/dct.h) lists the block "
               "sizes up to 65536: extend it with kMaxBlockSize");
 
-#define HETERO_COMM_SMALL_DCT_SIZES(F) F(1) F(2) F(4) F(8) F(16) F(32) F(64) F(128) F(256)
-
+// The recursion out of line, for blocks above 256 values (inlined whole, a 4096-value block
+// would be thousands of loops).
 __attribute__((noinline)) void dct2_large(Lanes* x, Lanes* scratch, int64_t n, const float* twiddles) {
   dct2_unnormalized(x, scratch, n, twiddles);
 }
@@ -103,6 +99,11 @@ __attribute__((noinline)) void dct2_large(Lanes* x, Lanes* scratch, int64_t n, c
 __attribute__((noinline)) void dct3_large(Lanes* x, Lanes* scratch, int64_t n, const float* twiddles) {
   dct3_unnormalized(x, scratch, n, twiddles);
 }
+
+// One batch's transform, forward (dct2) or transposed (dct3). For blocks of up to 256 values
+// the sized recursion is inlined whole, so that the AVX2 clone computes all of it with 8-float
+// registers (the default clone splits each vector in two).
+#define HETERO_COMM_SMALL_DCT_SIZES(F) F(1) F(2) F(4) F(8) F(16) F(32) F(64) F(128) F(256)
 
 HC_ISA_CLONES __attribute__((flatten)) void dct2_batch(Lanes* x, Lanes* scratch, int64_t n,
                                                        const float* twiddles) {
@@ -123,6 +124,8 @@ HC_ISA_CLONES __attribute__((flatten)) void dct3_batch(Lanes* x, Lanes* scratch,
   }
   dct3_large(x, scratch, n, twiddles);
 }
+
+#undef HETERO_COMM_SMALL_DCT_SIZES
 
 // The layout of a plain [blocks, keep] or grouped [groups, keep, group] coefficient tensor.
 DctLayout layout_of(const at::Tensor& coeffs) {
