@@ -1,5 +1,6 @@
 """Local worker processes, one gloo rank each, on 127.0.0.1 (a free port)."""
 
+import datetime
 import io
 import os
 import socket
@@ -138,14 +139,21 @@ def _rank_entry(rank, world_size, port, target, args, result, progress, environm
     # target raises at once would otherwise exit while a slower one is still connecting
     # ("Gloo connectFullMesh failed ... Connection closed by peer").
     dist.barrier()
+    returned = False
     try:
         # By value: a tensor put in the queue as such is shared through a handle that dies with
         # this process, which may exit before the parent has read it.
         buffer = io.BytesIO()
         torch.save(target(rank, world_size, *args), buffer)
         result.send((True, buffer.getvalue()))
+        returned = True
     except BaseException:
         result.send((False, traceback.format_exc()))
     finally:
         result.close()
+    if returned:  # likewise at the end: the target's last new_group may still be connecting
+        try:  # elsewhere ("Connection closed by peer" there if this rank exits first)
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=10), wait_all_ranks=True)
+        except RuntimeError:
+            pass  # a rank that raised does not come; its error is already reported
         dist.destroy_process_group()
