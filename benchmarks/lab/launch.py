@@ -156,4 +156,4 @@ def _rank_entry(rank, world_size, port, target, args, result, progress, environm
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=10), wait_all_ranks=True)
         except RuntimeError:
             pass  # a rank that raised does not come; its error is already reported
-        dist.destroy_process_group()
+    dist.destroy_process_group()
