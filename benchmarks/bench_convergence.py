@@ -130,7 +130,7 @@ ROWS = {
     **{f"recipe_adamw_{p}{suffix}": (f"AdamW recipe at {p}%{title}", "sparse",
                                      dict(density=p / 100, segment_size=512, wire_dtype="int8",
                                           basis="dct", output="sign", int8_sum=how))
-       for p in (3, 5) for suffix, title, how in (("", "", "allreduce"),
+       for p in (1, 3, 5) for suffix, title, how in (("", "", "allreduce"),
                                                   ("_two_phase", ", two phases", "two_phase"))},
     # DeMo (baseline written from the paper, benchmarks/lab/baselines.py): each rank's top_k
     # DCT components of every 64 values of its momentum, all-gathered as bfloat16 values and

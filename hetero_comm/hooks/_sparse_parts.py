@@ -218,7 +218,8 @@ class IntegerWire:
     ranks' mean RMS there; that RMS, ``importance / (world_size * sqrt(elements))``, comes from
     the agreed importance (the sum of the ranks' norms), so every rank rounds to the same grid
     and the allreduce's integer sum is exact (``world_size * levels <= 127``). Many ranks leave
-    few levels (32 ranks: 3 each way); error feedback carries the rest."""
+    few levels (32 ranks: 3 each way); error feedback carries the rest. Summed in two phases
+    (``int8_sum="two_phase"``), every rank gets 127 levels at any number of ranks."""
 
     def __init__(self, state, importance: torch.Tensor, selected, segments) -> None:
         self.levels = state.int8_levels()
