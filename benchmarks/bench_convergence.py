@@ -21,8 +21,10 @@ Each cell is the mean over seeds (initialisation, data order, and on digits the 
 workloads, where a point of accuracy is a few test images, and one on the transformer (2.5
 minutes a run). A gap to dense is paired by seed, and its range over seeds is printed beside it.
 
-Prints one table (final validation loss, accuracy, their difference to dense, bytes per step,
-compression, wall time) and writes a PNG of validation loss against steps and against bytes
+Prints one table (final validation loss, accuracy, their difference to dense, bytes a rank
+hands to collectives per step, compression: dense's bytes over those, and on the link: dense's
+ring allreduce over what the row's collectives send over a rank's link, which differ for an
+all-gather (W - 1 times its input) or an all-to-all; wall time) and writes a PNG of validation loss against steps and against bytes
 (the mean curve over seeds).
 
 Usage: python benchmarks/bench_convergence.py [--workloads gpt_adamw,digits_sgd_0.05]
@@ -185,6 +187,8 @@ def run(workload: str, ranks: int, row: str, quick: bool, epochs: Optional[int] 
                 loss=loss, accuracy=record["final_accuracy"],
                 bytes_per_step=record["bytes_per_step"],
                 compression=record["dense_bytes_per_step"] / record["bytes_per_step"],
+                link_compression=(record["dense_link_bytes_per_step"] / record["link_bytes_per_step"]
+                                  if record["link_bytes_per_step"] else None),
                 wall_seconds=time.perf_counter() - began, curve=record["epochs"],
                 ranks_identical=record["ranks_identical"])
 
@@ -203,6 +207,9 @@ def cells(results: list) -> list:
         if finished:
             for key in ("loss", "accuracy", "bytes_per_step", "compression", "wall_seconds"):
                 cell[key] = mean(r[key] for r in finished)
+            # (results files from before the link was counted have no link_compression)
+            link = [r.get("link_compression") for r in finished]
+            cell["link_compression"] = mean(link) if None not in link else None
             first = finished[0]["curve"]
             # Every seed evaluates at the same steps (the split's sizes do not depend on the seed).
             assert all(r["curve"]["step"] == first["step"] for r in finished), (workload, row)
@@ -236,18 +243,21 @@ def table(results: list) -> str:
     all_cells = cells(results)
     dense = {(c["workload"], c["ranks"]): c for c in all_cells if c["row"] == "dense"}
     lines = ["| workload | ranks | hook | seeds | val loss | vs dense, % | val acc | vs dense, points | "
-             "bytes/step | compression | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "bytes/step | compression | on the link | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in all_cells:
         seeds = str(c["seeds"]) if not c["diverged"] else f"{c['seeds']}, {c['diverged']} diverged"
         prefix = f"| {c['workload']} | {c['ranks']} | {c['title']} | {seeds} |"
         if c["diverged"] == c["seeds"]:
-            lines.append(f"{prefix} diverged | | | | | | |")
+            lines.append(f"{prefix} diverged | | | | | | | |")
             continue
         base = dense.get((c["workload"], c["ranks"]))
         loss_gap = paired_gap(c, base, lambda run, ref: 100 * (run["loss"] / ref["loss"] - 1))
         acc_gap = paired_gap(c, base, lambda run, ref: 100 * (run["accuracy"] - ref["accuracy"]))
+        link = "-" if c["link_compression"] is None else f"{c['link_compression']:.1f}x"
         lines.append(f"{prefix} {compact(c['loss'], '.3f')} | {loss_gap} | {100 * c['accuracy']:.1f}% | {acc_gap} | "
-                     f"{c['bytes_per_step']:,.0f} | {c['compression']:.1f}x | {c['wall_seconds']:.0f} |")
+                     f"{c['bytes_per_step']:,.0f} | {c['compression']:.1f}x | {link} | "
+                     f"{c['wall_seconds']:.0f} |")
     return "\n".join(lines)
 
 

@@ -670,16 +670,23 @@ def two_phase_sum_parts(rank, world_size, k, segment, seed=0):
 
 def bytes_counted_by_the_lab(rank, world_size):
     """The lab's byte counter over one collective of each kind it counts: the bytes handed in
-    (all_reduce 40, all_gather 12, all_to_all 8, reduce_scatter 16, all_gather_single 12)."""
+    (all_reduce 40, all_gather 12, all_to_all 8, reduce_scatter 16, all_gather_single 12, an
+    all-to-all split unevenly 12) and the bytes those send over the rank's link."""
     from hetero_comm._collectives import all_gather_single, reduce_scatter_single
     from lab.byte_count import count_collective_bytes
 
-    totals = {"bytes": 0}
+    totals = {}
     with count_collective_bytes(totals):
         dist.all_reduce(torch.ones(10))
         dist.all_gather([torch.empty(3) for _ in range(world_size)], torch.ones(3))
         dist.all_to_all_single(torch.empty(8, dtype=torch.int8), torch.ones(8, dtype=torch.int8))
         reduce_scatter_single(torch.empty(4 // world_size), torch.ones(4))
         all_gather_single(torch.empty(3 * world_size), torch.ones(3))
+        # 3 rows of 2 bytes each, split [1, 2] on both ranks: rank 0 keeps 1 row and sends 2,
+        # rank 1 keeps 2 and sends 1 (so receives 2 rows on rank 0, 4 on rank 1)
+        received = [1, 1] if rank == 0 else [2, 2]
+        dist.all_to_all_single(torch.empty(sum(received), 2, dtype=torch.int8),
+                               torch.ones(3, 2, dtype=torch.int8), output_split_sizes=received,
+                               input_split_sizes=[1, 2])
     dist.all_reduce(torch.ones(10))  # after the block: not counted, the functions restored
-    return totals["bytes"]
+    return totals["bytes"], totals["link_bytes"]

@@ -103,25 +103,28 @@ def test_codec_calls_benchmark_times_every_call():
 
 def test_convergence_benchmark_prints_the_table_of_a_results_file(tmp_path):
     """--table reprints a results file (kept after each cell) with each row against dense of
-    its workload and ranks, seed by seed."""
-    def record(row, title, loss, accuracy, compression, seed=0):
+    its workload and ranks, seed by seed; compression on the link where the file has it."""
+    def record(row, title, loss, accuracy, compression, seed=0, **link):
         return dict(workload="gpt_large_adamw", ranks=8, row=row, title=title, seed=seed,
                     diverged=False, loss=loss, accuracy=accuracy, bytes_per_step=1000 / compression,
                     compression=compression, wall_seconds=60.0, ranks_identical=True,
-                    curve=dict(step=[10], bytes=[100], test_loss=[loss]))
+                    curve=dict(step=[10], bytes=[100], test_loss=[loss]), **link)
     saved = tmp_path / "bench_convergence.json"
-    saved.write_text(json.dumps([record("dense", "dense allreduce", 2.0, 0.5, 1.0),
-                                 record("recipe_adamw", "AdamW recipe", 2.05, 0.48, 31.0)]))
+    saved.write_text(json.dumps([record("dense", "dense allreduce", 2.0, 0.5, 1.0, link_compression=1.0),
+                                 record("recipe_adamw", "AdamW recipe", 2.05, 0.48, 31.0,
+                                        link_compression=17.5)]))
     out = run_script("bench_convergence", "--table", str(saved))
     assert "| gpt_large_adamw | 8 | dense allreduce | 1 | 2.000 | +0.0 | 50.0% | +0.0 |" in out
-    assert "| gpt_large_adamw | 8 | AdamW recipe | 1 | 2.050 | +2.5 | 48.0% | -2.0 | 32 | 31.0x |" in out
-    # Seeds run apart are merged: the cell's mean over both seeds, its gap paired seed by seed.
+    assert ("| gpt_large_adamw | 8 | AdamW recipe | 1 | 2.050 | +2.5 | 48.0% | -2.0 | 32 | 31.0x | 17.5x |"
+            in out)
+    # Seeds run apart are merged: the cell's mean over both seeds, its gap paired seed by seed;
+    # a file from before the link was counted leaves the cell's link column empty.
     more = tmp_path / "seed_1.json"
     more.write_text(json.dumps([record("dense", "dense allreduce", 1.0, 0.7, 1.0, seed=1),
                                 record("recipe_adamw", "AdamW recipe", 1.01, 0.69, 31.0, seed=1)]))
     out = run_script("bench_convergence", "--table", f"{saved},{more}")
     assert "| gpt_large_adamw | 8 | dense allreduce | 2 | 1.500 |" in out
-    assert "| gpt_large_adamw | 8 | AdamW recipe | 2 | 1.530 | +1.7 (+1.0..+2.5) |" in out
+    assert "| gpt_large_adamw | 8 | AdamW recipe | 2 | 1.530 | +1.7 (+1.0..+2.5) | 58.5% | -1.5 (-2.0..-1.0) | 32 | 31.0x | - |" in out
 
 
 def test_hook_cost_benchmark_reports_every_configuration(tmp_path):

@@ -7,6 +7,7 @@ import torch
 
 import hook_workers
 from hetero_comm.hooks._two_phase import TWO_PHASE_LEVELS, owned_bounds, two_phase_wire_bytes
+from lab.byte_count import link_bytes
 from lab.launch import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -57,7 +58,22 @@ def test_the_sum_conserves_at_many_ranks(world_size):
 def test_the_labs_byte_counter_sees_every_collective_the_two_phases_use():
     """bench_convergence's bytes a step come from this counter: an all-to-all or all-gather it
     missed would overstate the two-phase sum's compression."""
-    assert run_ranks(2, hook_workers.bytes_counted_by_the_lab) == [40 + 12 + 8 + 16 + 12] * 2
+    # on the link at 2 ranks: an allreduce its input, an all-gather its input (the other rank's
+    # copy), a reduce-scatter half its input, an all-to-all what it sends to the other rank
+    assert run_ranks(2, hook_workers.bytes_counted_by_the_lab) == [
+        (40 + 12 + 8 + 16 + 12 + 6, 40 + 12 + 4 + 8 + 12 + 4),
+        (40 + 12 + 8 + 16 + 12 + 6, 40 + 12 + 4 + 8 + 12 + 2)]
+
+
+def test_link_bytes_of_each_collective_at_8_ranks():
+    assert link_bytes("all_reduce", 100, 8) == 175
+    assert link_bytes("all_gather_into_tensor", 10, 8) == 70
+    assert link_bytes("reduce_scatter_tensor", 80, 8) == 70
+    assert link_bytes("all_to_all_single", 80, 8) == 70
+    assert link_bytes("all_to_all_single", 80, 8, kept=20) == 60
+    assert link_bytes("all_reduce", 100, 1) == 0
+    with pytest.raises(ValueError, match="broadcast"):
+        link_bytes("broadcast", 10, 8)
 
 
 @pytest.mark.parametrize("numel,segment", [(100, 8), (96, 8), (5, 8), (1000, 1)])

@@ -27,7 +27,7 @@ from hetero_comm._checks import check_choice, check_float, check_int, check_opti
 from hetero_comm.hetero import DynamicBatchController, HeteroSampler
 from hetero_comm.nn import convert_dropout
 from hetero_comm.recipes import compress
-from .byte_count import count_collective_bytes
+from .byte_count import count_collective_bytes, link_bytes
 from .data import MODELS, make_workload
 from .launch import report_progress, run_ranks
 from .registry import HOOKS, WEIGHTED_HOOKS, make_hook
@@ -227,7 +227,9 @@ def run_training(config: TrainConfig, on_epoch: Optional[Callable[[int, float], 
         (every ``evaluate_every`` steps: step, training seconds so far, test loss and
         accuracy), ``history``
         (per-step loss, cumulative bytes this rank handed to collectives, step seconds),
-        ``bytes_per_step``, ``dense_bytes_per_step``, ``hook_stats`` (for hetero_comm's
+        ``bytes_per_step``, ``dense_bytes_per_step`` (handed to collectives; dense: float32
+        parameters), ``link_bytes_per_step``, ``dense_link_bytes_per_step`` (what those send over
+        a rank's link, :func:`lab.byte_count.link_bytes`), ``hook_stats`` (for hetero_comm's
         hooks), ``speed_history`` (the controller's plans: every rank's samples, compute
         seconds and speed per window; ``None`` without one), ``ranks_identical`` (every rank
         ended with bitwise identical parameters) and ``final_parameters``.
@@ -421,6 +423,9 @@ def _train(rank: int, config: TrainConfig) -> dict:
             "bytes_per_step": run.bytes_sent["bytes"] / run.step,
             "bytes_total": run.bytes_sent["bytes"],
             "dense_bytes_per_step": sum(p.numel() * 4 for p in run.model.parameters()),
+            "link_bytes_per_step": run.bytes_sent["link_bytes"] / run.step,
+            "dense_link_bytes_per_step": link_bytes(
+                "all_reduce", sum(p.numel() * 4 for p in run.model.parameters()), config.workers),
             "hook_stats": hook_stats,
             "speed_history": run.controller.history if run.controller is not None else None,
             "model": run.model}
