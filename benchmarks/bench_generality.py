@@ -23,7 +23,7 @@ with what it missed.
 torch's PowerSGD at rank 1 (one bucket, as bench_convergence runs it) and DeMo (the lab's
 baseline written from its paper, top 2 of every 64 DCT components; AdamW only, at the AdamW
 recipe's rate and decay, as bench_convergence runs it). Their loss and accuracy gaps to dense
-and their compression go in one more column.
+and their compression (and, where counted, compression on the link) go in one more column.
 
 ``--json PATH`` keeps every case's record; cases already in that file are not run again, so a
 sweep can be run in parts and the table printed over all of them (``--fresh`` ignores the file).
@@ -99,6 +99,8 @@ def train(options: dict, hook: str, settings: Optional[dict] = None) -> dict:
                 steps=record["steps"], bytes_per_step=record["bytes_per_step"],
                 dense_bytes_per_step=record["dense_bytes_per_step"],
                 compression=record["dense_bytes_per_step"] / record["bytes_per_step"],
+                link_compression=(record["dense_link_bytes_per_step"] / record["link_bytes_per_step"]
+                                  if record["link_bytes_per_step"] else None),
                 ranks_identical=record["ranks_identical"], curve=record["epochs"],
                 wall_seconds=time.perf_counter() - began)
 
@@ -156,11 +158,13 @@ def run_case(model: str, optimizer: str, lr: float, ranks: int, epochs: Optional
 
 def mean_run(runs: List[dict]) -> dict:
     """One record for several seeds' runs: diverged if any did, else the mean loss, accuracy and
-    compression; the summed wall time."""
+    compression (on the link too, where every run counted it); the summed wall time."""
     wall = sum(run["wall_seconds"] for run in runs)
     if any(run["diverged"] for run in runs):
         return dict(diverged=True, wall_seconds=wall)
+    links = [run.get("link_compression") for run in runs]
     return dict(diverged=False, wall_seconds=wall,
+                link_compression=statistics.mean(links) if None not in links else None,
                 **{field: statistics.mean(run[field] for run in runs)
                    for field in ("loss", "accuracy", "compression")})
 
@@ -200,15 +204,18 @@ def key(case: dict) -> tuple:
 
 
 def baselines_cell(case: dict) -> str:
-    """Each baseline's loss gap (%) and accuracy gap (points) to dense, and its compression."""
+    """Each baseline's loss gap (%) and accuracy gap (points) to dense, and its compression (and
+    on the link, where it was counted: an all-gather sends W - 1 times what a rank hands in)."""
     dense, parts = case["dense"], []
     for name, run in case.get("baselines", {}).items():
         title = BASELINES[name][0]
         if run["diverged"] or dense["diverged"]:
             parts.append(f"{title}: diverged" if run["diverged"] else f"{title}: {run['compression']:.0f}x")
             continue
+        link = run.get("link_compression")
+        compression = f"{run['compression']:.0f}x" + (f", {link:.0f}x on the link" if link else "")
         parts.append(f"{title}: {100 * (run['loss'] / dense['loss'] - 1):+.1f}% / "
-                     f"{100 * (run['accuracy'] - dense['accuracy']):+.1f} ({run['compression']:.0f}x)")
+                     f"{100 * (run['accuracy'] - dense['accuracy']):+.1f} ({compression})")
     return "; ".join(parts)
 
 
