@@ -1,8 +1,9 @@
 """When a recipe's collectives start and end inside one training step on a shaped link: 2
 ranks, one per namespace (root), DDP with ``--bucket-mb`` buckets, ``hetero_comm.compress``
 with the optimizer given. Prints rank 0's timeline of the median step (forward, each hook,
-each ``dist.all_reduce`` issued and summed, backward, optimizer) and the median step of the
-same model with no communication, from the same run.
+each ``dist.all_reduce`` issued and summed, backward, optimizer), the median step of the
+same model with no communication, and of the one call with its int8 wire summed in two phases
+(an all-to-all and an all-gather, waited for in the hook; untraced), from the same run.
 
 Models: ``cnn_wide`` (``netbench``'s CNN, 4.2M parameters, nearly all in one linear layer) or
 ``gpt`` (the benchmark transformer, width 128: 0.83M parameters over its layers), batch 32.
@@ -19,7 +20,7 @@ import statistics
 import sys
 import time
 
-MODES = ("no communication", "hetero_comm.compress")
+MODES = ("no communication", "hetero_comm.compress", "hetero_comm.compress, int8 in two phases")
 MODELS = {"cnn_wide": 1024, "gpt": 128}  # model -> its width (make_workload's hidden)
 
 
@@ -62,7 +63,7 @@ def worker() -> None:
         optimizer = (torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
                      if os.environ["OPTIMIZER"] == "sgd"
                      else torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.01))
-        if mode == "hetero_comm.compress":
+        if mode.startswith("hetero_comm.compress"):
             register = ddp.register_comm_hook
 
             def register_traced(hook_state, hook):  # the hook, marking its begin and return
@@ -76,6 +77,8 @@ def worker() -> None:
                 register(hook_state, traced_hook)
             ddp.register_comm_hook = register_traced
             state = hetero_comm.compress(ddp, optimizer)
+            if mode.endswith("two phases"):  # read when the first bucket is compressed
+                state.int8_sum = "two_phase"
         else:
             def hand_back(_, bucket):
                 future = torch.futures.Future()
