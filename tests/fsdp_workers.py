@@ -156,15 +156,19 @@ def dense_equals_native(rank, world_size, dtype_name, steps=4, shape=MESH_SHAPE,
 
 
 def recipe_against_dense(rank, world_size, kind, optimizer_name, lr, steps, shape=MESH_SHAPE,
-                         device="cpu"):
+                         device="cpu", int8_sum=None):
     """Loss curves of native HSDP (dense) and of compress on the same model; whether the
-    replicas of each shard agree bitwise; the exchange's stats and residual size."""
+    replicas of each shard agree bitwise; the exchange's stats and residual size. ``int8_sum``:
+    the recipe's int8 wire summed that way between machines instead of the one call's choice
+    (set before the first step, when the exchange reads it)."""
     mesh = make_mesh(shape, device)
     out = {}
     for compressed in (False, True):
         model = shard(make_model(kind).to(device), mesh, native_hsdp=not compressed)
         optimizer = make_optimizer(optimizer_name, model, lr)
         state = hetero_comm.compress(model, optimizer, mesh=mesh) if compressed else None
+        if compressed and int8_sum is not None:
+            state.sparse.int8_sum = int8_sum
         losses = train(kind, model, optimizer, rank, 0, steps, device=device)
         out["compressed" if compressed else "dense"] = losses
         if compressed:

@@ -37,6 +37,18 @@ def test_recipe_trains_with_replicas_equal_and_a_shard_sized_residual(kind, opti
         assert max(result["compressed"][-5:]) < result["compressed"][0] * 0.5  # it learns
 
 
+def test_recipe_sums_its_int8_wire_in_two_phases_between_machines():
+    """The int8 wire summed in two phases across the replicate dimension (as beyond 63
+    machines): replicas stay bitwise equal, it trains, and it is not the allreduce's run."""
+    two_phase = run_ranks(WORLD, fsdp_workers.recipe_against_dense, "transformer", "adamw", 3e-3, 20,
+                          fsdp_workers.MESH_SHAPE, "cpu", "two_phase")
+    allreduce = run_ranks(WORLD, fsdp_workers.recipe_against_dense, "transformer", "adamw", 3e-3, 20)
+    for result in two_phase:
+        assert result["replicas_equal"] and result["stats"]["dense_fallbacks"] == 0
+        assert max(result["compressed"][-5:]) < result["compressed"][0] * 0.5
+    assert two_phase[0]["compressed"] != allreduce[0]["compressed"]  # 127 steps a rank, not 63
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_resume_through_distributed_checkpoint_is_exact(optimizer, tmp_path):
     for result in run_ranks(WORLD, fsdp_workers.resume_through_dcp, optimizer, str(tmp_path / "ckpt")):

@@ -76,6 +76,7 @@ def test_without_compression_matches_flat_dense_on_a_real_model(world_size, mach
 @pytest.mark.parametrize("settings_", [
     SPARSE,
     dict(SPARSE, wire_dtype="int8"),
+    dict(SPARSE, wire_dtype="int8", int8_sum="two_phase"),  # the owner's rounding fed back
     dict(SPARSE, basis=DCT(block_size=8), segment_size=4),
     dict(SPARSE, momentum=0.9),
     dict(SPARSE, inside_dtype="bfloat16"),
