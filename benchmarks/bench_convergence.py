@@ -24,8 +24,8 @@ minutes a run). A gap to dense is paired by seed, and its range over seeds is pr
 Prints one table (final validation loss, accuracy, their difference to dense, bytes a rank
 hands to collectives per step, compression: dense's bytes over those, and on the link: dense's
 ring allreduce over what the row's collectives send over a rank's link, which differ for an
-all-gather (W - 1 times its input) or an all-to-all; wall time) and writes a PNG of validation loss against steps and against bytes
-(the mean curve over seeds).
+all-gather (W - 1 times its input) or an all-to-all; wall time) and writes a PNG of validation
+loss against steps and against bytes (the mean curve over seeds).
 
 Usage: python benchmarks/bench_convergence.py [--workloads gpt_adamw,digits_sgd_0.05]
        [--ranks 2,4] [--rows dense,sparse_1] [--seeds N] [--quick] [--out DIR]

@@ -12,6 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import hetero_comm
 from hetero_comm.fsdp import FSDPSparseState, has_all_reduce_hook
+from hetero_comm.recipes import recipe_for
 
 MESH_SHAPE = (2, 2)  # 2 machines x 2 ranks
 
@@ -159,16 +160,21 @@ def recipe_against_dense(rank, world_size, kind, optimizer_name, lr, steps, shap
                          device="cpu", int8_sum=None):
     """Loss curves of native HSDP (dense) and of compress on the same model; whether the
     replicas of each shard agree bitwise; the exchange's stats and residual size. ``int8_sum``:
-    the recipe's int8 wire summed that way between machines instead of the one call's choice
-    (set before the first step, when the exchange reads it)."""
+    the recipe's state built by hand (as compress builds it) with its int8 wire summed that way
+    between machines."""
     mesh = make_mesh(shape, device)
     out = {}
     for compressed in (False, True):
         model = shard(make_model(kind).to(device), mesh, native_hsdp=not compressed)
         optimizer = make_optimizer(optimizer_name, model, lr)
-        state = hetero_comm.compress(model, optimizer, mesh=mesh) if compressed else None
-        if compressed and int8_sum is not None:
-            state.sparse.int8_sum = int8_sum
+        state = None
+        if compressed and int8_sum is None:
+            state = hetero_comm.compress(model, optimizer, mesh=mesh)
+        elif compressed:
+            settings = dict(recipe_for(optimizer).settings, int8_sum=int8_sum)
+            state = FSDPSparseState(model, mesh, **settings)
+            state.register(optimizer)
+            state.sparse.prepare_optimizer(optimizer)
         losses = train(kind, model, optimizer, rank, 0, steps, device=device)
         out["compressed" if compressed else "dense"] = losses
         if compressed:

@@ -31,6 +31,8 @@ def worker() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     import hetero_comm
+    from hetero_comm.hooks import SegmentSparseState, segment_sparse_hook
+    from hetero_comm.recipes import recipe_for
     from lab.training import make_workload
 
     torch.set_num_threads(1)
@@ -76,9 +78,13 @@ def worker() -> None:
                         mark(f"hook of bucket {bucket.index()} returns")
                 register(hook_state, traced_hook)
             ddp.register_comm_hook = register_traced
-            state = hetero_comm.compress(ddp, optimizer)
-            if mode.endswith("two phases"):  # read when the first bucket is compressed
-                state.int8_sum = "two_phase"
+            if mode.endswith("two phases"):  # the recipe's state by hand, as compress builds it
+                settings = dict(recipe_for(optimizer).settings, int8_sum="two_phase")
+                state = SegmentSparseState(**settings)
+                ddp.register_comm_hook(state, segment_sparse_hook)
+                state.prepare_optimizer(optimizer)
+            else:
+                state = hetero_comm.compress(ddp, optimizer)
         else:
             def hand_back(_, bucket):
                 future = torch.futures.Future()

@@ -3,7 +3,7 @@ for every hook (hetero_comm's, whose states also count their own, and PyTorch's,
 
 import contextlib
 import inspect
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -11,12 +11,12 @@ import torch.distributed as dist
 __all__ = ["count_collective_bytes", "link_bytes", "COUNTED"]
 
 # The collectives counted, each by the bytes of the tensor a rank hands in (its input):
-# name -> the position of that tensor among the arguments.
+# name -> the position of that tensor among the function's parameters.
 COUNTED = {"all_reduce": 0, "all_gather": 1, "all_gather_into_tensor": 1, "all_gather_single": 1,
            "reduce_scatter_tensor": 1, "reduce_scatter_single": 1, "all_to_all_single": 1}
 
 
-def link_bytes(name: str, handed: int, world_size: int, kept: int = None) -> float:
+def link_bytes(name: str, handed: int, world_size: int, kept: Optional[int] = None) -> float:
     """The bytes a rank sends over its link when it hands ``handed`` bytes to the collective
     ``name`` among ``world_size`` ranks, with bandwidth-optimal (ring) algorithms: an allreduce
     ``2 (W - 1) / W`` times its input, an all-gather ``W - 1`` times (every other rank's copy), a
@@ -35,7 +35,7 @@ def link_bytes(name: str, handed: int, world_size: int, kept: int = None) -> flo
     raise ValueError(f"no link model for the collective {name!r}")
 
 
-def _kept_by_all_to_all(arguments: dict, tensor: torch.Tensor, group) -> int:
+def _kept_by_all_to_all(arguments: dict, tensor: torch.Tensor, group) -> Optional[int]:
     """Bytes of an ``all_to_all_single``'s input that stay on this rank (None: even splits)."""
     splits = arguments.get("input_split_sizes")
     if not splits:
@@ -56,12 +56,11 @@ def count_collective_bytes(totals: Dict[str, float]):
 
     def counted(name, original):
         signature = inspect.signature(original)
+        input_name = list(signature.parameters)[COUNTED[name]]
 
         def collective(*args, **kwargs):
-            position = COUNTED[name]
-            tensor = (args[position] if len(args) > position
-                      else kwargs.get("tensor", kwargs.get("input_tensor", kwargs.get("input"))))
             arguments = signature.bind_partial(*args, **kwargs).arguments
+            tensor = arguments[input_name]
             handed = tensor.numel() * tensor.element_size()
             group = arguments.get("group")
             world_size = dist.get_world_size(group)

@@ -416,16 +416,16 @@ def _train(rank: int, config: TrainConfig) -> dict:
     stats = getattr(run.state, "stats", None)
     hook_stats = stats() if callable(stats) else None  # (first: a hook may wait for its work)
     auto_density = getattr(run.state, "auto_density", None)  # the two-level sync's, if automatic
+    dense_bytes = sum(p.numel() * 4 for p in run.model.parameters())  # float32, every step
     return {"auto_density_history": list(auto_density.history) if auto_density else None,
             "config": dataclasses.asdict(config), "history": run.history, "epochs": run.epochs,
             "evaluations": run.evaluations,
             "final_accuracy": run.epochs["test_accuracy"][-1], "steps": run.step,
             "bytes_per_step": run.bytes_sent["bytes"] / run.step,
             "bytes_total": run.bytes_sent["bytes"],
-            "dense_bytes_per_step": sum(p.numel() * 4 for p in run.model.parameters()),
+            "dense_bytes_per_step": dense_bytes,
             "link_bytes_per_step": run.bytes_sent["link_bytes"] / run.step,
-            "dense_link_bytes_per_step": link_bytes(
-                "all_reduce", sum(p.numel() * 4 for p in run.model.parameters()), config.workers),
+            "dense_link_bytes_per_step": link_bytes("all_reduce", dense_bytes, config.workers),
             "hook_stats": hook_stats,
             "speed_history": run.controller.history if run.controller is not None else None,
             "model": run.model}
