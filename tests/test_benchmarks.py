@@ -291,3 +291,65 @@ def test_generality_benchmark_trains_the_baselines_that_apply_beside_the_recipe(
     assert "PowerSGD 1: " in adamw_row and "DeMo 2/64: " in adamw_row and "x on the link)" in adamw_row
     sgd_row = next(row for row in rows if "| sgd |" in row)
     assert "PowerSGD 1: " in sgd_row and "DeMo" not in sgd_row
+
+
+def quality_record(cell, seed, hook, loss=1.0, accuracy=0.9, compression=30.0):
+    return dict(cell=cell, seed=seed, hook=hook, diverged=False, loss=loss, accuracy=accuracy,
+                compression=compression)
+
+
+@pytest.mark.parametrize("recipe_accuracies,dense_accuracies,verdict", [
+    ((0.902, 0.9, 0.898), (0.9, 0.9, 0.9), "ok"),  # within a point, spread under the 0.5 floor...
+    ((0.88, 0.88, 0.88), (0.9, 0.9, 0.9), "not yet (quality)"),  # ...2 points below
+    ((0.92, 0.90, 0.88), (0.9, 0.9, 0.9), "not yet (spread)"),  # 4 points of spread, dense 0
+    ((0.93, 0.90, 0.89), (0.92, 0.90, 0.88), "ok"),  # twice dense's spread of 4 points
+])
+def test_quality_matrix_judges_the_mean_gap_and_the_seed_spread(recipe_accuracies,
+                                                              dense_accuracies, verdict):
+    quality = load_benchmark("bench_quality")
+    name, cell = "mlp_sgd_constant", quality.CELLS["mlp_sgd_constant"]
+    records = {}
+    for seed, (d, r) in enumerate(zip(dense_accuracies, recipe_accuracies)):
+        records[quality.run_key(name, cell, seed, "dense")] = quality_record(cell, seed, "dense", accuracy=d)
+        records[quality.run_key(name, cell, seed, "recipe")] = quality_record(cell, seed, "recipe", accuracy=r)
+    assert quality.summarize(name, cell, records)["verdict"] == verdict
+
+
+def test_quality_matrix_judges_text_by_the_loss_and_compression():
+    quality = load_benchmark("bench_quality")
+    name, cell = "gpt_adamw_linear", quality.CELLS["gpt_adamw_linear"]
+    records = {quality.run_key(name, cell, 0, "dense"): quality_record(cell, 0, "dense", loss=2.0),
+               quality.run_key(name, cell, 0, "recipe"): quality_record(cell, 0, "recipe", loss=2.03,
+                                                                         compression=12.0)}
+    summary = quality.summarize(name, cell, records)
+    assert summary["verdict"] == "not yet (compression)" and summary["gap"] == pytest.approx(1.5)
+
+
+def test_quality_matrix_meets_every_factor_with_each_optimizer_family():
+    quality = load_benchmark("bench_quality")
+    cells = quality.CELLS.values()
+    for family in ("adam", "sgd"):
+        mine = [c for c in cells if quality.FAMILY[c["optimizer"]] == family]
+        for factor, values in (("schedule", ("cosine", "linear", "constant", "warmup_constant", "wsd")),
+                               ("model", ("mlp", "cnn_bn", "resnet", "gru", "gpt")),
+                               ("ranks", (2, 4, 8))):
+            assert set(values) <= {c[factor] for c in mine}, (family, factor)
+        assert {100, 400, 2000} <= {c["steps"] for c in mine} | {c["steps"] // 100 * 100 for c in mine}
+    assert set(quality.OPTIMIZERS) == {c["optimizer"] for c in cells}
+    held = quality.HELD_OUT.values()
+    assert all((c["model"], c["schedule"], c["lr"]) not in {(m["model"], m["schedule"], m["lr"])
+                                                           for m in cells} for c in held)
+
+
+def test_quality_matrix_runs_a_cell_and_keeps_its_runs(tmp_path):
+    saved = tmp_path / "quality.json"
+    args = ("--cells", "cnn_bn_sgd_constant", "--seeds", "0", "--steps", "4", "--json", str(saved))
+    out = run_script("bench_quality", *args)
+    records = json.loads(saved.read_text())
+    assert sorted(records) == ["cnn_bn_sgd_constant|4|0|dense", "cnn_bn_sgd_constant|4|0|recipe"]
+    assert all(r["steps"] == 4 for r in records.values())
+    row = next(line for line in out.splitlines() if line.startswith("| cnn_bn_sgd_constant"))
+    assert "| 4 | 1 |" in row and "x |" in row
+    again = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_quality.py"), *args],
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert again.returncode == 0 and "seed 0" not in again.stderr  # nothing run twice

@@ -51,3 +51,31 @@ def test_new_models_train_under_the_sparse_hook(options):
     assert record["ranks_identical"] and record["steps"] == 20
     first, last = record["history"]["loss"][0], record["history"]["loss"][-1]
     assert last < first
+
+
+def test_cnn_with_batch_norm_classifies_flat_digits():
+    model = make_model(64, "cnn_bn")
+    assert "cnn_bn" in DIGITS_MODELS
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    assert model(torch.randn(5, 64)).shape == (5, 10)
+
+
+@pytest.mark.parametrize("schedule,expected", [
+    ("constant", [0.25, 0.5, 0.75, 1.0] + [1.0] * 10),
+    # (as the cosine, they would reach 0 one step after the last)
+    ("linear", [0.25, 0.5, 0.75, 1.0, 1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]),
+    # stable until the last fifth of the 10 steps after the warm-up, then linear towards 0
+    ("wsd", [0.25, 0.5, 0.75, 1.0] + [1.0] * 9 + [0.5]),
+    ("step", [0.25, 0.5, 0.75, 1.0] + [1.0] * 5 + [0.1] * 3 + [0.01] * 2),
+])
+def test_schedules_rise_over_the_warm_up_then_follow_their_shape(schedule, expected):
+    factor = TrainConfig(lr_schedule=schedule, lr_warmup_steps=4).lr_factor(14)
+    assert [round(factor(step), 6) for step in range(14)] == pytest.approx(expected)
+
+
+def test_adam_is_torchs_adam_with_decoupled_decay():
+    config = TrainConfig(optimizer="adam", weight_decay=0.01, lr=1e-3)
+    config.validate()
+    optimizer, _ = config.make_optimizer([torch.nn.Parameter(torch.zeros(3))], 10)
+    assert type(optimizer) is torch.optim.Adam
+    assert optimizer.param_groups[0]["decoupled_weight_decay"] is True

@@ -12,7 +12,7 @@ from .text import TEXT_MODELS, load_text_split
 
 __all__ = ["MODELS", "DIGITS_MODELS", "DigitsResNet", "load_digits_split", "make_model", "make_workload"]
 
-DIGITS_MODELS = ("mlp", "cnn", "cnn_wide", "resnet")
+DIGITS_MODELS = ("mlp", "cnn", "cnn_wide", "cnn_bn", "resnet")
 MODELS = DIGITS_MODELS + tuple(TEXT_MODELS)  # the text workload's models
 
 
@@ -51,7 +51,10 @@ def make_model(hidden: int = 256, kind: str = "mlp", dropout: float = 0.0) -> nn
     compute, not by the gradient exchange. ``"cnn_wide"``: two 3x3 convolutions (32, 64
     channels) and a fully connected layer of ``hidden`` units (4.2M parameters at 1024, nearly
     all in that layer), for slow links, where its steps are bound by the gradient exchange.
-    ``"resnet"``: :class:`DigitsResNet` with ``width=hidden // 16`` (38K parameters at 256)."""
+    ``"cnn_bn"``: two 3x3 convolutions (``hidden // 8``, ``hidden // 4`` channels), each followed
+    by BatchNorm, a 2x2 pooling and a linear classifier (DDP broadcasts rank 0's running
+    statistics at every step). ``"resnet"``: :class:`DigitsResNet` with ``width=hidden // 16``
+    (38K parameters at 256)."""
     if dropout and kind != "mlp":
         raise ValueError(f"dropout is for the 'mlp' model; got kind={kind!r}")
     if kind == "mlp":
@@ -71,6 +74,12 @@ def make_model(hidden: int = 256, kind: str = "mlp", dropout: float = 0.0) -> nn
                              nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(),
                              nn.Conv2d(c2, c2, 3, padding=1), nn.ReLU(),
                              nn.Flatten(), nn.Linear(c2 * 64, 10))
+    if kind == "cnn_bn":
+        c1, c2 = max(1, hidden // 8), max(1, hidden // 4)
+        return nn.Sequential(nn.Unflatten(1, (1, 8, 8)),
+                             nn.Conv2d(1, c1, 3, padding=1), nn.BatchNorm2d(c1), nn.ReLU(),
+                             nn.Conv2d(c1, c2, 3, padding=1), nn.BatchNorm2d(c2), nn.ReLU(),
+                             nn.MaxPool2d(2), nn.Flatten(), nn.Linear(c2 * 16, 10))
     if kind == "resnet":
         return DigitsResNet(width=max(1, hidden // 16))
     raise ValueError(f"kind must be one of {DIGITS_MODELS}; got {kind!r}")

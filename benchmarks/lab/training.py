@@ -36,8 +36,11 @@ from .throttle import PERIOD_US, CpuQuota
 __all__ = ["TrainConfig", "BATCHING", "run_training", "train_rank"]
 
 BATCHING = ("equal", "dynamic")
-OPTIMIZERS = ("sgd", "adamw")
-LR_SCHEDULES = ("constant", "cosine")
+OPTIMIZERS = ("sgd", "adamw", "adam")
+LR_SCHEDULES = ("constant", "cosine", "linear", "wsd", "step")
+# "wsd" (warm-up, stable, decay): the rate stays until this share of the steps is left, then
+# falls linearly to 0
+WSD_DECAY_SHARE = 0.2
 DROPOUT_KINDS = ("standard", "unit", "sliced")
 
 
@@ -48,10 +51,13 @@ class TrainConfig:
     :data:`~lab.registry.HOOKS`), whose state is built from ``hook_settings``
     (passed straight to its constructor, which validates them).
 
-    ``optimizer``: ``"sgd"`` (with ``momentum``, Nesterov's with ``nesterov``) or ``"adamw"``
-    (:meth:`adam_betas`), with ``weight_decay``; the learning rate rises linearly over ``lr_warmup_steps`` and then stays
-    (``lr_schedule="constant"``) or follows a cosine down towards 0 (``"cosine"``, which would
-    reach 0 one step after the last);
+    ``optimizer``: ``"sgd"`` (with ``momentum``, Nesterov's with ``nesterov``), ``"adamw"``
+    (:meth:`adam_betas`) or ``"adam"`` (torch's Adam, its weight decay decoupled), with
+    ``weight_decay``; the learning rate rises linearly over ``lr_warmup_steps`` and then stays
+    (``lr_schedule="constant"``), follows a cosine down towards 0 (``"cosine"``, which would
+    reach 0 one step after the last), falls linearly towards 0 (``"linear"``), or stays until
+    the last :data:`WSD_DECAY_SHARE` of the steps and falls linearly there (``"wsd"``), or
+    falls tenfold at half and at three quarters of the steps after the warm-up (``"step"``);
     ``clip_norm`` clips the global gradient norm (after the hook) before each step.
     ``prepare_optimizer`` builds the optimizer as for dense training (AdamW's default betas,
     SGD with ``momentum``, at ``lr``) and hands it to the hook state's ``prepare_optimizer``,
@@ -137,11 +143,11 @@ class TrainConfig:
         if self.optimizer != "sgd" and self.hook_settings.get("momentum"):
             raise ValueError("the sparse hook's momentum correction replaces SGD's momentum; "
                              f"with optimizer={self.optimizer!r} it would apply momentum twice")
-        if self.optimizer != "adamw" and self.hook_settings.get("output") == "sign":
+        if self.optimizer == "sgd" and self.hook_settings.get("output") == "sign":
             raise ValueError("the sparse hook's output='sign' is a recipe for AdamW (with "
                              "betas=(0.0, 0.0)); SGD's learning rate is not one for sign "
                              "steps: use output='sum'")
-        if self.optimizer != "adamw" and HOOKS[self.hook].hands_sign:
+        if self.optimizer == "sgd" and HOOKS[self.hook].hands_sign:
             raise ValueError(f"hook {self.hook!r} hands the optimizer a sign: use "
                              f"optimizer='adamw' (betas (0, 0) step by lr times it)")
         if self.prepare_optimizer and not HOOKS[self.hook].is_hetero_comm:
@@ -190,6 +196,10 @@ class TrainConfig:
         if self.optimizer == "adamw":
             optimizer = torch.optim.AdamW(parameters, lr=self.lr, betas=self.adam_betas(),
                                           weight_decay=self.weight_decay)
+        elif self.optimizer == "adam":
+            optimizer = torch.optim.Adam(parameters, lr=self.lr, betas=self.adam_betas(),
+                                         weight_decay=self.weight_decay,
+                                         decoupled_weight_decay=True)
         else:
             momentum = self.optimizer_momentum()
             optimizer = torch.optim.SGD(parameters, lr=self.lr, momentum=momentum,
@@ -199,15 +209,21 @@ class TrainConfig:
 
     def lr_factor(self, total_steps: int) -> Callable[[int], float]:
         """The learning rate at a step, as a fraction of ``lr``."""
-        warmup, cosine = self.lr_warmup_steps, self.lr_schedule == "cosine"
+        warmup, schedule = self.lr_warmup_steps, self.lr_schedule
 
         def factor(step: int) -> float:
             if step < warmup:
                 return (step + 1) / warmup
-            if not cosine:
-                return 1.0
             progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
+            if schedule == "cosine":
+                return 0.5 * (1.0 + math.cos(math.pi * progress))
+            if schedule == "linear":
+                return 1.0 - progress
+            if schedule == "wsd":
+                return min(1.0, (1.0 - progress) / WSD_DECAY_SHARE)
+            if schedule == "step":
+                return 0.1 ** ((progress >= 0.5) + (progress >= 0.75))
+            return 1.0
 
         return factor
 
