@@ -288,8 +288,7 @@ class FSDPSparseState:
             return
         group.plan_bucket.to(shard_grad.device)  # (CPU offloading: the gradient's device)
         try:
-            state.gate_output(group.plan_bucket, sparse_allreduce(state, group.plan_bucket,
-                                                                  shard_grad, group.index)).wait()
+            sparse_allreduce(state, group.plan_bucket, shard_grad, group.index).wait()
         except NonFiniteGradient as found:  # every rank of the replicate group found it
             state.non_finite.hand_on(shard_grad, found)
         state.non_finite.warn_once()

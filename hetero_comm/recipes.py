@@ -35,9 +35,6 @@ SEGMENT_SIZE = 512
 WIRE_BYTES_PER_VALUE = 1
 DENSE_BYTES_PER_VALUE = 4
 ADAMW_DENSITY = 0.10
-# The AdamW recipe's sign steps move a coordinate at a share of the steps equal to its recent
-# signs' persistence (docs/design/recipes-adamw.md, "Persistent signs").
-ADAMW_SIGN_PERSISTENCE = 0.95
 SGD_DENSITY = 0.08
 SGD_MIN_SEGMENTS_PER_BUCKET = 150
 # ratio: 4x is every value on the int8 wire; 256x leaves about 0.8% of the segments.
@@ -121,7 +118,7 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
     if isinstance(inner, torch.optim.Adam):  # AdamW subclasses Adam
         return Recipe("adamw", dict(density=ADAMW_DENSITY if density is None else density,
                                     segment_size=SEGMENT_SIZE, wire_dtype="int8", basis=DCT(),
-                                    output="sign", sign_persistence=ADAMW_SIGN_PERSISTENCE))
+                                    output="sign"))
     if isinstance(inner, torch.optim.SGD):
         momenta = sorted({float(group.get(USER_MOMENTUM_KEY, group["momentum"]))
                           for group in inner.param_groups})

@@ -25,8 +25,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ._persistence import AGREED_PLAN_TENSORS
-
 logger = logging.getLogger("hetero_comm")
 
 __all__ = ["PlanBucket", "Plan", "Route", "redistribute"]
@@ -263,16 +261,15 @@ def _cpu_copy(value):
 def redistribute(saved_plans: List[List[dict]], world_size: int) -> List[dict]:
     """One rank's plan state, from the saved plan states of every rank of another world size:
     each buffer summed over the saved ranks and divided by ``world_size``, so that the new
-    ranks together hold back what the saved ranks did; what the ranks agree on (``extra``, and
-    the buffers of :data:`._persistence.AGREED_PLAN_TENSORS`) from the first."""
+    ranks together hold back what the saved ranks did; what the ranks agree on (``extra``)
+    from the first."""
     layouts = {tuple(tuple(b["keys"]) for b in plan) for plan in saved_plans}
     if len(layouts) != 1:
         raise ValueError("the saved ranks' error-feedback state has different layouts; it "
                          "cannot be redistributed")
     merged = []
     for buckets in zip(*saved_plans):
-        tensors = {name: (buckets[0]["tensors"][name] if name in AGREED_PLAN_TENSORS
-                          else sum(b["tensors"][name] for b in buckets) / world_size)
+        tensors = {name: sum(b["tensors"][name] for b in buckets) / world_size
                    for name in buckets[0]["tensors"]}
         merged.append(dict(buckets[0], tensors=tensors))
     return merged

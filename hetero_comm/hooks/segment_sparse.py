@@ -20,7 +20,6 @@ from .._checks import check_choice, check_float, check_int
 from .._layout import num_segments
 from ._optimizer import (HandedMomentumCorrectedSum, HandedSign, HandedSum, SIGN_LR_SCALE,
                          momentum_correction_lr_scale)
-from ._persistence import SIGN_CREDIT, SIGN_MEAN, gate_persistent_signs
 from ._plan import PlanBucket
 from ._sparse_parts import (INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, SEGMENTS, WIRE_DTYPES, WIRES,
                             AgreedNow, add_contribution, int8_levels, restart_sent_velocity)
@@ -94,25 +93,18 @@ class SegmentSparseState(ErrorFeedbackState):
             ``"sign"``: its elementwise sign (-1, 0 or 1), a sign step for AdamW with
             ``betas=(0.0, 0.0)`` (it then moves each coordinate by ``lr`` in the direction of
             the agreed sum; the residual plays the momentum's part). See docs/recipes.md.
-        sign_persistence: with ``output="sign"``, the decay in [0, 0.999] of each coordinate's
-            running mean of the signs handed; above 0, a coordinate moves at a share of the
-            steps equal to that mean's magnitude, and hands 0 at the others (Adam's smaller
-            steps where the gradient is noise; :mod:`._persistence`). 0 (default): every
-            selected coordinate moves at every step. The AdamW recipe uses 0.95. Costs two
-            float32 buffers per gradient element.
         rank_weight, warmup_steps, min_compress_numel: see
             :class:`~hetero_comm.hooks.ErrorFeedbackState`.
     """
 
     _checkpoint_settings = ("density", "segment_size", "min_segments_per_bucket", "momentum", "nesterov", "density_warmup_steps", "basis",
-                            "dct_block_size", "sign_persistence")
+                            "dct_block_size")
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
                  density: float = 0.01, segment_size: int = 256,
                  min_segments_per_bucket: int = 0, momentum: float = 0.0, nesterov: bool = False, density_warmup_steps: int = 0,
                  wire_dtype: str = "float32", basis: Basis = "elements", int8_sum: str = "auto",
-                 output: str = "sum", sign_persistence: float = 0.0,
-                 rank_weight: Optional[float] = None,
+                 output: str = "sum", rank_weight: Optional[float] = None,
                  warmup_steps: int = 1, min_compress_numel: int = 0) -> None:
         self.momentum = check_float("momentum", momentum, 0.0, 0.999)
         if not isinstance(nesterov, bool):
@@ -121,16 +113,9 @@ class SegmentSparseState(ErrorFeedbackState):
             raise ValueError("nesterov=True needs momentum > 0 (Nesterov's update adds the "
                              "momentum's look-ahead)")
         self.nesterov = nesterov
-        self.sign_persistence = check_float("sign_persistence", sign_persistence, 0.0, 0.999)
-        if self.sign_persistence and output != "sign":
-            raise ValueError(f"sign_persistence gates the signs handed with output='sign'; this "
-                             f"state has output={output!r} (leave sign_persistence at 0)")
-        plan_tensors = ("residual", "momentum") if self.momentum else ("residual",)
-        if self.sign_persistence:
-            plan_tensors += (SIGN_MEAN, SIGN_CREDIT)
         super().__init__(process_group=process_group, rank_weight=rank_weight,
                          warmup_steps=warmup_steps, min_compress_numel=min_compress_numel,
-                         plan_tensors=plan_tensors)
+                         plan_tensors=("residual", "momentum") if self.momentum else ("residual",))
         self.density = resolve_density(density, automatic=False)
         self.segment_size = check_int("segment_size", segment_size, 1, 1 << 20)
         self.min_segments_per_bucket = check_int("min_segments_per_bucket", min_segments_per_bucket,
@@ -175,7 +160,6 @@ class SegmentSparseState(ErrorFeedbackState):
         self._warned_coarse_segments = False
         self.__dict__.setdefault("nesterov", False)  # pickled before the setting existed
         self.__dict__.setdefault("int8_sum", "auto")
-        self.__dict__.setdefault("sign_persistence", 0.0)
 
     def settings(self) -> dict:
         return dict(density=self.density, segment_size=self.segment_size,
@@ -183,7 +167,7 @@ class SegmentSparseState(ErrorFeedbackState):
                     momentum=self.momentum, nesterov=self.nesterov,
                     density_warmup_steps=self.density_warmup_steps, wire_dtype=self.wire_dtype,
                     basis=self.basis_setting(), int8_sum=self.int8_sum, output=self.output,
-                    sign_persistence=self.sign_persistence, **super().settings())
+                    **super().settings())
 
     def agreed_constants(self) -> dict:
         """:meth:`HookState.agreed_constants`: how many values consecutive buckets gather
@@ -209,7 +193,7 @@ class SegmentSparseState(ErrorFeedbackState):
         last = bucket.is_last()
         if not self.pipelines_agreement(bucket.buffer()):
             try:
-                return super().run(bucket, self.gated(send))
+                return super().run(bucket, send)
             finally:
                 if last:
                     self._warn_costly_buckets()
@@ -218,7 +202,7 @@ class SegmentSparseState(ErrorFeedbackState):
             pipeline.discard()
         earlier = len(pipeline.issued)
         try:
-            return super().run(bucket, self.gated(self._send_pipelined))
+            return super().run(bucket, self._send_pipelined)
         finally:  # the groups issued before this bucket; at the step's last bucket, all
             if last:
                 pipeline.end_step()
@@ -265,28 +249,6 @@ class SegmentSparseState(ErrorFeedbackState):
     def _send_pipelined(self, state, plan_bucket, grad: torch.Tensor,
                         index: int) -> torch.futures.Future:
         return codec_allreduce(state, plan_bucket, grad, index, pipeline=self._pipeline)
-
-    def gated(self, send):
-        """``send`` (a send function of :meth:`run`) followed by :meth:`gate_output`."""
-        if not self.sign_persistence:
-            return send
-
-        def gated_send(state, plan_bucket: PlanBucket, grad: torch.Tensor, index: int):
-            return self.gate_output(plan_bucket, send(state, plan_bucket, grad, index))
-
-        return gated_send
-
-    def gate_output(self, plan_bucket: PlanBucket,
-                    delivered: torch.futures.Future) -> torch.futures.Future:
-        """``delivered`` (a future of ``plan_bucket``'s handed values) with the signs of the
-        coordinates that do not move at this step zeroed, with ``sign_persistence``
-        (:func:`._persistence.gate_persistent_signs`); as it is without."""
-        if not self.sign_persistence:
-            return delivered
-        decay, gated_steps = self.sign_persistence, self.step - self.warmup_steps + 1
-        mean, credit = plan_bucket.tensors[SIGN_MEAN], plan_bucket.tensors[SIGN_CREDIT]
-        return delivered.then(lambda done: gate_persistent_signs(done.value(), mean, credit,
-                                                                 decay, gated_steps))
 
     def basis_setting(self) -> Basis:
         """The ``basis`` as the constructor takes it: ``"elements"`` or a :class:`DCT`."""

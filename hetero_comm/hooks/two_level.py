@@ -23,7 +23,6 @@ from .._layout import GRADIENT_DTYPES
 from ._auto_density import DensityController
 from ._machines import MachineLayout, MachinesArgument
 from ._optimizer import HandedMomentumCorrectedSum, HandedSum
-from ._persistence import AGREED_PLAN_TENSORS
 from ._plan import PlanBucket
 from ._sparse_parts import WIRE_DTYPES
 from ._non_finite import DeviceFiniteChecks, NonFiniteGradient
@@ -234,7 +233,7 @@ class TwoLevelState(SegmentSparseState):
         base_run = functools.partial(ErrorFeedbackState.run, self)
 
         def job() -> torch.Tensor:
-            result = base_run(bucket, self.gated(send)).wait()
+            result = base_run(bucket, send).wait()
             if timing is not None:
                 self._end_step(*timing)
                 self._result_at = time.perf_counter()
@@ -373,9 +372,7 @@ def _gather_held_back(state: TwoLevelState, plan_bucket: PlanBucket, shares: Sha
     pool, device = state.pool, next(iter(plan_bucket.tensors.values())).device
     staged = pool.acquire(shares.local_size * shares.slot, torch.float32, device)
     mine = pool.acquire(shares.slot, torch.float32, device)
-    for name, tensor in plan_bucket.tensors.items():
-        if name in AGREED_PLAN_TENSORS:  # the same on every rank, kept whole on each
-            continue
+    for tensor in plan_bucket.tensors.values():
         shares.stage(tensor, staged, 1.0)
         _sum_inside_machine(state, staged, mine)
         tensor.zero_()
