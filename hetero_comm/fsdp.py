@@ -222,6 +222,9 @@ class FSDPSparseState:
                              "pass no process_group")
         self.mesh = check_mesh(mesh)
         modules = check_sharded_model(model, mesh)
+        if settings.get("scale_sign_step"):
+            raise ValueError("scale_sign_step is not offered with FSDP2 yet (the step scale "
+                             "reads each DDP bucket's gradient): leave it False")
         self.sparse = SegmentSparseState(process_group=mesh["replicate"].get_group(), **settings)
         shards = mesh["shard"].size()
         device = next(p for _, _, parameters in modules for p in parameters).to_local().device

@@ -282,3 +282,31 @@ def compress_with_this_ranks_ratio(rank, world_size, ratios, timeout_seconds=Non
     except (ValueError, RuntimeError) as error:
         return type(error).__name__, str(error), _untouched(ddp, optimizer, groups_before)
     return "no error", "", _untouched(ddp, optimizer, groups_before)
+
+
+def step_scale_steps(rank, world_size, agreeing, steps=40, scheduled=False):
+    """The AdamW recipe through ``compress`` on a 64 x 64 linear map whose ranks see the same
+    batch (``agreeing``) or batches of independent noise targets: the step scale's factors,
+    the parameters (every rank's), and the factor a resumed state restores."""
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Linear(64, 64))
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** (step // 10)) \
+        if scheduled else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = hetero_comm.compress(ddp, optimizer)
+    factors = []
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(step if agreeing else 1000 * step + rank + 1)
+        x = torch.randn(32, 64, generator=generator)
+        target = x @ torch.ones(64, 64) / 8 if agreeing else torch.randn(32, 64, generator=generator)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(x), target).backward()
+        optimizer.step()
+        if schedule is not None:
+            schedule.step()
+        factors.append(state.stats()["sign_step_scale"])
+    saved = state.state_dict()
+    return dict(factors=factors, saved=saved["step_scale"],
+                params=torch.cat([p.detach().flatten() for p in ddp.parameters()]).tolist())

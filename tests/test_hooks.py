@@ -241,6 +241,7 @@ def test_no_sync_gradient_accumulation(hook, settings_):
     ("sparse", SPARSE),
     ("sparse", dict(SPARSE, momentum=0.9)),
     ("sparse", dict(SPARSE, basis=DCT(8), output="sign")),
+    ("sparse", dict(SPARSE, basis=DCT(8), output="sign", scale_sign_step=True)),
     ("sparse", dict(SPARSE, wire_dtype="int8", momentum=0.9)),
     ("sparse", dict(SPARSE, basis=DCT(8), momentum=0.9)),
     # each bucket's segment size from its own size (0.002 MB: buckets of a few hundred elements)

@@ -57,9 +57,13 @@ class HandedSum:
 class HandedSign(HandedSum):
     """The elementwise sign of the agreed sum: AdamW's (or Adam's) step with ``betas=(0, 0)``
     moves each coordinate by ``lr`` in that direction, at :data:`SIGN_LR_SCALE` times the
-    user's rate."""
+    user's rate, or times ``step_scale(rates)`` too (a factor from each parameter group's
+    rate, read at every step: :meth:`~._step_scale.StepScale.factor_for`)."""
 
     setting = "output='sign'"
+
+    def __init__(self, step_scale: Optional[Callable[[List[float]], float]] = None) -> None:
+        self.step_scale = step_scale
 
     def fit(self, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, object], float]:
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
@@ -75,6 +79,10 @@ class HandedSign(HandedSum):
                                  f"normalisation: with sign steps it moves every coordinate not "
                                  f"sent by a whole lr. Use AdamW (decoupled weight decay), or "
                                  f"Adam with decoupled_weight_decay=True")
+        if self.step_scale is not None:
+            step_scale = self.step_scale
+            return {"betas": (0.0, 0.0)}, lambda: SIGN_LR_SCALE * step_scale(
+                [group["lr"] for group in optimizer.param_groups])
         return {"betas": (0.0, 0.0)}, SIGN_LR_SCALE
 
     def finish(self, grad: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ from .._layout import num_segments
 from ._optimizer import (HandedMomentumCorrectedSum, HandedSign, HandedSum, SIGN_LR_SCALE,
                          momentum_correction_lr_scale)
 from ._plan import PlanBucket
+from ._step_scale import StepScale
 from ._sparse_parts import (INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, SEGMENTS, WIRE_DTYPES, WIRES,
                             AgreedNow, add_contribution, int8_levels, restart_sent_velocity)
 from . import _codec
@@ -93,18 +94,24 @@ class SegmentSparseState(ErrorFeedbackState):
             ``"sign"``: its elementwise sign (-1, 0 or 1), a sign step for AdamW with
             ``betas=(0.0, 0.0)`` (it then moves each coordinate by ``lr`` in the direction of
             the agreed sum; the residual plays the momentum's part). See docs/recipes.md.
+        scale_sign_step: with ``output="sign"``, size the step as Adam sizes it, from how much
+            the ranks' gradients agree at each step (:class:`~._step_scale.StepScale`: a factor
+            in (0, 1] on the rate, about 1 while the gradient's signal dominates, smaller once
+            it is mostly noise, so that a constant rate does not keep the sign step jittering;
+            257 floats more are summed a step). Default False; the AdamW recipe sets it.
         rank_weight, warmup_steps, min_compress_numel: see
             :class:`~hetero_comm.hooks.ErrorFeedbackState`.
     """
 
     _checkpoint_settings = ("density", "segment_size", "min_segments_per_bucket", "momentum", "nesterov", "density_warmup_steps", "basis",
-                            "dct_block_size")
+                            "dct_block_size", "scale_sign_step")
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
                  density: float = 0.01, segment_size: int = 256,
                  min_segments_per_bucket: int = 0, momentum: float = 0.0, nesterov: bool = False, density_warmup_steps: int = 0,
                  wire_dtype: str = "float32", basis: Basis = "elements", int8_sum: str = "auto",
-                 output: str = "sum", rank_weight: Optional[float] = None,
+                 output: str = "sum", scale_sign_step: bool = False,
+                 rank_weight: Optional[float] = None,
                  warmup_steps: int = 1, min_compress_numel: int = 0) -> None:
         self.momentum = check_float("momentum", momentum, 0.0, 0.999)
         if not isinstance(nesterov, bool):
@@ -127,6 +134,13 @@ class SegmentSparseState(ErrorFeedbackState):
         self.basis = "dct" if isinstance(basis, DCT) else basis
         self.dct_block_size = basis.block_size if isinstance(basis, DCT) else DCT().block_size
         self.output = check_choice("output", output, OUTPUTS)
+        if not isinstance(scale_sign_step, bool):
+            raise ValueError(f"scale_sign_step must be True or False; got {scale_sign_step!r}")
+        if scale_sign_step and self.output != "sign":
+            raise ValueError(f"scale_sign_step sizes the sign step of output='sign'; this state "
+                             f"has output={output!r} (leave scale_sign_step False)")
+        self.scale_sign_step = scale_sign_step
+        self.step_scale = StepScale() if scale_sign_step else None
         self.int8_sum = check_choice("int8_sum", int8_sum, INT8_SUMS)
         if int8_sum != "auto" and self.wire_dtype != "int8":
             raise ValueError(f"int8_sum={int8_sum!r} says how the int8 wire is summed; this "
@@ -160,6 +174,8 @@ class SegmentSparseState(ErrorFeedbackState):
         self._warned_coarse_segments = False
         self.__dict__.setdefault("nesterov", False)  # pickled before the setting existed
         self.__dict__.setdefault("int8_sum", "auto")
+        self.__dict__.setdefault("scale_sign_step", False)
+        self.__dict__.setdefault("step_scale", None)
 
     def settings(self) -> dict:
         return dict(density=self.density, segment_size=self.segment_size,
@@ -167,7 +183,26 @@ class SegmentSparseState(ErrorFeedbackState):
                     momentum=self.momentum, nesterov=self.nesterov,
                     density_warmup_steps=self.density_warmup_steps, wire_dtype=self.wire_dtype,
                     basis=self.basis_setting(), int8_sum=self.int8_sum, output=self.output,
-                    **super().settings())
+                    scale_sign_step=self.scale_sign_step, **super().settings())
+
+    def stats(self) -> dict:
+        """:meth:`ErrorFeedbackState.stats`, plus with ``scale_sign_step`` the factor the last
+        step took on the recipe's rate (``sign_step_scale``, in (0, 1])."""
+        stats = super().stats()
+        if self.step_scale is not None:
+            stats["sign_step_scale"] = self.step_scale.applied
+        return stats
+
+    def state_dict(self) -> dict:
+        """:meth:`ErrorFeedbackState.state_dict` (a collective), plus the step scale's running
+        means (the same on every rank)."""
+        saved = dict(step_scale=self.step_scale.state_dict()) if self.step_scale else {}
+        return dict(super().state_dict(), **saved)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        if self.step_scale is not None and "step_scale" in state_dict:
+            self.step_scale.load_state_dict(state_dict["step_scale"])
 
     def agreed_constants(self) -> dict:
         """:meth:`HookState.agreed_constants`: how many values consecutive buckets gather
@@ -189,13 +224,17 @@ class SegmentSparseState(ErrorFeedbackState):
         its wire issued (at the step's last bucket, everything). Every rank issues the
         collectives in that one order, and the backward pass computes the next buckets while
         an agreement makes its round trip. The future completes when the bucket's sum has
-        been delivered into it."""
+        been delivered into it. With ``scale_sign_step`` the bucket's own gradient first goes
+        into the step's sketch, and the step's sums are issued after its last bucket."""
         last = bucket.is_last()
+        if self.step_scale is not None:
+            self.step_scale.observe(bucket.buffer(), bucket.index())
         if not self.pipelines_agreement(bucket.buffer()):
             try:
                 return super().run(bucket, send)
             finally:
                 if last:
+                    self._end_step_scale()
                     self._warn_costly_buckets()
         pipeline = self._pipeline
         if bucket.index() == 0 and pipeline.pending():  # DDP hands bucket 0 over first
@@ -206,10 +245,16 @@ class SegmentSparseState(ErrorFeedbackState):
         finally:  # the groups issued before this bucket; at the step's last bucket, all
             if last:
                 pipeline.end_step()
+                self._end_step_scale()
                 self._warn_costly_buckets()
             else:
                 pipeline.finish(earlier)
                 pipeline.deliver(wait=False)
+
+    def _end_step_scale(self) -> None:
+        """After a step's last bucket: the step scale's sums (every rank in this order)."""
+        if self.step_scale is not None:
+            self.step_scale.end_step(self.process_group)
 
     def count_exchange(self, index: int, numel: int, dense_bytes: int, sent_bytes: int,
                        step: Optional[int] = None) -> None:
@@ -286,7 +331,7 @@ class SegmentSparseState(ErrorFeedbackState):
     def handed_step(self) -> HandedSum:
         """What the hook hands the optimizer (see :meth:`prepare_optimizer`)."""
         if self.output == "sign":
-            return HandedSign()
+            return HandedSign(None if self.step_scale is None else self.step_scale.factor_for)
         if self.momentum:
             return HandedMomentumCorrectedSum(self.momentum, self.density, self.nesterov)
         return HandedSum()
