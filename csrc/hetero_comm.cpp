@@ -42,6 +42,8 @@ TORCH_LIBRARY(hetero_comm, m) {
         "int segment_size, int block_size, bool sign, Tensor(a!)? coefficients, "
         "Tensor(b!) grad) -> ()");
   // The strict-checks switch (csrc/strict_checks.cpp); returns the previous setting.
+  // A count sketch of a gradient and its squared norm, added into the given sketch.
+  m.def("gradient_sketch_(Tensor grad, int salt, Tensor(a!) sketch) -> ()");
   m.def("_set_strict_checks(bool enabled) -> bool");
   // Diagnostics: how many distinct threads at::parallel_for used (proves OpenMP is on).
   m.def("_parallel_threads_used(int work_items) -> int");

@@ -389,8 +389,31 @@ def sparse_unpack_(wire: torch.Tensor, indices: torch.Tensor, segment_size: int,
     return grad
 
 
+def gradient_sketch_(grad: torch.Tensor, salt: int, sketch: torch.Tensor) -> None:
+    """Add a count sketch of ``grad`` into ``sketch[:-1]`` and ``sum(grad ** 2)`` into
+    ``sketch[-1]``, in place: element ``j`` goes into slot ``j % (len(sketch) - 1)`` with the
+    sign of a hash of ``(j, salt)``, the same on every rank (so sketches of gradients add up
+    to the sketch of their sum).
+
+    Args:
+        grad: float32, bfloat16 or float16 [n], n < 2**31.
+        salt: an integer in [0, 2**32 - 1].
+        sketch: float32 [slots + 1], slots >= 1, contiguous, sharing no memory with ``grad``.
+
+    Compiled for the CPU (a fixed-order sum, whatever the thread count); elsewhere the
+    reference runs.
+    """
+    if not _codec_compiled(grad):
+        return _reference().gradient_sketch_(grad, salt, sketch)
+    torch.ops.hetero_comm.gradient_sketch_.default(grad, salt, sketch)
+
+
 # Shape/dtype-only implementations, so the ops work under torch.compile and opcheck.
 if extension_loaded():
+
+    @torch.library.register_fake("hetero_comm::gradient_sketch_")
+    def _gradient_sketch_fake(grad, salt, sketch):
+        return None
 
     @torch.library.register_fake("hetero_comm::segment_accumulate_")
     def _segment_accumulate_fake(residual, grad, segment_size):

@@ -775,3 +775,39 @@ def _check_out_named(name: str, out: torch.Tensor, dtypes, shape, like: torch.Te
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {list(shape)}; got {list(out.shape)}")
     _check_no_overlap(out, like, "residual", written_name=name)
+
+
+# ------------------------------------------------------------------------- the step scale
+_MASK_32 = (1 << 32) - 1
+
+
+def gradient_sketch_(grad: torch.Tensor, salt: int, sketch: torch.Tensor) -> None:
+    """Add a count sketch of ``grad`` and its squared norm into ``sketch``: element ``j`` goes
+    into slot ``j % (len(sketch) - 1)`` with the sign of a hash of ``(j, salt)``, and the last
+    element gets ``sum(grad ** 2)``. The signs are the same on every rank, so the sketch of a
+    sum of gradients is the sum of their sketches, and its squared norm estimates the sum's
+    squared norm without bias.
+
+    Args:
+        grad: float32, bfloat16 or float16 [n], n < 2**31.
+        salt: an integer in [0, 2**32 - 1] (a different one draws other signs).
+        sketch: float32 [slots + 1], slots >= 1, contiguous; added to in place.
+    """
+    _check_tensor("grad", grad, GRADIENT_DTYPES, 1)
+    _check_tensor("sketch", sketch, (torch.float32,), 1, writable=True)
+    _check_same_device(grad=grad, sketch=sketch)
+    if sketch.numel() < 2:
+        raise ValueError(f"sketch must have at least 2 elements (its slots and the squared "
+                         f"norm); got {sketch.numel()}")
+    check_int("salt", salt, 0, _MASK_32)
+    _check_no_overlap(sketch, grad, "grad", written_name="sketch")
+    slots = sketch.numel() - 1
+    values = grad.float()
+    index = torch.arange(grad.numel(), dtype=torch.int64, device=grad.device)
+    mixed = (index * 2654435761 + salt * 0x85EBCA6B) & _MASK_32
+    mixed = mixed ^ (mixed >> 16)
+    mixed = (mixed * 0x45D9F3B) & _MASK_32
+    mixed = mixed ^ (mixed >> 16)
+    signs = 1.0 - 2.0 * (mixed & 1).float()
+    sketch[:slots].index_add_(0, index % slots, signs * values)
+    sketch[slots] += values.square().sum()

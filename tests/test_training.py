@@ -134,8 +134,8 @@ def test_dct_sign_recipe_keeps_a_transformer_with_adamw_near_dense():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(optimizer="adam"), "optimizer must be one of 'sgd', 'adamw'"),
-    (dict(lr_schedule="linear"), "lr_schedule must be one of"),
+    (dict(optimizer="rmsprop"), "optimizer must be one of 'sgd', 'adamw', 'adam'"),
+    (dict(lr_schedule="exponential"), "lr_schedule must be one of"),
     (dict(clip_norm=0.0), "clip_norm must be a number in (0.0"),
     (dict(hook="sparse", hook_settings=dict(density=2.0)), "density must be a number in (0.0, 1.0]"),
     (dict(hook="sparse", optimizer="adamw", hook_settings=dict(momentum=0.9)), "apply momentum twice"),

@@ -19,17 +19,22 @@ gives, and at a constant rate it shrinks as Adam's does.
 Nothing dense is sent for it: ``sum |g_i|^2`` is one number per rank, and ``|sum g_i|^2`` is
 read from a count sketch of each rank's gradient (every element added, with a random sign the
 same on every rank, into one of :data:`SKETCH_SIZE` slots; the sketch of the sum is the sum
-of the sketches, and its squared norm estimates the sum's without bias). Both are summed by
-one allreduce of ``SKETCH_SIZE + 1`` floats issued at the end of each step and read at the end
-of the next, so no rank waits for it; running means (decay :data:`DECAY`) smooth the
-estimates, and the factor applies from the step after it is read, the same on every rank.
+of the sketches, and its squared norm estimates the sum's without bias,
+:func:`hetero_comm.ops.gradient_sketch_`). Each step sketches one bucket, the buckets in turn
+(one kernel call a step, not one a bucket: the hook's calls per bucket are counted), and both
+sums go in one allreduce of ``SKETCH_SIZE + 1`` floats issued at the end of the step and read
+at the end of the next, so no rank waits for it. Running means (decay :data:`DECAY`) smooth
+the estimates over the buckets and steps, and the factor applies from the step after it is
+read, the same on every rank.
 """
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from .. import ops
 
 __all__ = ["StepScale", "SKETCH_SIZE", "DECAY", "MIN_SCALE", "step_scale_for"]
 
@@ -54,8 +59,8 @@ def step_scale_for(together: float, apart: float, world_size: int) -> float:
 class StepScale:
     """The sign step's factor, measured from the ranks' gradients at every step.
 
-    Call :meth:`observe` with each bucket's own gradient before it is changed, and
-    :meth:`end_step` after the step's last bucket (it issues the step's allreduce in ``group``
+    Call :meth:`observe` with the gradient of each bucket :meth:`wants` (this rank's own,
+    before it is changed), and :meth:`end_step` after the step's last bucket (it issues the step's allreduce in ``group``
     and reads the previous one's); :attr:`scale` is the agreement's factor for the coming step,
     :meth:`factor_for` the one to step at.
     """
@@ -66,52 +71,53 @@ class StepScale:
         self.peaks: list = []  # each parameter group's largest rate so far
         self.steps = 0  # steps whose sums were read
         self.means = [0.0, 0.0]  # running means of |sum g_i|^2 and sum |g_i|^2
-        self._signs: Dict[Tuple[int, int, torch.device], torch.Tensor] = {}
         self._step: Optional[torch.Tensor] = None  # this step's sketch and squared norm
+        self._spare: Optional[torch.Tensor] = None  # the buffer the next step writes
         self._pending: Optional[tuple] = None  # (work, tensor) of the last step's allreduce
+        self._buckets = 1  # buckets a step, as far as seen (the same on every rank)
+        self._turn = 0  # steps issued: the bucket sketched is this one modulo _buckets
 
-    def _signs_for(self, index: int, numel: int, device: torch.device) -> torch.Tensor:
-        key = (index, numel, device)
-        signs = self._signs.get(key)
-        if signs is None:  # the same on every rank: drawn from the bucket's index and size
-            generator = torch.Generator().manual_seed(1_000_003 * index + numel)
-            padded = -(-numel // SKETCH_SIZE) * SKETCH_SIZE
-            signs = torch.randint(0, 2, (padded,), generator=generator, dtype=torch.int8)
-            signs = (signs * 2 - 1).to(device)
-            signs[numel:] = 0
-            self._signs[key] = signs
-        return signs
+    def wants(self, index: int) -> bool:
+        """Whether bucket ``index`` is this step's to sketch."""
+        self._buckets = max(self._buckets, index + 1)
+        return index == self._turn % self._buckets
 
     def observe(self, grad: torch.Tensor, index: int) -> None:
-        """Add bucket ``index``'s gradient ``grad`` (this rank's own) to the step's sketch."""
-        flat = grad.detach().reshape(-1)
-        if self._step is None:
-            self._step = torch.zeros(SKETCH_SIZE + 1, dtype=torch.float32, device=flat.device)
-        signs = self._signs_for(index, flat.numel(), flat.device)
-        signed = torch.zeros(signs.numel(), dtype=torch.float32, device=flat.device)
-        signed[:flat.numel()].copy_(flat)
-        self._step[SKETCH_SIZE] += signed.square().sum()
-        signed.mul_(signs)
-        self._step[:SKETCH_SIZE] += signed.view(-1, SKETCH_SIZE).sum(0)
+        """Add bucket ``index``'s gradient ``grad`` (this rank's own) to the step's sketch
+        (:func:`hetero_comm.ops.gradient_sketch_`, its signs drawn with the bucket's index, so
+        the same on every rank)."""
+        self._buffer(grad.device)
+        ops.gradient_sketch_(grad.detach().reshape(-1), index, self._step)
+
+    def _buffer(self, device: torch.device) -> torch.Tensor:
+        """This step's sketch (zeros until a bucket is added), on ``device``."""
+        if self._step is None or self._step.device != device:
+            self._step = torch.zeros(SKETCH_SIZE + 1, dtype=torch.float32, device=device)
+        return self._step
 
     def end_step(self, group: Optional[dist.ProcessGroup]) -> None:
         """Read the previous step's sums (waiting for them if they have not arrived) and
-        issue this step's."""
+        issue this step's (zeros where no bucket was sketched: every rank issues it)."""
         self._read()
-        if self._step is None:
-            return
-        work = dist.all_reduce(self._step, group=group, async_op=True)
-        self._pending, self._step = (work, self._step), None
+        step = self._buffer(self._step.device if self._step is not None else torch.device("cpu"))
+        work = dist.all_reduce(step, group=group, async_op=True)
         self._world_size = dist.get_world_size(group)
+        self._pending, self._step, self._spare = (work, step), self._spare, None
+        self._turn += 1
 
     def _read(self) -> None:
         if self._pending is None:
             return
-        work, sums = self._pending
+        work, summed = self._pending
         self._pending = None
         work.wait()
-        sums = sums.double().cpu()
-        together, apart = float(sums[:SKETCH_SIZE].square().sum()), float(sums[SKETCH_SIZE])
+        sums = summed.tolist()  # (read on the host: no operator calls on the hot path)
+        summed.zero_()  # the buffer the step after next writes
+        self._spare = summed
+        together = math.fsum(value * value for value in sums[:SKETCH_SIZE])
+        apart = sums[SKETCH_SIZE]
+        if not (math.isfinite(together) and math.isfinite(apart)):
+            return  # a non-finite gradient (e.g. under a GradScaler): the step is skipped
         self.steps += 1
         self.means = [DECAY * mean + (1 - DECAY) * value
                       for mean, value in zip(self.means, (together, apart))]
@@ -135,15 +141,17 @@ class StepScale:
         read first)."""
         self._read()
         return dict(scale=self.scale, applied=self.applied, steps=self.steps,
-                    means=list(self.means), peaks=list(self.peaks))
+                    means=list(self.means), peaks=list(self.peaks), turn=self._turn,
+                    buckets=self._buckets)
 
     def load_state_dict(self, saved: dict) -> None:
         self.scale, self.steps = float(saved["scale"]), int(saved["steps"])
         self.applied = float(saved["applied"])
         self.means = [float(value) for value in saved["means"]]
         self.peaks = [float(value) for value in saved["peaks"]]
-        self._pending = self._step = None
+        self._turn, self._buckets = int(saved["turn"]), int(saved["buckets"])
+        self._pending = self._step = self._spare = None
 
     def __getstate__(self) -> dict:
         self._read()
-        return dict(self.__dict__, _signs={}, _step=None, _pending=None)
+        return dict(self.__dict__, _step=None, _spare=None, _pending=None)

@@ -225,9 +225,10 @@ class SegmentSparseState(ErrorFeedbackState):
         collectives in that one order, and the backward pass computes the next buckets while
         an agreement makes its round trip. The future completes when the bucket's sum has
         been delivered into it. With ``scale_sign_step`` the bucket's own gradient first goes
-        into the step's sketch, and the step's sums are issued after its last bucket."""
+        into the step's sketch where it is the step's to sketch, and the step's sums are
+        issued after its last bucket."""
         last = bucket.is_last()
-        if self.step_scale is not None:
+        if self.step_scale is not None and self.step_scale.wants(bucket.index()):
             self.step_scale.observe(bucket.buffer(), bucket.index())
         if not self.pipelines_agreement(bucket.buffer()):
             try:
