@@ -41,7 +41,7 @@ MODELS = {
     "mlp": dict(model="mlp", hidden=256, global_batch=64),
     "mlp_wide": dict(model="mlp", hidden=512, global_batch=64),  # (held out)
     "cnn": dict(model="cnn", hidden=64, global_batch=64),  # (held out: no normalization)
-    "cnn_bn": dict(model="cnn_bn", hidden=64, global_batch=64),
+    "cnn_bn": dict(model="cnn_bn", hidden=256, global_batch=64),  # 29K parameters
     "resnet": dict(model="resnet", hidden=256, global_batch=64),
     "gru": dict(model="gru", hidden=128, global_batch=32, clip_norm=1.0),
     "gpt": dict(model="gpt", hidden=128, global_batch=32, clip_norm=1.0),

@@ -5,6 +5,7 @@ import copy
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -310,3 +311,43 @@ def step_scale_steps(rank, world_size, agreeing, steps=40, scheduled=False):
     saved = state.state_dict()
     return dict(factors=factors, saved=saved["step_scale"],
                 params=torch.cat([p.detach().flatten() for p in ddp.parameters()]).tolist())
+
+
+def step_scale_resume(rank, world_size, bucket_cap_mb=25, steps=12, resume_at=7):
+    """AdamW under compress (the step scale on) with noisy per-rank targets, straight and
+    resumed at ``resume_at`` into new objects from rank 0's checkpoint: whether the parameters
+    and the step scale's factors end equal, and the factors."""
+    def run(resume):
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)),
+                                      bucket_cap_mb=bucket_cap_mb)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        state = hetero_comm.compress(ddp, optimizer)
+        factors = []
+        for step in range(steps):
+            if resume and step == resume_at:
+                saved = [dict(model=ddp.module.state_dict(), optimizer=optimizer.state_dict(),
+                              hook=state.state_dict())]
+                dist.broadcast_object_list(saved, src=0)  # every rank loads rank 0's
+                saved = copy.deepcopy(saved[0])
+                module = copy.deepcopy(ddp.module)
+                module.load_state_dict(saved["model"])
+                ddp = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
+                optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+                state = hetero_comm.compress(ddp, optimizer)
+                optimizer.load_state_dict(saved["optimizer"])
+                state.load_state_dict(saved["hook"])
+            generator = torch.Generator().manual_seed(1000 * step + rank)
+            x = torch.randn(16, 64, generator=generator)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(ddp(x), torch.randn(16, 8, generator=generator)).backward()
+            optimizer.step()
+            factors.append(state.stats()["sign_step_scale"])
+        return torch.cat([p.detach().flatten() for p in ddp.parameters()]), factors
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the small model's coarse-segment warning
+        straight, straight_factors = run(False)
+        resumed, resumed_factors = run(True)
+    return dict(equal=torch.equal(straight, resumed), factors=straight_factors,
+                resumed_factors=resumed_factors)

@@ -141,3 +141,14 @@ def test_a_sketch_sharing_the_gradients_memory_is_refused(module):
     with pytest.raises(ValueError, match="sketch must not overlap grad"):
         kernel(storage[:6], 0, storage[4:])
     assert bool((storage == 1).all())
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("bucket_cap_mb", [25, 0.004])
+def test_a_resumed_run_steps_as_the_uninterrupted_one(bucket_cap_mb):
+    """Rank 0's checkpoint loaded on every rank into new objects (DDP's provisional buckets
+    again): the same factors and bitwise the same parameters."""
+    for result in run_ranks(2, compress_workers.step_scale_resume, bucket_cap_mb):
+        assert result["factors"] == result["resumed_factors"]
+        assert min(result["factors"][3:]) < 1.0  # the scale did act
+        assert result["equal"]

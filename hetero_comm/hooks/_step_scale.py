@@ -59,7 +59,7 @@ def step_scale_for(together: float, apart: float, world_size: int) -> float:
 class StepScale:
     """The sign step's factor, measured from the ranks' gradients at every step.
 
-    Call :meth:`observe` with the gradient of each bucket :meth:`wants` (this rank's own,
+    Call :meth:`observe` with the gradient of each plan bucket :meth:`wants` (this rank's own,
     before it is changed), and :meth:`end_step` after the step's last bucket (it issues the step's allreduce in ``group``
     and reads the previous one's); :attr:`scale` is the agreement's factor for the coming step,
     :meth:`factor_for` the one to step at.
@@ -74,13 +74,11 @@ class StepScale:
         self._step: Optional[torch.Tensor] = None  # this step's sketch and squared norm
         self._spare: Optional[torch.Tensor] = None  # the buffer the next step writes
         self._pending: Optional[tuple] = None  # (work, tensor) of the last step's allreduce
-        self._buckets = 1  # buckets a step, as far as seen (the same on every rank)
-        self._turn = 0  # steps issued: the bucket sketched is this one modulo _buckets
+        self._turn = 0  # steps issued: the bucket sketched is this one modulo their number
 
-    def wants(self, index: int) -> bool:
-        """Whether bucket ``index`` is this step's to sketch."""
-        self._buckets = max(self._buckets, index + 1)
-        return index == self._turn % self._buckets
+    def wants(self, position: int, count: int) -> bool:
+        """Whether the plan bucket at ``position`` of ``count`` is this step's to sketch."""
+        return position == self._turn % max(count, 1)
 
     def observe(self, grad: torch.Tensor, index: int) -> None:
         """Add bucket ``index``'s gradient ``grad`` (this rank's own) to the step's sketch
@@ -141,15 +139,14 @@ class StepScale:
         read first)."""
         self._read()
         return dict(scale=self.scale, applied=self.applied, steps=self.steps,
-                    means=list(self.means), peaks=list(self.peaks), turn=self._turn,
-                    buckets=self._buckets)
+                    means=list(self.means), peaks=list(self.peaks), turn=self._turn)
 
     def load_state_dict(self, saved: dict) -> None:
         self.scale, self.steps = float(saved["scale"]), int(saved["steps"])
         self.applied = float(saved["applied"])
         self.means = [float(value) for value in saved["means"]]
         self.peaks = [float(value) for value in saved["peaks"]]
-        self._turn, self._buckets = int(saved["turn"]), int(saved["buckets"])
+        self._turn = int(saved["turn"])
         self._pending = self._step = self._spare = None
 
     def __getstate__(self) -> dict:

@@ -224,15 +224,13 @@ class SegmentSparseState(ErrorFeedbackState):
         its wire issued (at the step's last bucket, everything). Every rank issues the
         collectives in that one order, and the backward pass computes the next buckets while
         an agreement makes its round trip. The future completes when the bucket's sum has
-        been delivered into it. With ``scale_sign_step`` the bucket's own gradient first goes
+        been delivered into it. With ``scale_sign_step`` a plan bucket's own gradient first goes
         into the step's sketch where it is the step's to sketch, and the step's sums are
         issued after its last bucket."""
         last = bucket.is_last()
-        if self.step_scale is not None and self.step_scale.wants(bucket.index()):
-            self.step_scale.observe(bucket.buffer(), bucket.index())
         if not self.pipelines_agreement(bucket.buffer()):
             try:
-                return super().run(bucket, send)
+                return super().run(bucket, self._sketched(send))
             finally:
                 if last:
                     self._end_step_scale()
@@ -242,7 +240,7 @@ class SegmentSparseState(ErrorFeedbackState):
             pipeline.discard()
         earlier = len(pipeline.issued)
         try:
-            return super().run(bucket, self._send_pipelined)
+            return super().run(bucket, self._sketched(self._send_pipelined))
         finally:  # the groups issued before this bucket; at the step's last bucket, all
             if last:
                 pipeline.end_step()
@@ -251,6 +249,21 @@ class SegmentSparseState(ErrorFeedbackState):
             else:
                 pipeline.finish(earlier)
                 pipeline.deliver(wait=False)
+
+    def _sketched(self, send):
+        """``send``, first adding to the step scale's sketch the plan bucket whose turn it is
+        (by its place in the plan, which a checkpoint keeps: a resumed run sketches what the
+        uninterrupted run did, whatever DDP's bucket layout)."""
+        if self.step_scale is None:
+            return send
+
+        def sketched_send(state, plan_bucket: PlanBucket, grad: torch.Tensor, index: int):
+            position = next(i for i, b in enumerate(self.plan.buckets) if b is plan_bucket.origin)
+            if self.step_scale.wants(position, len(self.plan.buckets)):
+                self.step_scale.observe(grad, position)
+            return send(state, plan_bucket, grad, index)
+
+        return sketched_send
 
     def _end_step_scale(self) -> None:
         """After a step's last bucket: the step scale's sums (every rank in this order)."""
