@@ -94,8 +94,7 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
     ``.optimizer``).
 
     * AdamW, or Adam without coupled weight decay: DCT segments, the sign of the agreed sum,
-      10% density (about 37x), the step sized by how much the ranks' gradients agree
-      (``scale_sign_step``; not yet on the two-level sync and FSDP2, which leave it out).
+      10% density (about 37x).
     * SGD with momentum ``m``: momentum correction with ``m`` (Nesterov's where the optimizer
       has ``nesterov=True``), 8% density, segments of 512 or smaller so that every bucket has
       150 (about 29-35x measured).
@@ -119,7 +118,7 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
     if isinstance(inner, torch.optim.Adam):  # AdamW subclasses Adam
         return Recipe("adamw", dict(density=ADAMW_DENSITY if density is None else density,
                                     segment_size=SEGMENT_SIZE, wire_dtype="int8", basis=DCT(),
-                                    output="sign", scale_sign_step=True))
+                                    output="sign"))
     if isinstance(inner, torch.optim.SGD):
         momenta = sorted({float(group.get(USER_MOMENTUM_KEY, group["momentum"]))
                           for group in inner.param_groups})
@@ -271,7 +270,7 @@ def _compress_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     settings = dict(optimizer=type(optimizer).__name__, ratio=ratio, recipe=recipe.settings,
                     mesh=list(mesh.shape))
     agree_over_mesh("hetero_comm.compress settings", settings, mesh)
-    state = FSDPSparseState(model, mesh, **_without_step_scale(recipe.settings))
+    state = FSDPSparseState(model, mesh, **recipe.settings)
     if mesh["replicate"].size() == 1:
         warnings.warn(f"hetero_comm.compress(mesh=...): the mesh has one machine "
                       f"({mesh['shard'].size()} ranks sharding the model), so FSDP's reduce-scatter "
@@ -312,7 +311,7 @@ def _recipe_state(recipe: Recipe, ratio, machines, process_group, ddp_model):
                       f"(the flat recipe); to treat groups of them as machines, give machines the "
                       f"ranks per machine", UserWarning, stacklevel=3)
         return AllreduceState(process_group=process_group), allreduce_hook
-    settings = _without_step_scale(recipe.settings)
+    settings = dict(recipe.settings)
     if ratio == "auto":
         high, low = AUTO_RATIOS
         settings.update(density=AutoDensity(floor=density_for_ratio(low),
@@ -320,12 +319,6 @@ def _recipe_state(recipe: Recipe, ratio, machines, process_group, ddp_model):
     return (TwoLevelState(process_group=process_group, machines=list(layout.machine_of_rank),
                           **settings), two_level_hook)
 
-
-
-def _without_step_scale(settings: dict) -> dict:
-    """The recipe's settings for the two-level sync and FSDP2, which do not offer
-    ``scale_sign_step`` yet."""
-    return {name: value for name, value in settings.items() if name != "scale_sign_step"}
 
 
 def _remember_user_momentum(optimizer: torch.optim.Optimizer, recipe: Recipe) -> None:

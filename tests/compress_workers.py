@@ -285,8 +285,20 @@ def compress_with_this_ranks_ratio(rank, world_size, ratios, timeout_seconds=Non
     return "no error", "", _untouched(ddp, optimizer, groups_before)
 
 
+def with_step_scale(ddp, optimizer):
+    """The AdamW recipe's state with ``scale_sign_step=True``, registered on ``ddp`` and
+    fitting ``optimizer``, as ``compress`` registers the recipe."""
+    from hetero_comm.hooks import SegmentSparseState, segment_sparse_hook
+    from hetero_comm.recipes import recipe_for
+    state = SegmentSparseState(process_group=ddp.process_group, scale_sign_step=True,
+                               **recipe_for(optimizer).settings)
+    ddp.register_comm_hook(state, segment_sparse_hook)
+    state.prepare_optimizer(optimizer)
+    return state
+
+
 def step_scale_steps(rank, world_size, agreeing, steps=40, scheduled=False):
-    """The AdamW recipe through ``compress`` on a 64 x 64 linear map whose ranks see the same
+    """The AdamW recipe with the step scale on a 64 x 64 linear map whose ranks see the same
     batch (``agreeing``) or batches of independent noise targets: the step scale's factors,
     the parameters (every rank's), and the factor a resumed state restores."""
     torch.manual_seed(0)
@@ -296,7 +308,7 @@ def step_scale_steps(rank, world_size, agreeing, steps=40, scheduled=False):
         if scheduled else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        state = hetero_comm.compress(ddp, optimizer)
+        state = with_step_scale(ddp, optimizer)
     factors = []
     for step in range(steps):
         generator = torch.Generator().manual_seed(step if agreeing else 1000 * step + rank + 1)
@@ -314,7 +326,7 @@ def step_scale_steps(rank, world_size, agreeing, steps=40, scheduled=False):
 
 
 def step_scale_resume(rank, world_size, bucket_cap_mb=25, steps=12, resume_at=7):
-    """AdamW under compress (the step scale on) with noisy per-rank targets, straight and
+    """The AdamW recipe with the step scale, noisy per-rank targets, straight and
     resumed at ``resume_at`` into new objects from rank 0's checkpoint: whether the parameters
     and the step scale's factors end equal, and the factors."""
     def run(resume):
@@ -322,7 +334,7 @@ def step_scale_resume(rank, world_size, bucket_cap_mb=25, steps=12, resume_at=7)
         ddp = DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)),
                                       bucket_cap_mb=bucket_cap_mb)
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-        state = hetero_comm.compress(ddp, optimizer)
+        state = with_step_scale(ddp, optimizer)
         factors = []
         for step in range(steps):
             if resume and step == resume_at:
@@ -334,7 +346,7 @@ def step_scale_resume(rank, world_size, bucket_cap_mb=25, steps=12, resume_at=7)
                 module.load_state_dict(saved["model"])
                 ddp = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
                 optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-                state = hetero_comm.compress(ddp, optimizer)
+                state = with_step_scale(ddp, optimizer)
                 optimizer.load_state_dict(saved["optimizer"])
                 state.load_state_dict(saved["hook"])
             generator = torch.Generator().manual_seed(1000 * step + rank)

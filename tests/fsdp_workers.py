@@ -12,7 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import hetero_comm
 from hetero_comm.fsdp import FSDPSparseState, has_all_reduce_hook
-from hetero_comm.recipes import _without_step_scale, recipe_for
+from hetero_comm.recipes import recipe_for
 
 MESH_SHAPE = (2, 2)  # 2 machines x 2 ranks
 
@@ -171,8 +171,7 @@ def recipe_against_dense(rank, world_size, kind, optimizer_name, lr, steps, shap
         if compressed and int8_sum is None:
             state = hetero_comm.compress(model, optimizer, mesh=mesh)
         elif compressed:
-            # (as compress does with a mesh: the step scale is not offered with FSDP2 yet)
-            settings = dict(_without_step_scale(recipe_for(optimizer).settings), int8_sum=int8_sum)
+            settings = dict(recipe_for(optimizer).settings, int8_sum=int8_sum)
             state = FSDPSparseState(model, mesh, **settings)
             state.register(optimizer)
             state.sparse.prepare_optimizer(optimizer)

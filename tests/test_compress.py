@@ -24,11 +24,9 @@ def params():
 
 @pytest.mark.parametrize("make,name,expected", [
     (lambda: torch.optim.AdamW(params(), lr=1e-3), "adamw",
-     dict(density=0.10, segment_size=512, wire_dtype="int8", basis=DCT(), output="sign",
-          scale_sign_step=True)),
+     dict(density=0.10, segment_size=512, wire_dtype="int8", basis=DCT(), output="sign")),
     (lambda: torch.optim.Adam(params(), lr=1e-3), "adamw",
-     dict(density=0.10, segment_size=512, wire_dtype="int8", basis=DCT(), output="sign",
-          scale_sign_step=True)),
+     dict(density=0.10, segment_size=512, wire_dtype="int8", basis=DCT(), output="sign")),
     (lambda: torch.optim.SGD(params(), lr=0.1, momentum=0.9), "sgd",
      dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150,
           momentum=0.9)),
@@ -136,8 +134,7 @@ def test_call_warns_where_the_recipes_do_not_hold(model, optimizer, ratio, expec
 
 # The recipes as the lower-level API writes them (docs/recipes.md).
 WRITTEN_OUT = {
-    "adamw": dict(density=0.10, segment_size=512, wire_dtype="int8", basis="dct", output="sign",
-                  scale_sign_step=True),
+    "adamw": dict(density=0.10, segment_size=512, wire_dtype="int8", basis="dct", output="sign"),
     "sgd": dict(density=0.08, segment_size=512, wire_dtype="int8", momentum=0.9,
                 min_segments_per_bucket=150),
 }

@@ -24,8 +24,6 @@ def test_a_recipe_adds_at_most_eight_operator_calls_per_bucket_on_every_thread(o
         assert 0 < counted["per_bucket"] <= MAX_OP_CALLS_PER_BUCKET, counted
 
 
-# the AdamW recipe's step scale sums its sketch once a step (hetero_comm.hooks._step_scale)
-STEP_SCALE_CALLS = {"adamw": 1, "sgd_momentum": 0}
 # (fuse_below, min_compress_numel, nan_at, world_size): the whole model (34K values in buckets of
 # 5.2-6.3K) in one group; groups
 # closed mid-step; dense buckets between grouped ones; a NaN in one bucket; three ranks
@@ -49,8 +47,8 @@ def test_small_buckets_exchanged_together_train_as_when_exchanged_alone(optimize
         assert not np.array_equal(result["fused"], result["initial"])  # it trained
         assert result["buckets"] >= 3
         assert result["fused_calls"] < result["separate_calls"]
-        if fuse_below is None:  # the whole small model: one group (and AdamW's step scale)
-            assert result["fused_calls"] == 2 + STEP_SCALE_CALLS[optimizer_name]
+        if fuse_below is None:
+            assert result["fused_calls"] == 2  # the whole small model: one group
         if world_size == 2:
             np.testing.assert_array_equal(result["fused"], result["separate"])
         else:

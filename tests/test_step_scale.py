@@ -1,6 +1,6 @@
-"""The sign step sized by the ranks' gradient agreement (``scale_sign_step``, the AdamW
-recipe's): its arithmetic, the count sketch it reads the summed gradient's norm from, the
-factor under a schedule, and the one call on gloo ranks."""
+"""The sign step sized by the ranks' gradient agreement (``scale_sign_step``, opt-in): its
+arithmetic, the count sketch it reads the summed gradient's norm from (compiled against its
+reference), the factor under a schedule, and the AdamW recipe with it on gloo ranks."""
 
 import math
 

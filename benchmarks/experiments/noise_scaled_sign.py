@@ -39,8 +39,9 @@ MIN_FACTOR = 0.05
 class AgreementScale:
     """Per step: the ranks' gradients' agreement, and the rate factor it gives."""
 
-    def __init__(self, world_size: int, decay: float, relative: bool) -> None:
-        self.world_size, self.decay, self.relative = world_size, decay, relative
+    def __init__(self, world_size: int, decay: float, relative: bool,
+                 floor: float = MIN_FACTOR) -> None:
+        self.world_size, self.decay, self.relative, self.floor = world_size, decay, relative, floor
         self.step_sums = torch.zeros(2, dtype=torch.float64)  # |sum g|^2, sum |g|^2
         self.mean = torch.zeros(2, dtype=torch.float64)
         self.steps, self.best, self.factor, self.history = 0, 0.0, 1.0, []
@@ -64,13 +65,14 @@ class AgreementScale:
         w = self.world_size
         rho = together / (w * apart) if apart > 0 else 1.0
         signal = (w * rho - 1) / max(1 - rho, 1e-9)
-        phi = max(math.sqrt(max(signal, 0.0) / (1 + max(signal, 0.0))), MIN_FACTOR)
+        phi = max(math.sqrt(max(signal, 0.0) / (1 + max(signal, 0.0))), self.floor)
         self.best = max(self.best, phi)
         self.factor = phi / self.best if self.relative and self.best > 0 else phi
         self.history.append((rho, phi, self.factor))
 
 
-def train(rank, world_size, variant, options, seed, decay, relative, schedule_aware=False):
+def train(rank, world_size, variant, options, seed, decay, relative, schedule_aware=False,
+          floor=MIN_FACTOR):
     config = TrainConfig(**options, seed=seed, workers=world_size)
     torch.manual_seed(seed)
     x, y, x_test, y_test, model = make_workload(config.model, config.hidden, seed)
@@ -82,7 +84,7 @@ def train(rank, world_size, variant, options, seed, decay, relative, schedule_aw
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if variant == "scaled":
-                scale = AgreementScale(world_size, decay, relative)
+                scale = AgreementScale(world_size, decay, relative, floor)
                 ddp.register_comm_hook(state, lambda state, bucket: scale.hook(state, bucket))
             else:
                 ddp.register_comm_hook(state, segment_sparse_hook)
@@ -146,6 +148,7 @@ def main() -> None:
     parser.add_argument("--variants", default="dense,recipe,scaled")
     parser.add_argument("--decay", type=float, default=0.9)
     parser.add_argument("--relative", action="store_true")
+    parser.add_argument("--floor", type=float, default=MIN_FACTOR, help="the factor's least value")
     parser.add_argument("--schedule-aware", action="store_true",
                         help="the factor only where it shrinks the step more than the schedule has")
     parser.add_argument("--ranks", type=int, default=2)
@@ -154,7 +157,7 @@ def main() -> None:
                    lr_schedule=args.schedule, lr_warmup_steps=args.warmup, max_steps=args.steps)
     for variant in args.variants.split(","):
         results = [run_ranks(args.ranks, train, variant, options, seed, args.decay, args.relative,
-                             args.schedule_aware)[0]
+                             args.schedule_aware, args.floor)[0]
                    for seed in map(int, args.seeds.split(","))]
         print(f"{args.model} {args.schedule} lr {args.lr:g} {variant:7s} loss "
               f"{' / '.join(format(r['loss'], '.3f') for r in results)} "

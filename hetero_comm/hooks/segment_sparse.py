@@ -98,7 +98,9 @@ class SegmentSparseState(ErrorFeedbackState):
             the ranks' gradients agree at each step (:class:`~._step_scale.StepScale`: a factor
             in (0, 1] on the rate, about 1 while the gradient's signal dominates, smaller once
             it is mostly noise, so that a constant rate does not keep the sign step jittering;
-            257 floats more are summed a step). Default False; the AdamW recipe sets it.
+            257 floats more are summed a step). Default False: the AdamW recipe leaves it out,
+            as it helped at a constant rate and cost short runs (docs/design/recipes-adamw.md,
+            "The step at a constant rate"). Flat DDP only.
         rank_weight, warmup_steps, min_compress_numel: see
             :class:`~hetero_comm.hooks.ErrorFeedbackState`.
     """
