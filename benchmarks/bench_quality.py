@@ -217,12 +217,15 @@ def table(cells: Dict[str, dict], records: dict) -> str:
         lines.append(f"{head} {fmt.format(s['dense'])} | {fmt.format(s['recipe'])} | "
                      f"{s['gap']:+.1f}{unit}; {per_seed} | {spread} | {s['compression']:.1f}x | "
                      f"{s['verdict']} | {cell['why']} |")
-    held = sum(1 for name in cells if (s := summarize(name, cells[name], records)) and s["verdict"] == "ok")
-    ran = sum(1 for name in cells if summarize(name, cells[name], records))
     lines.append("")
-    lines.append(f"{held} of {ran} cells hold (loss within {MAX_LOSS_GAP_PERCENT:g}% / accuracy within "
-                 f"{MAX_ACCURACY_DROP_POINTS:g} point, {MIN_COMPRESSION:g}x or more, spread at most twice "
-                 f"dense's or {SPREAD_FLOOR_PERCENT:g}% / {SPREAD_FLOOR_POINTS:g} points)")
+    for title, names in (("matrix", [n for n in cells if n in CELLS]),
+                         ("held-out", [n for n in cells if n in HELD_OUT])):
+        verdicts = [s["verdict"] for s in (summarize(n, cells[n], records) for n in names) if s]
+        if verdicts:
+            lines.append(f"{title}: {verdicts.count('ok')} of {len(verdicts)} cells run hold (loss within "
+                         f"{MAX_LOSS_GAP_PERCENT:g}% / accuracy within {MAX_ACCURACY_DROP_POINTS:g} point, "
+                         f"{MIN_COMPRESSION:g}x or more, spread at most twice dense's or "
+                         f"{SPREAD_FLOOR_PERCENT:g}% / {SPREAD_FLOOR_POINTS:g} points)")
     return "\n".join(lines)
 
 
