@@ -75,6 +75,7 @@ class StepScale:
         self._spare: Optional[torch.Tensor] = None  # the buffer the next step writes
         self._pending: Optional[tuple] = None  # (work, tensor) of the last step's allreduce
         self._turn = 0  # steps issued: the bucket sketched is this one modulo their number
+        self.started = False  # whether a bucket was sketched yet (the same on every rank)
 
     def wants(self, position: int, count: int) -> bool:
         """Whether the plan bucket at ``position`` of ``count`` is this step's to sketch."""
@@ -84,6 +85,7 @@ class StepScale:
         """Add bucket ``index``'s gradient ``grad`` (this rank's own) to the step's sketch
         (:func:`hetero_comm.ops.gradient_sketch_`, its signs drawn with the bucket's index, so
         the same on every rank)."""
+        self.started = True
         self._buffer(grad.device)
         ops.gradient_sketch_(grad.detach().reshape(-1), index, self._step)
 
@@ -93,11 +95,15 @@ class StepScale:
             self._step = torch.zeros(SKETCH_SIZE + 1, dtype=torch.float32, device=device)
         return self._step
 
-    def end_step(self, group: Optional[dist.ProcessGroup]) -> None:
+    def end_step(self, group: Optional[dist.ProcessGroup], device: torch.device) -> None:
         """Read the previous step's sums (waiting for them if they have not arrived) and
-        issue this step's (zeros where no bucket was sketched: every rank issues it)."""
+        issue this step's on ``device`` (the gradients'; zeros where no bucket was sketched at
+        this step: every rank issues it once a bucket was sketched, as every rank sketches the
+        same buckets)."""
         self._read()
-        step = self._buffer(self._step.device if self._step is not None else torch.device("cpu"))
+        if not self.started:  # nothing sketched yet (the dense warm-up), on any rank
+            return
+        step = self._buffer(device)
         work = dist.all_reduce(step, group=group, async_op=True)
         self._world_size = dist.get_world_size(group)
         self._pending, self._step, self._spare = (work, step), self._spare, None
@@ -139,14 +145,15 @@ class StepScale:
         read first)."""
         self._read()
         return dict(scale=self.scale, applied=self.applied, steps=self.steps,
-                    means=list(self.means), peaks=list(self.peaks), turn=self._turn)
+                    means=list(self.means), peaks=list(self.peaks), turn=self._turn,
+                    started=self.started)
 
     def load_state_dict(self, saved: dict) -> None:
         self.scale, self.steps = float(saved["scale"]), int(saved["steps"])
         self.applied = float(saved["applied"])
         self.means = [float(value) for value in saved["means"]]
         self.peaks = [float(value) for value in saved["peaks"]]
-        self._turn = int(saved["turn"])
+        self._turn, self.started = int(saved["turn"]), bool(saved["started"])
         self._pending = self._step = self._spare = None
 
     def __getstate__(self) -> dict:

@@ -235,7 +235,7 @@ class SegmentSparseState(ErrorFeedbackState):
                 return super().run(bucket, self._sketched(send))
             finally:
                 if last:
-                    self._end_step_scale()
+                    self._end_step_scale(bucket.buffer().device)
                     self._warn_costly_buckets()
         pipeline = self._pipeline
         if bucket.index() == 0 and pipeline.pending():  # DDP hands bucket 0 over first
@@ -246,7 +246,7 @@ class SegmentSparseState(ErrorFeedbackState):
         finally:  # the groups issued before this bucket; at the step's last bucket, all
             if last:
                 pipeline.end_step()
-                self._end_step_scale()
+                self._end_step_scale(bucket.buffer().device)
                 self._warn_costly_buckets()
             else:
                 pipeline.finish(earlier)
@@ -267,10 +267,10 @@ class SegmentSparseState(ErrorFeedbackState):
 
         return sketched_send
 
-    def _end_step_scale(self) -> None:
+    def _end_step_scale(self, device: torch.device) -> None:
         """After a step's last bucket: the step scale's sums (every rank in this order)."""
         if self.step_scale is not None:
-            self.step_scale.end_step(self.process_group)
+            self.step_scale.end_step(self.process_group, device)
 
     def count_exchange(self, index: int, numel: int, dense_bytes: int, sent_bytes: int,
                        step: Optional[int] = None) -> None:
