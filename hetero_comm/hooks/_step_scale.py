@@ -4,7 +4,8 @@ With ``output="sign"`` AdamW (betas (0, 0)) moves every coordinate the hook hand
 the whole rate, where dense Adam moves it by ``|m| / sqrt(v)`` of the rate: about 1 while the
 gradient's signal dominates, much less once it is mostly noise. Under a decaying schedule the
 rate does that shrinking; at a constant rate the sign step keeps jittering by the whole rate
-and ends well above dense's loss (docs/design/recipes-adamw.md, "The step at a constant rate").
+and ends well above dense's loss (docs/design/recipes-adamw.md, "The step at a constant rate",
+which also has why the AdamW recipe leaves this opt-in: it costs short runs and low rates).
 
 The ranks' gradients tell the signal from the noise. With ``W`` ranks each holding
 ``g_i = G + n_i``, ``E|sum g_i|^2 = W^2 |G|^2 + W N`` and ``E sum |g_i|^2 = W |G|^2 + W N``, so
@@ -21,7 +22,8 @@ read from a count sketch of each rank's gradient (every element added, with a ra
 same on every rank, into one of :data:`SKETCH_SIZE` slots; the sketch of the sum is the sum
 of the sketches, and its squared norm estimates the sum's without bias,
 :func:`hetero_comm.ops.gradient_sketch_`). Each step sketches one bucket, the buckets in turn
-(one kernel call a step, not one a bucket: the hook's calls per bucket are counted), and both
+(one kernel call a step, not one a bucket; a plan bucket, so a resumed run sketches what the
+uninterrupted one did), and both
 sums go in one allreduce of ``SKETCH_SIZE + 1`` floats issued at the end of the step and read
 at the end of the next, so no rank waits for it. Running means (decay :data:`DECAY`) smooth
 the estimates over the buckets and steps, and the factor applies from the step after it is
