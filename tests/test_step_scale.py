@@ -31,8 +31,8 @@ def test_the_sketch_of_a_sum_is_the_sum_of_the_sketches_and_keeps_its_norm():
     sketches = []
     for grad in grads + [sum(grads)]:
         scale = StepScale()
-        scale.observe(grad, index=2)
-        scale.observe(grad[:300], index=5)  # a second bucket, shorter than the sketch's rows
+        scale.observe(grad, salt=2)
+        scale.observe(grad[:300], salt=5)  # a second bucket, shorter than the sketch's rows
         sketches.append(scale._step)
     torch.testing.assert_close(sum(s[:SKETCH_SIZE] for s in sketches[:3]), sketches[3][:SKETCH_SIZE],
                                rtol=1e-4, atol=1e-3)

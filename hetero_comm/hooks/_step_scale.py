@@ -61,8 +61,8 @@ def step_scale_for(together: float, apart: float, world_size: int) -> float:
 class StepScale:
     """The sign step's factor, measured from the ranks' gradients at every step.
 
-    Call :meth:`observe` with the gradient of each plan bucket :meth:`wants` (this rank's own,
-    before it is changed), and :meth:`end_step` after the step's last bucket (it issues the step's allreduce in ``group``
+    Call :meth:`observe` with the gradient of the plan bucket at :meth:`turn_among` (this
+    rank's own, before it is changed), and :meth:`end_step` after the step's last bucket (it issues the step's allreduce in ``group``
     and reads the previous one's); :attr:`scale` is the agreement's factor for the coming step,
     :meth:`factor_for` the one to step at.
     """
@@ -79,17 +79,17 @@ class StepScale:
         self._turn = 0  # steps issued: the bucket sketched is this one modulo their number
         self.started = False  # whether a bucket was sketched yet (the same on every rank)
 
-    def wants(self, position: int, count: int) -> bool:
-        """Whether the plan bucket at ``position`` of ``count`` is this step's to sketch."""
-        return position == self._turn % max(count, 1)
+    def turn_among(self, count: int) -> int:
+        """The place, among ``count`` plan buckets, of the one this step sketches."""
+        return self._turn % max(count, 1)
 
-    def observe(self, grad: torch.Tensor, index: int) -> None:
-        """Add bucket ``index``'s gradient ``grad`` (this rank's own) to the step's sketch
-        (:func:`hetero_comm.ops.gradient_sketch_`, its signs drawn with the bucket's index, so
-        the same on every rank)."""
+    def observe(self, grad: torch.Tensor, salt: int) -> None:
+        """Add ``grad`` (this rank's own) to the step's sketch
+        (:func:`hetero_comm.ops.gradient_sketch_`, its signs drawn with ``salt``, the plan
+        bucket's place, so the same on every rank)."""
         self.started = True
         self._buffer(grad.device)
-        ops.gradient_sketch_(grad.detach().reshape(-1), index, self._step)
+        ops.gradient_sketch_(grad.detach().reshape(-1), salt, self._step)
 
     def _buffer(self, device: torch.device) -> torch.Tensor:
         """This step's sketch (zeros until a bucket is added), on ``device``."""

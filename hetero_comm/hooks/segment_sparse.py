@@ -21,7 +21,7 @@ from .._layout import num_segments
 from ._optimizer import (HandedMomentumCorrectedSum, HandedSign, HandedSum, SIGN_LR_SCALE,
                          momentum_correction_lr_scale)
 from ._plan import PlanBucket
-from ._step_scale import StepScale
+from ._step_scale import SKETCH_SIZE, StepScale
 from ._sparse_parts import (INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, SEGMENTS, WIRE_DTYPES, WIRES,
                             AgreedNow, add_contribution, int8_levels, restart_sent_velocity)
 from . import _codec
@@ -208,8 +208,12 @@ class SegmentSparseState(ErrorFeedbackState):
 
     def agreed_constants(self) -> dict:
         """:meth:`HookState.agreed_constants`: how many values consecutive buckets gather
-        before their exchange on the CPU (:data:`._codec.FUSE_BELOW_NUMEL`)."""
-        return dict(fuse_below_numel=_codec.FUSE_BELOW_NUMEL)
+        before their exchange on the CPU (:data:`._codec.FUSE_BELOW_NUMEL`), and with
+        ``scale_sign_step`` the size of the step scale's allreduce."""
+        constants = dict(fuse_below_numel=_codec.FUSE_BELOW_NUMEL)
+        if self.step_scale is not None:
+            constants["step_scale_sketch_size"] = SKETCH_SIZE
+        return constants
 
     # ---------------------------------------------------------------- the pipelined agreement
     def pipelines_agreement(self, grad: torch.Tensor) -> bool:
@@ -260,8 +264,8 @@ class SegmentSparseState(ErrorFeedbackState):
             return send
 
         def sketched_send(state, plan_bucket: PlanBucket, grad: torch.Tensor, index: int):
-            position = next(i for i, b in enumerate(self.plan.buckets) if b is plan_bucket.origin)
-            if self.step_scale.wants(position, len(self.plan.buckets)):
+            position = self.step_scale.turn_among(len(self.plan.buckets))
+            if plan_bucket.origin is self.plan.buckets[position]:
                 self.step_scale.observe(grad, position)
             return send(state, plan_bucket, grad, index)
 
