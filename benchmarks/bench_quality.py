@@ -22,6 +22,7 @@ are not run again, so the matrix can be run in parts (``--cells a,b``, ``--model
 
 Usage: python benchmarks/bench_quality.py [--cells NAME,...] [--models mlp,cnn_bn]
        [--optimizers adamw,sgd] [--seeds 0,1,2] [--held-out] [--long] [--steps N] [--json PATH]
+       [--rerun-one-call] [--variant '{"density": 0.25}']
        python benchmarks/bench_quality.py --json PATH --table
 """
 
@@ -34,7 +35,10 @@ import statistics
 import sys
 from typing import Dict, List, Optional
 
+import torch
+
 from bench_generality import cpu_model, train
+from hetero_comm.recipes import recipe_for
 
 # The model's workload at 2 ranks (the global batch grows with the ranks).
 MODELS = {
@@ -139,9 +143,24 @@ def run_key(name: str, cell: dict, seed: int, hook: str) -> str:
     return f"{name}|{cell['steps']}|{seed}|{hook}"
 
 
+def variant_settings(cell: dict, changes: dict) -> dict:
+    """The one call's recipe for the cell's optimizer with ``changes`` to its settings (the
+    lower-level state's keyword arguments), for trying a change to the recipes on the matrix."""
+    options = OPTIMIZERS[cell["optimizer"]]
+    parameters = [torch.nn.Parameter(torch.zeros(1))]
+    if options["optimizer"] == "sgd":
+        optimizer = torch.optim.SGD(parameters, lr=cell["lr"], momentum=options["momentum"],
+                                    nesterov=options.get("nesterov", False))
+    else:
+        optimizer = torch.optim.AdamW(parameters, lr=cell["lr"])
+    return dict(recipe_for(optimizer).settings, **changes)
+
+
 def run_cells(cells: Dict[str, dict], seeds: List[int], records: dict,
-              json_path: Optional[str]) -> None:
-    """Train every (cell, seed, hook) not yet in ``records``, saving after each run."""
+              json_path: Optional[str], variant: Optional[dict] = None) -> None:
+    """Train every (cell, seed, hook) not yet in ``records``, saving after each run; with
+    ``variant``, the one call's runs are the recipe with those changes (the lower-level state
+    and ``prepare_optimizer``, as the one call sets them up)."""
     for name, cell in cells.items():
         for seed in seeds:
             for hook in ("dense", "recipe"):
@@ -149,7 +168,11 @@ def run_cells(cells: Dict[str, dict], seeds: List[int], records: dict,
                 if key in records:
                     continue
                 print(f"  {name}, seed {seed}, {hook} ...", file=sys.stderr, flush=True)
-                run = train(options_of(cell, seed), hook)
+                if hook == "recipe" and variant is not None:
+                    run = train(dict(options_of(cell, seed), prepare_optimizer=True), "sparse",
+                                variant_settings(cell, variant))
+                else:
+                    run = train(options_of(cell, seed), hook)
                 run.pop("curve", None)
                 records[key] = dict(run, cell=cell, seed=seed, hook=hook,
                                     date=datetime.datetime.now(datetime.timezone.utc)
@@ -260,14 +283,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="every cell this many steps (a smoke run)")
     parser.add_argument("--json", help="keep every run here; runs already in it are not run again")
     parser.add_argument("--table", action="store_true", help="run nothing: the table of --json")
+    parser.add_argument("--variant", type=json.loads,
+                        help="a JSON dict of changes to the recipe's settings (e.g. "
+                             "'{\"density\": 0.25}'): the one call's runs are that variant; "
+                             "keep them in their own --json")
+    parser.add_argument("--rerun-one-call", action="store_true",
+                        help="run the one call again in the chosen cells (after a change to the "
+                             "recipes; dense's runs are kept)")
     args = parser.parse_args()
     cells = chosen_cells(args)
     records = {}
     if args.json and os.path.exists(args.json):
         with open(args.json) as f:
             records = json.load(f)
+    if args.rerun_one_call and not args.table:
+        seeds = [int(s) for s in args.seeds.split(",")]
+        for name, cell in cells.items():
+            for seed in seeds:
+                records.pop(run_key(name, cell, seed, "recipe"), None)
     if not args.table:
-        run_cells(cells, [int(s) for s in args.seeds.split(",")], records, args.json)
+        run_cells(cells, [int(s) for s in args.seeds.split(",")], records, args.json,
+                  args.variant)
     if args.table and not (args.cells or args.models or args.optimizers or args.held_out):
         cells = {**CELLS, **HELD_OUT}
     print(f"# python {' '.join(sys.argv)}  ({cpu_model()}, {os.cpu_count()} cores)")

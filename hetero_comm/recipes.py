@@ -37,6 +37,10 @@ DENSE_BYTES_PER_VALUE = 4
 ADAMW_DENSITY = 0.10
 SGD_DENSITY = 0.08
 SGD_MIN_SEGMENTS_PER_BUCKET = 150
+# After the one dense step, both recipes start near dense and reach their density
+# geometrically over this many steps (DGC's warm-up; docs/design/one-call.md, "The density
+# warm-up").
+DENSITY_WARMUP_STEPS = 25
 # ratio: 4x is every value on the int8 wire; 256x leaves about 0.8% of the segments.
 MIN_RATIO, MAX_RATIO = 4.0, 256.0
 # The recipes were measured at 29x to 37x; above this the call warns.
@@ -118,7 +122,7 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
     if isinstance(inner, torch.optim.Adam):  # AdamW subclasses Adam
         return Recipe("adamw", dict(density=ADAMW_DENSITY if density is None else density,
                                     segment_size=SEGMENT_SIZE, wire_dtype="int8", basis=DCT(),
-                                    output="sign"))
+                                    output="sign", density_warmup_steps=DENSITY_WARMUP_STEPS))
     if isinstance(inner, torch.optim.SGD):
         momenta = sorted({float(group.get(USER_MOMENTUM_KEY, group["momentum"]))
                           for group in inner.param_groups})
@@ -127,7 +131,8 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
                              f"parameter groups have {momenta}: give them one momentum")
         settings = dict(density=SGD_DENSITY if density is None else density,
                         segment_size=SEGMENT_SIZE, wire_dtype="int8",
-                        min_segments_per_bucket=SGD_MIN_SEGMENTS_PER_BUCKET)
+                        min_segments_per_bucket=SGD_MIN_SEGMENTS_PER_BUCKET,
+                        density_warmup_steps=DENSITY_WARMUP_STEPS)
         if momenta[0]:
             settings["momentum"] = momenta[0]
             nesterov = {bool(group.get(USER_NESTEROV_KEY, group["nesterov"]))

@@ -469,6 +469,7 @@ def op_calls_per_bucket(rank, world_size, optimizer_name, steps=3):
     less those with a hook that hands each bucket back as it is, over the buckets. Also the
     buckets a step and the compression ratio reached."""
     import hetero_comm
+    from hetero_comm.recipes import DENSITY_WARMUP_STEPS
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
@@ -479,7 +480,8 @@ def op_calls_per_bucket(rank, world_size, optimizer_name, steps=3):
         optimizer = OPTIMIZERS[optimizer_name](ddp.parameters())
         state = setup(ddp, optimizer)
         inputs = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
-        for _ in range(3):  # past the dense warm-up and DDP's bucket rebuild
+        # past the dense warm-up, the recipes' density warm-up and DDP's bucket rebuild
+        for _ in range(3 + DENSITY_WARMUP_STEPS):
             optimizer.zero_grad()
             ddp(inputs).square().mean().backward()
             optimizer.step()

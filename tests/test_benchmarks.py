@@ -353,3 +353,21 @@ def test_quality_matrix_runs_a_cell_and_keeps_its_runs(tmp_path):
     again = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_quality.py"), *args],
                            capture_output=True, text=True, timeout=300, cwd=REPO)
     assert again.returncode == 0 and "seed 0" not in again.stderr  # nothing run twice
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("mlp_adamw_constant_3e-3", dict(output="sign", density=0.25)),
+    ("cnn_bn_nesterov_wsd", dict(momentum=0.9, nesterov=True, density=0.25)),
+    ("mlp_sgd_plain_linear", dict(density=0.25)),
+])
+def test_quality_matrix_variant_is_the_cells_recipe_with_the_changes(name, expected):
+    """``--variant`` runs the recipe the one call would choose for the cell, changed only where
+    asked (that it trains as the one call does was checked run for run: the same losses)."""
+    quality = load_benchmark("bench_quality")
+    settings = quality.variant_settings(quality.CELLS[name], {"density": 0.25})
+    assert {key: settings.get(key) for key in expected} == expected
+    assert settings["density_warmup_steps"] == 25 and settings["segment_size"] == 512
+    if "momentum" not in expected:
+        assert "momentum" not in settings
+    unchanged = quality.variant_settings(quality.CELLS[name], {})
+    assert unchanged["density"] in (0.08, 0.10)

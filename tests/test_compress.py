@@ -15,7 +15,8 @@ import compress_workers
 from lab.launch import run_ranks
 from lab.training import TrainConfig, run_training
 from hetero_comm.hooks import DCT
-from hetero_comm.recipes import AUTO_RATIOS, MAX_RATIO, MIN_RATIO, Recipe, density_for_ratio, recipe_for
+from hetero_comm.recipes import (AUTO_RATIOS, DENSITY_WARMUP_STEPS, MAX_RATIO, MIN_RATIO, Recipe,
+                                 density_for_ratio, recipe_for)
 
 
 def params():
@@ -24,20 +25,23 @@ def params():
 
 @pytest.mark.parametrize("make,name,expected", [
     (lambda: torch.optim.AdamW(params(), lr=1e-3), "adamw",
-     dict(density=0.10, segment_size=512, wire_dtype="int8", basis=DCT(), output="sign")),
+     dict(density=0.10, segment_size=512, wire_dtype="int8", basis=DCT(), output="sign",
+          density_warmup_steps=25)),
     (lambda: torch.optim.Adam(params(), lr=1e-3), "adamw",
-     dict(density=0.10, segment_size=512, wire_dtype="int8", basis=DCT(), output="sign")),
+     dict(density=0.10, segment_size=512, wire_dtype="int8", basis=DCT(), output="sign",
+          density_warmup_steps=25)),
     (lambda: torch.optim.SGD(params(), lr=0.1, momentum=0.9), "sgd",
      dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150,
-          momentum=0.9)),
+          density_warmup_steps=25, momentum=0.9)),
     (lambda: torch.optim.SGD(params(), lr=0.1, momentum=0.5), "sgd",
      dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150,
-          momentum=0.5)),
+          density_warmup_steps=25, momentum=0.5)),
     (lambda: torch.optim.SGD(params(), lr=0.1, momentum=0.9, nesterov=True), "sgd",
      dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150,
-          momentum=0.9, nesterov=True)),
+          density_warmup_steps=25, momentum=0.9, nesterov=True)),
     (lambda: torch.optim.SGD(params(), lr=0.1), "sgd",
-     dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150)),
+     dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150,
+          density_warmup_steps=25)),
 ])
 def test_recipe_for_each_supported_optimizer(make, name, expected):
     recipe = recipe_for(make())
@@ -165,14 +169,17 @@ def test_one_call_trains_bitwise_as_the_recipe_written_out(optimizer, lr, worker
 @pytest.mark.multirank
 @pytest.mark.parametrize("optimizer,ratio", [("adamw", 8), ("sgd", 24)])
 def test_ratio_knob_reaches_about_the_asked_compression(optimizer, ratio):
-    """On the 85K-parameter MLP the achieved ratio after the warm-up is the asked one within
-    20% (measured: 6.9x for 8x with AdamW, whose DCT segments pad this small bucket's last
-    group of blocks; SGD within 5%)."""
+    """On the 85K-parameter MLP the ratio reached once the density has warmed up is the asked
+    one within 20% (measured: 6.9x for 8x with AdamW, whose DCT segments pad this small bucket's
+    last group of blocks; SGD within 5%); over the warm-up it compresses less."""
+    steps = 1 + DENSITY_WARMUP_STEPS + 3
     record = run_training(TrainConfig(hook="recipe", hook_settings=dict(ratio=ratio),
                                       optimizer=optimizer, lr=1e-3 if optimizer == "adamw" else 0.05,
-                                      **dict(RUN, max_steps=4)))
-    achieved = record["hook_stats"]["compression_ratio"]
+                                      **dict(RUN, epochs=2, max_steps=steps)))
+    sent = record["history"]["bytes"]
+    achieved = record["dense_bytes_per_step"] / ((sent[-1] - sent[-4]) / 3)
     assert abs(achieved / ratio - 1) < 0.20, achieved
+    assert record["hook_stats"]["compression_ratio"] < 0.9 * achieved  # the warm-up counted
 
 
 @pytest.mark.multirank
