@@ -32,6 +32,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 from typing import Dict, List, Optional
 
@@ -143,6 +144,18 @@ def run_key(name: str, cell: dict, seed: int, hook: str) -> str:
     return f"{name}|{cell['steps']}|{seed}|{hook}"
 
 
+def source_commit() -> Optional[str]:
+    """The checkout's commit (with ``+`` where its tracked files differ from it), or None."""
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode != 0:
+        return None
+    changed = git("diff", "--quiet", "HEAD", "--", "hetero_comm", "benchmarks").returncode != 0
+    return head.stdout.strip() + ("+" if changed else "")
+
+
 def variant_settings(cell: dict, changes: dict) -> dict:
     """The one call's recipe for the cell's optimizer with ``changes`` to its settings (the
     lower-level state's keyword arguments), for trying a change to the recipes on the matrix."""
@@ -174,7 +187,8 @@ def run_cells(cells: Dict[str, dict], seeds: List[int], records: dict,
                 else:
                     run = train(options_of(cell, seed), hook)
                 run.pop("curve", None)
-                records[key] = dict(run, cell=cell, seed=seed, hook=hook,
+                records[key] = dict(run, cell=cell, seed=seed, hook=hook, commit=source_commit(),
+                                    **({"variant": variant} if hook == "recipe" and variant else {}),
                                     date=datetime.datetime.now(datetime.timezone.utc)
                                     .isoformat(timespec="seconds"), machine=cpu_model())
                 if json_path:

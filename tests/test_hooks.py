@@ -545,6 +545,9 @@ def test_density_schedule_and_cycling_band():
     densities = [state.density_at(step) for step in range(7)]
     assert densities[:2] == [1.0, 1.0] and densities[5:] == [0.01, 0.01]
     assert densities[2] > densities[3] > densities[4] > 0.01
+    for steps_taken, expected in ((0, 1.0), (2, 1.0), (3, densities[2]), (9, 0.01)):
+        state.step = steps_taken  # stats() reports the density of the last step taken
+        assert state.stats()["density"] == expected
     dct = DCTQuantState(block_size=16, keep_ratio=0.25)
     seen = set()
     for step in range(12):

@@ -188,9 +188,12 @@ class SegmentSparseState(ErrorFeedbackState):
                     scale_sign_step=self.scale_sign_step, **super().settings())
 
     def stats(self) -> dict:
-        """:meth:`ErrorFeedbackState.stats`, plus with ``scale_sign_step`` the factor the last
-        step took on the recipe's rate (``sign_step_scale``, in (0, 1])."""
+        """:meth:`ErrorFeedbackState.stats`, plus the share of the segments the last step sent
+        (``density``: 1 in the dense warm-up, then falling over ``density_warmup_steps`` to the
+        setting) and, with ``scale_sign_step``, the factor the last step took on the recipe's
+        rate (``sign_step_scale``, in (0, 1])."""
         stats = super().stats()
+        stats["density"] = self.density_at(max(self.step - 1, 0))
         if self.step_scale is not None:
             stats["sign_step_scale"] = self.step_scale.applied
         return stats
