@@ -152,7 +152,8 @@ def source_commit() -> Optional[str]:
     head = git("rev-parse", "--short", "HEAD")
     if head.returncode != 0:
         return None
-    changed = git("diff", "--quiet", "HEAD", "--", "hetero_comm", "benchmarks").returncode != 0
+    changed = git("diff", "--quiet", "HEAD", "--", "hetero_comm", "benchmarks",
+                  ":(exclude)benchmarks/results").returncode != 0
     return head.stdout.strip() + ("+" if changed else "")
 
 
