@@ -27,7 +27,7 @@ from .hooks import (DCT, AllreduceState, AutoDensity, MachineLayout, SegmentSpar
                     unwrap_optimizer)
 
 __all__ = ["Recipe", "recipe_for", "compress", "density_for_ratio", "MIN_RATIO", "MAX_RATIO",
-           "AUTO_RATIOS"]
+           "AUTO_RATIOS", "DENSITY_WARMUP_STEPS"]
 
 # Both recipes send one int8 byte per selected value and one float32 importance per segment of
 # 512 elements (a dense float32 gradient is 4 bytes per element).
@@ -104,6 +104,9 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
       150 (about 29-35x measured).
     * SGD without momentum: the same, without momentum correction.
 
+    Both send the first step dense and then reach their density over
+    :data:`DENSITY_WARMUP_STEPS` steps, falling geometrically from near 1.
+
     Args:
         optimizer: the optimizer, set up as for dense training.
         ratio: target compression of the gradient bytes in [4, 256]; ``None`` or ``"auto"``:
@@ -159,7 +162,9 @@ def compress(model: torch.nn.Module, optimizer, *,
     the hook, about 2.1x; :func:`recipe_for`), with the weight decay scaled so that parameters
     decay as under dense training. With AdamW, let the rate decay towards the end:
     the recipe's sign step moves every coordinate by the full rate, and at a constant rate it
-    falls behind dense (docs/design/recipes-adamw.md, "Where it holds less well"). Call it on
+    falls behind dense (docs/design/recipes-adamw.md, "Where it holds less well"). The first
+    step is sent dense, and the share of the segments sent falls from near 1 to the recipe's
+    over the next :data:`DENSITY_WARMUP_STEPS` (25) steps (``stats()["density"]``). Call it on
     every rank before the first step. Nothing is registered or changed when it raises.
 
     A model too large for DDP: shard it with FSDP2 inside each machine and give the mesh
