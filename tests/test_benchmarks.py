@@ -164,8 +164,8 @@ def test_generality_benchmark_averages_seeds_and_keeps_cases_it_has(tmp_path):
     out = run_script("bench_generality", *args, "--ratio", "8")  # a case of its own
     own, asked = json.loads(saved.read_text())
     assert (own["ratio"], asked["ratio"]) == (None, 8.0)
-    # ten steps, the first dense: 4.7x against 7.9x
-    assert asked["recipe_run"]["compression"] < 0.8 * own["recipe_run"]["compression"]
+    # ten steps, the first dense, the rest in the density warm-up: 3.3x against 4.0x
+    assert asked["recipe_run"]["compression"] < 0.9 * own["recipe_run"]["compression"]
     assert sum("(ratio=8)" in line for line in out.splitlines() if line.startswith("| resnet")) == 1
 
 

@@ -138,9 +138,10 @@ def test_call_warns_where_the_recipes_do_not_hold(model, optimizer, ratio, expec
 
 # The recipes as the lower-level API writes them (docs/recipes.md).
 WRITTEN_OUT = {
-    "adamw": dict(density=0.10, segment_size=512, wire_dtype="int8", basis="dct", output="sign"),
+    "adamw": dict(density=0.10, segment_size=512, wire_dtype="int8", basis="dct", output="sign",
+                  density_warmup_steps=25),
     "sgd": dict(density=0.08, segment_size=512, wire_dtype="int8", momentum=0.9,
-                min_segments_per_bucket=150),
+                min_segments_per_bucket=150, density_warmup_steps=25),
 }
 RUN = dict(model="mlp", hidden=256, epochs=1, max_steps=6, global_batch=64, workers=2)
 
@@ -163,7 +164,8 @@ def test_one_call_trains_bitwise_as_the_recipe_written_out(optimizer, lr, worker
     assert one_call["steps"] == by_hand["steps"] == 6
     np.testing.assert_array_equal(one_call["final_parameters"], by_hand["final_parameters"])
     assert one_call["bytes_total"] == by_hand["bytes_total"]
-    assert one_call["hook_stats"]["compression_ratio"] > 25  # it compressed
+    # it compressed: more than the int8 wire alone (4x), in 6 steps inside the density warm-up
+    assert one_call["hook_stats"]["compression_ratio"] > 4.5
 
 
 @pytest.mark.multirank
@@ -225,7 +227,9 @@ def test_machines_set_up_the_two_level_sync_with_the_recipe(optimizer, ratio):
         low, high = (density_for_ratio(r) for r in AUTO_RATIOS[::-1]) if ratio else (0.0, 1.0)
         assert low <= stats["density"] <= high
     ratios = [stats["compression_ratio"] for _, stats, _ in results]
-    assert min(ratios) > 4  # each local rank carries its share of the 1,669-parameter bucket
+    # each local rank carries its share of the 1,669-parameter bucket; 6 steps lie in the
+    # recipes' density warm-up
+    assert min(ratios) > 2.5
 
 
 @pytest.mark.multirank

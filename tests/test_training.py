@@ -53,7 +53,7 @@ def test_demo_writes_table_json_and_plot(tmp_path, capsys):
 @pytest.mark.multirank
 def test_demo_default_hooks_on_two_workloads(tmp_path, capsys):
     """The demo's default hooks (dense, the one call's recipe, PowerSGD) on two workloads, one
-    epoch each: a row per workload and hook, the recipe at about its nominal ratio."""
+    epoch each: a row per workload and hook, the recipe compressing."""
     assert main(["--workloads", "mlp_sgd,mlp_adamw", "--epochs", "1", "--out",
                  str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -61,7 +61,9 @@ def test_demo_default_hooks_on_two_workloads(tmp_path, capsys):
     assert set(numbers) == {f"{w}/{h}" for w in ("mlp_sgd", "mlp_adamw")
                             for h in ("dense", "recipe", "powersgd")}
     for workload in ("mlp_sgd", "mlp_adamw"):
-        assert numbers[f"{workload}/recipe"]["hook_stats"]["compression_ratio"] > 25
+        # one epoch (22 steps) lies in the recipes' 25-step density warm-up: beyond the int8
+        # wire's 4x, short of the nominal ratio (the demo's own 8 epochs reach it)
+        assert numbers[f"{workload}/recipe"]["hook_stats"]["compression_ratio"] > 6
         assert numbers[f"{workload}/recipe"]["ranks_identical"]
         assert f"| {workload}" in out
     assert "hetero_comm.compress" in out and "torch powerSGD_hook" in out
