@@ -39,6 +39,7 @@ from typing import Dict, List, Optional
 import torch
 
 from bench_generality import cpu_model, train
+from lab.training import TrainConfig
 from hetero_comm.recipes import recipe_for
 
 # The model's workload at 2 ranks (the global batch grows with the ranks).
@@ -162,15 +163,11 @@ def source_commit() -> Optional[str]:
 
 
 def variant_settings(cell: dict, changes: dict) -> dict:
-    """The one call's recipe for the cell's optimizer with ``changes`` to its settings (the
-    lower-level state's keyword arguments), for trying a change to the recipes on the matrix."""
-    options = OPTIMIZERS[cell["optimizer"]]
-    parameters = [torch.nn.Parameter(torch.zeros(1))]
-    if options["optimizer"] == "sgd":
-        optimizer = torch.optim.SGD(parameters, lr=cell["lr"], momentum=options["momentum"],
-                                    nesterov=options.get("nesterov", False))
-    else:
-        optimizer = torch.optim.AdamW(parameters, lr=cell["lr"])
+    """The one call's recipe for the cell's optimizer (as the lab builds it) with ``changes`` to
+    its settings (the lower-level state's keyword arguments), for trying a change to the
+    recipes on the matrix."""
+    config = TrainConfig(hook="recipe", **options_of(cell, seed=0))
+    optimizer, _ = config.make_optimizer([torch.nn.Parameter(torch.zeros(1))], cell["steps"])
     return dict(recipe_for(optimizer).settings, **changes)
 
 
