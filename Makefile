@@ -19,10 +19,17 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # torch first and pinned: an unpinned torch>=2.13 could resolve to a multi-GB CUDA build.
-# One stamp per extra; Python sources need no reinstall (the install is editable).
-$(VENV)/.installed-%: $(BIN)/python $(SOURCES)
+# The package and its extension are built once, and again only when $(SOURCES) change; Python
+# sources need no reinstall (the install is editable).
+$(VENV)/.installed: $(BIN)/python $(SOURCES)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[$*]"
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+# One stamp per extra: only the extra's requirements, which pip reads from the installed
+# package's metadata (pyproject.toml's as of that build), so nothing is rebuilt.
+$(VENV)/.installed-%: $(VENV)/.installed
+	$(BIN)/pip install --quiet "hetero_comm[$*]"
 	touch $@
 
 # The documentation first: mkdocs --strict fails on a stale link or a page missing from the nav.

@@ -9,8 +9,8 @@ The ranks form a (machines, ranks per machine) mesh (on one host, ``--machines``
 default 2). Each block and the root are sharded with ``fully_shard`` on ``mesh["shard"]``;
 ``hetero_comm.compress(model, optimizer, mesh=mesh)`` picks the recipe for the optimizer and
 sums each shard across machines with it. Halfway, model, optimizer and the exchange's state
-(each rank's error feedback) are saved with ``torch.distributed.checkpoint`` and loaded into new
-objects, which train on.
+(each rank's error feedback) are saved with ``torch.distributed.checkpoint`` to a folder in the
+temporary directory (printed) and loaded into new objects, which train on.
 """
 
 import argparse
@@ -106,6 +106,8 @@ def main():
     dcp.load(loaded, checkpoint_id=folder)
     set_state_dict(model, optimizer, model_state_dict=loaded["model"],
                    optim_state_dict=loaded["optimizer"])
+    if rank == 0:
+        print(f"checkpoint after step {half} (model, optimizer, exchange): {folder}; resumed from it")
     last_loss = train(model, optimizer, args.steps - half, half, rank)
     stats = state.stats()
     if rank == 0:

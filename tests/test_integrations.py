@@ -101,6 +101,9 @@ def test_examples_run_as_written(example, launch, brief, optimizer):
                                 env=dict(os.environ, MASTER_PORT=str(free_port())))
     out = check_finished(result, "compression")
     assert re.search(rf"^{optimizer}: .*\d\.\d{{3}}$", out, re.MULTILINE), out
+    if example == "fsdp_example.py":  # the checkpoint docs/fsdp.md says it makes
+        assert re.search(r"^checkpoint after step 10 \(model, optimizer, exchange\): .+; resumed "
+                         r"from it$", out, re.MULTILINE), out
     ratio = float(re.search(r"steps \d+, compression (\d+\.\d)x", out).group(1))
     # the recipe compressed beyond the int8 wire alone (4x): the brief runs of 20-64 steps lie
     # mostly in the recipes' 25-step density warm-up (measured 7.5-17.9x)

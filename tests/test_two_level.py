@@ -16,9 +16,9 @@ from hetero_comm.hooks.two_level import Shares
 from lab.baselines import dequantize_int4, quantize_int4
 from lab.launch import run_ranks
 from lab.training import TrainConfig, run_training
-from hook_workers import (auto_density_agreement, integer_gradient_steps, prepared_by_two_level, train,
-                          train_recording_warnings, two_level_construction_error,
-                          two_level_with_this_ranks_layout)
+from hook_workers import (auto_density_agreement, hook_warnings, integer_gradient_steps,
+                          prepared_by_two_level, train, train_recording_warnings,
+                          two_level_construction_error, two_level_with_this_ranks_layout)
 
 SPARSE = dict(segment_size=16, density=0.05, warmup_steps=2)
 
@@ -112,6 +112,23 @@ def test_each_rank_holds_back_only_its_share():
     nonzero = np.abs(held) > 0
     assert not (nonzero[0] & nonzero[1]).any() and not (nonzero[2] & nonzero[3]).any()
     assert nonzero[0].any() and nonzero[1].any()
+
+
+@pytest.mark.multirank
+def test_buckets_whose_shares_send_more_than_they_save_warn_once_naming_the_whole_bucket():
+    """Segments of one value: each rank's share of the 1,247-value bucket sends 4 bytes of
+    importance a value, at least its dense bytes; the warning names the whole bucket, so that
+    the min_compress_numel it advises sends that bucket dense. Segments of 16 at 5% send far
+    less than dense and do not warn."""
+    costly = "sent at least the bytes a dense allreduce would"
+    tiny = dict(density=0.5, segment_size=1, warmup_steps=1, machines=2)
+    for warned in run_ranks(4, hook_warnings, "two_level", tiny, 5):
+        found = [w for w in warned if costly in w]
+        assert len(found) == 1, warned  # once, not every step
+        assert "bucket(s) 0 (1247 values)" in found[0] and "min_compress_numel=1248" in found[0]
+    for settings_ in (dict(tiny, min_compress_numel=1248), dict(SPARSE, machines=2)):
+        for warned in run_ranks(4, hook_warnings, "two_level", settings_, 5):
+            assert not any(costly in w for w in warned), warned
 
 
 @pytest.mark.multirank

@@ -117,8 +117,9 @@ class TwoLevelState(SegmentSparseState):
 
     Each share goes through the sparse hook's steps with this state's settings, summed over
     one rank per machine (so the int8 wire's levels follow from the number of machines; beyond
-    63 machines it is summed in two phases, see ``int8_sum``). :meth:`dense` builds the
-    two-level sum without compression.
+    63 machines it is summed in two phases, see ``int8_sum``); a bucket whose share sends at
+    least its dense bytes between machines is warned of once, naming the bucket's size, as the
+    flat hook warns. :meth:`dense` builds the two-level sum without compression.
 
     Raises:
         ValueError: a machine layout that does not cover the ranks, machines of unequal rank
@@ -152,6 +153,9 @@ class TwoLevelState(SegmentSparseState):
         if settings.get("scale_sign_step"):
             raise ValueError("scale_sign_step is not offered on the two-level sync yet (its "
                              "exchange runs on a thread of its own): leave it False")
+        if settings.get("large_gradient_density"):
+            raise ValueError("large_gradient_density is not offered on the two-level sync yet "
+                             "(its exchange runs on a thread of its own): leave it 0")
         controller = None
         if isinstance(density, AutoDensity):  # (its bad settings raise before any group is made)
             wire = WIRE_DTYPES[check_choice("wire_dtype", settings.get("wire_dtype", "float32"),
@@ -172,6 +176,12 @@ class TwoLevelState(SegmentSparseState):
         self._result_at: Optional[float] = None  # when the last step's result was ready
         self.statistics.add_counter("bytes_inside_machines")
         self.last_step_density = self.density  # what the optimizer's step follows
+
+    def _start_process_parts(self) -> None:
+        """:meth:`SegmentSparseState._start_process_parts` plus the size of each bucket whose
+        shares the step in flight exchanged (index -> values)."""
+        super()._start_process_parts()
+        self._exchanged_numels: dict = {}
 
     _checkpoint_settings = tuple(name for name in SegmentSparseState._checkpoint_settings
                                  if name != "density") + ("between_machines", "inside_dtype")
@@ -245,20 +255,30 @@ class TwoLevelState(SegmentSparseState):
         return self._exchanges.submit(job)
 
     def _end_step(self, window_seconds: float, compute_seconds: float) -> None:
-        """On the exchange thread, after a step's last bucket: the automatic density."""
+        """On the exchange thread, after a step's last bucket: the automatic density, then the
+        warning about buckets that sent at least their dense bytes (after the agreement, which
+        every rank must join even where warnings raise)."""
         self.last_step_density = self.density
-        if self.auto_density is None:
-            return
-        proposal = self.auto_density.propose(window_seconds, compute_seconds, self.density)
-        agreed = self.auto_density.agree(proposal, self.groups.control)
-        if agreed is not None:
-            self.density = agreed
+        if self.auto_density is not None:
+            proposal = self.auto_density.propose(window_seconds, compute_seconds, self.density)
+            agreed = self.auto_density.agree(proposal, self.groups.control)
+            if agreed is not None:
+                self.density = agreed
+        self._warn_costly_buckets()
 
     def exchange_share(self, plan_bucket: PlanBucket, shares: Shares, values: torch.Tensor,
                        index: int) -> bool:
         """Step 2 of :func:`two_level_hook`: sum this rank's share ``values`` (non-empty,
         in place) over its rail; ``True`` if it held a non-finite value (then zeros)."""
+        self._exchanged_numels[index] = max(shares.numel, self._exchanged_numels.get(index, 0))
         return _exchange_share(self, plan_bucket, shares, values, index)
+
+    def take_costly_buckets(self) -> dict:
+        """:meth:`SegmentSparseState.take_costly_buckets` with each bucket's whole size, which
+        ``min_compress_numel`` compares, in place of the size of this rank's share."""
+        numels, self._exchanged_numels = self._exchanged_numels, {}
+        return {index: numels.get(index, numel)
+                for index, numel in super().take_costly_buckets().items()}
 
     def wait(self) -> None:
         """Wait until the exchange thread has finished every bucket handed to it."""
@@ -311,6 +331,7 @@ class TwoLevelState(SegmentSparseState):
         self.wait()
         state = super().__getstate__()
         state["groups"], state["_exchanges"] = None, None
+        del state["_exchanged_numels"]
         state["_step_began"], state["_result_at"] = None, None
         return state
 
