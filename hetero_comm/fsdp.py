@@ -225,6 +225,9 @@ class FSDPSparseState:
         if settings.get("scale_sign_step"):
             raise ValueError("scale_sign_step is not offered with FSDP2 yet (the step scale "
                              "reads each DDP bucket's gradient): leave it False")
+        if settings.get("large_gradient_density"):
+            raise ValueError("large_gradient_density is not offered with FSDP2 yet (the watch "
+                             "reads each DDP bucket's gradient): leave it 0")
         self.sparse = SegmentSparseState(process_group=mesh["replicate"].get_group(), **settings)
         shards = mesh["shard"].size()
         device = next(p for _, _, parameters in modules for p in parameters).to_local().device

@@ -37,6 +37,9 @@ DENSE_BYTES_PER_VALUE = 4
 ADAMW_DENSITY = 0.10
 SGD_DENSITY = 0.08
 SGD_MIN_SEGMENTS_PER_BUCKET = 150
+# The SGD recipe sends at least this share of the segments while the ranks' gradient is large
+# (docs/design/one-call.md, "A higher density while the gradient is large"); flat DDP only.
+SGD_LARGE_GRADIENT_DENSITY = 0.25
 # After the one dense step, both recipes start near dense and reach their density
 # geometrically over this many steps (DGC's warm-up; docs/design/one-call.md, "The density
 # warm-up").
@@ -136,6 +139,8 @@ def recipe_for(optimizer, ratio: Optional[float] = None) -> Recipe:
                         segment_size=SEGMENT_SIZE, wire_dtype="int8",
                         min_segments_per_bucket=SGD_MIN_SEGMENTS_PER_BUCKET,
                         density_warmup_steps=DENSITY_WARMUP_STEPS)
+        if ratio is None:
+            settings["large_gradient_density"] = SGD_LARGE_GRADIENT_DENSITY
         if momenta[0]:
             settings["momentum"] = momenta[0]
             nesterov = {bool(group.get(USER_NESTEROV_KEY, group["nesterov"]))
@@ -280,7 +285,7 @@ def _compress_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     settings = dict(optimizer=type(optimizer).__name__, ratio=ratio, recipe=recipe.settings,
                     mesh=list(mesh.shape))
     agree_over_mesh("hetero_comm.compress settings", settings, mesh)
-    state = FSDPSparseState(model, mesh, **recipe.settings)
+    state = FSDPSparseState(model, mesh, **_without_flat_only(recipe.settings))
     if mesh["replicate"].size() == 1:
         warnings.warn(f"hetero_comm.compress(mesh=...): the mesh has one machine "
                       f"({mesh['shard'].size()} ranks sharding the model), so FSDP's reduce-scatter "
@@ -321,7 +326,7 @@ def _recipe_state(recipe: Recipe, ratio, machines, process_group, ddp_model):
                       f"(the flat recipe); to treat groups of them as machines, give machines the "
                       f"ranks per machine", UserWarning, stacklevel=3)
         return AllreduceState(process_group=process_group), allreduce_hook
-    settings = dict(recipe.settings)
+    settings = _without_flat_only(recipe.settings)
     if ratio == "auto":
         high, low = AUTO_RATIOS
         settings.update(density=AutoDensity(floor=density_for_ratio(low),
@@ -329,6 +334,12 @@ def _recipe_state(recipe: Recipe, ratio, machines, process_group, ddp_model):
     return (TwoLevelState(process_group=process_group, machines=list(layout.machine_of_rank),
                           **settings), two_level_hook)
 
+
+
+def _without_flat_only(settings: dict) -> dict:
+    """``settings`` without those only flat DDP offers (the two-level sync and FSDP2 leave the
+    larger density while the gradient is large out)."""
+    return {name: value for name, value in settings.items() if name != "large_gradient_density"}
 
 
 def _remember_user_momentum(optimizer: torch.optim.Optimizer, recipe: Recipe) -> None:

@@ -363,3 +363,30 @@ def step_scale_resume(rank, world_size, bucket_cap_mb=25, steps=12, resume_at=7)
         resumed, resumed_factors = run(True)
     return dict(equal=torch.equal(straight, resumed), factors=straight_factors,
                 resumed_factors=resumed_factors)
+
+
+def large_gradient_steps(rank, world_size, falling, steps=140, ratio=None):
+    """The SGD recipe (momentum 0.9) on a 64 x 64 linear map fitting a map it can reach
+    (``falling``: the gradient falls as it fits) or each rank's own noise targets (the
+    gradient stays large): per step ``stats()``'s density and large-gradient flag, and the
+    warnings given."""
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Linear(64, 64))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = hetero_comm.compress(ddp, optimizer, ratio=ratio)
+        densities, large = [], []
+        for step in range(steps):
+            generator = torch.Generator().manual_seed(step if falling else 1000 * step + rank + 1)
+            x = torch.randn(32, 64, generator=generator)
+            target = x @ torch.ones(64, 64) / 8 if falling else torch.randn(32, 64, generator=generator)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(ddp(x), target).backward()
+            optimizer.step()
+            stats = state.stats()
+            densities.append(stats["density"])
+            large.append(stats.get("large_gradient"))
+    return dict(densities=densities, large=large, stats=state.stats(),
+                warnings=[str(w.message) for w in caught if "gradient is still large" in str(w.message)],
+                params=torch.cat([p.detach().flatten() for p in ddp.parameters()]).tolist())

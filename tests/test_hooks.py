@@ -81,6 +81,7 @@ def test_dct_keeping_every_coefficient_is_within_quantization_error(world_size, 
     ("sparse", dict(SPARSE, basis=DCT(4))),
     ("sparse", dict(SPARSE, wire_dtype="int8")),
     ("sparse", dict(SPARSE, wire_dtype="int8", basis=DCT(8))),
+    ("sparse", dict(SPARSE, large_gradient_density=0.5, large_gradient_fall=1.5)),
     ("dct", DCT_QUANT),
     ("dct", dict(DCT_QUANT, bits=16)),
     ("dct", dict(DCT_QUANT, bits=32)),
@@ -246,6 +247,8 @@ def test_no_sync_gradient_accumulation(hook, settings_):
     ("sparse", dict(SPARSE, basis=DCT(8), momentum=0.9)),
     # each bucket's segment size from its own size (0.002 MB: buckets of a few hundred elements)
     ("sparse", dict(SPARSE, wire_dtype="int8", momentum=0.9, segment_size=512, min_segments_per_bucket=150)),
+    # the watch's running mean and the sum in flight at the checkpoint (decisions from step 7)
+    ("sparse", dict(SPARSE, momentum=0.9, large_gradient_density=0.5, large_gradient_fall=1.5)),
     ("dct", DCT_QUANT),
 ])
 @pytest.mark.parametrize("bucket_cap_mb", [25, 0.002])
@@ -253,12 +256,15 @@ def test_resume_from_state_dict_continues_exactly(hook, settings_, bucket_cap_mb
     """A new model, DDP and hook state loaded from rank 0's checkpoint on every rank (as
     frameworks do; the checkpoint sees DDP's provisional bucket layout again) ends bitwise
     where the uninterrupted run ends."""
-    options = dict(bucket_cap_mb=bucket_cap_mb)
+    options = dict(bucket_cap_mb=bucket_cap_mb, return_state_dict=True)
     uninterrupted = run_ranks(2, train, hook, settings_, 10, options)
     resumed = run_ranks(2, train, hook, settings_, 10, dict(options, resume_at=6))
     for a, b in zip(uninterrupted, resumed):
         np.testing.assert_array_equal(a["params"], b["params"])
         np.testing.assert_array_equal(a["held_back"], b["held_back"])
+        if "large_gradient" in a["stats"]:  # the watch's running mean goes on as it would have
+            watched = [loaded(run["state_dict"])["large_gradient"] for run in (a, b)]
+            assert watched[0] == watched[1] and watched[0]["readings"] == 7
 
 
 @pytest.mark.multirank
@@ -515,6 +521,8 @@ def test_check_optimizer_warns_when_the_step_does_not_suit_the_output(output, op
     (lambda: SegmentSparseState(int8_sum="two_phase"), r"int8_sum='two_phase' says how the int8 "
                                                        r"wire is summed; this state's wire is float32"),
     (lambda: SegmentSparseState(min_segments_per_bucket=-1), "min_segments_per_bucket"),
+    (lambda: SegmentSparseState(large_gradient_density=1.5), "large_gradient_density"),
+    (lambda: SegmentSparseState(large_gradient_fall=1.0), r"large_gradient_fall must be a number in \(1.0"),
     (lambda: DCTQuantState(block_size=100), "block_size must be a power of two"),
     (lambda: DCTQuantState(block_size=1), "block_size"),
     (lambda: DCTQuantState(keep_ratio=0.0), "keep_ratio"),

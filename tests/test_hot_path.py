@@ -47,8 +47,9 @@ def test_small_buckets_exchanged_together_train_as_when_exchanged_alone(optimize
         assert not np.array_equal(result["fused"], result["initial"])  # it trained
         assert result["buckets"] >= 3
         assert result["fused_calls"] < result["separate_calls"]
-        if fuse_below is None:
-            assert result["fused_calls"] == 2  # the whole small model: one group
+        if fuse_below is None:  # the whole small model: one group (the SGD recipe's gradient
+            # watch adds its allreduce of one float a step)
+            assert result["fused_calls"] == 2 + optimizer_name.startswith("sgd")
         if world_size == 2:
             np.testing.assert_array_equal(result["fused"], result["separate"])
         else:

@@ -21,6 +21,7 @@ from .._layout import num_segments
 from ._optimizer import (HandedMomentumCorrectedSum, HandedSign, HandedSum, SIGN_LR_SCALE,
                          momentum_correction_lr_scale)
 from ._plan import PlanBucket
+from ._large_gradient import LARGE_GRADIENT_WARN_AFTER, GradientEnergyWatch
 from ._step_scale import SKETCH_SIZE, StepScale
 from ._sparse_parts import (INT8_CLIP_RMS, MIN_SEGMENTS_PER_BUCKET, SEGMENTS, WIRE_DTYPES, WIRES,
                             AgreedNow, add_contribution, int8_levels, restart_sent_velocity)
@@ -101,18 +102,27 @@ class SegmentSparseState(ErrorFeedbackState):
             257 floats more are summed a step). Default False: the AdamW recipe leaves it out,
             as it helped at a constant rate and cost short runs (docs/design/recipes-adamw.md,
             "The step at a constant rate"). Flat DDP only.
+        large_gradient_density: while the ranks' summed gradient is large, send at least this
+            share of the segments (:class:`~._large_gradient.GradientEnergyWatch`: large while
+            a running mean of its squared norm stays above ``1 / large_gradient_fall`` of its
+            peak; one norm a bucket and one float summed a step). 0 (default): off. The SGD
+            recipe uses 0.25. Flat DDP only.
+        large_gradient_fall: how far (a factor on the squared norm, > 1) the gradient must fall
+            from its peak to count as small; default 4.
         rank_weight, warmup_steps, min_compress_numel: see
             :class:`~hetero_comm.hooks.ErrorFeedbackState`.
     """
 
     _checkpoint_settings = ("density", "segment_size", "min_segments_per_bucket", "momentum", "nesterov", "density_warmup_steps", "basis",
-                            "dct_block_size", "scale_sign_step")
+                            "dct_block_size", "scale_sign_step",
+                            "large_gradient_density", "large_gradient_fall")
 
     def __init__(self, *, process_group: Optional[dist.ProcessGroup] = None,
                  density: float = 0.01, segment_size: int = 256,
                  min_segments_per_bucket: int = 0, momentum: float = 0.0, nesterov: bool = False, density_warmup_steps: int = 0,
                  wire_dtype: str = "float32", basis: Basis = "elements", int8_sum: str = "auto",
                  output: str = "sum", scale_sign_step: bool = False,
+                 large_gradient_density: float = 0.0, large_gradient_fall: float = 4.0,
                  rank_weight: Optional[float] = None,
                  warmup_steps: int = 1, min_compress_numel: int = 0) -> None:
         self.momentum = check_float("momentum", momentum, 0.0, 0.999)
@@ -143,6 +153,12 @@ class SegmentSparseState(ErrorFeedbackState):
                              f"has output={output!r} (leave scale_sign_step False)")
         self.scale_sign_step = scale_sign_step
         self.step_scale = StepScale() if scale_sign_step else None
+        self.large_gradient_density = check_float("large_gradient_density",
+                                                  large_gradient_density, 0.0, 1.0)
+        self.large_gradient_fall = check_float("large_gradient_fall", large_gradient_fall, 1.0,
+                                               float("inf"), low_open=True)
+        self.large_gradient = (GradientEnergyWatch(self.large_gradient_fall)
+                               if self.large_gradient_density else None)
         self.int8_sum = check_choice("int8_sum", int8_sum, INT8_SUMS)
         if int8_sum != "auto" and self.wire_dtype != "int8":
             raise ValueError(f"int8_sum={int8_sum!r} says how the int8 wire is summed; this "
@@ -151,6 +167,7 @@ class SegmentSparseState(ErrorFeedbackState):
         if self.wire_dtype == "int8" and dist.is_initialized():
             self.int8_levels()  # a clear error now rather than at the first step
         self._warned_coarse_segments = False
+        self._warned_large_gradient = False
         self._log_settings()
 
     def _start_process_parts(self) -> None:
@@ -174,10 +191,14 @@ class SegmentSparseState(ErrorFeedbackState):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._warned_coarse_segments = False
+        self.__dict__.setdefault("_warned_large_gradient", False)
         self.__dict__.setdefault("nesterov", False)  # pickled before the setting existed
         self.__dict__.setdefault("int8_sum", "auto")
         self.__dict__.setdefault("scale_sign_step", False)
         self.__dict__.setdefault("step_scale", None)
+        self.__dict__.setdefault("large_gradient_density", 0.0)
+        self.__dict__.setdefault("large_gradient_fall", 4.0)
+        self.__dict__.setdefault("large_gradient", None)
 
     def settings(self) -> dict:
         return dict(density=self.density, segment_size=self.segment_size,
@@ -185,29 +206,43 @@ class SegmentSparseState(ErrorFeedbackState):
                     momentum=self.momentum, nesterov=self.nesterov,
                     density_warmup_steps=self.density_warmup_steps, wire_dtype=self.wire_dtype,
                     basis=self.basis_setting(), int8_sum=self.int8_sum, output=self.output,
-                    scale_sign_step=self.scale_sign_step, **super().settings())
+                    scale_sign_step=self.scale_sign_step,
+                    large_gradient_density=self.large_gradient_density,
+                    large_gradient_fall=self.large_gradient_fall, **super().settings())
 
     def stats(self) -> dict:
         """:meth:`ErrorFeedbackState.stats`, plus the share of the segments the last step sent
         (``density``: 1 in the dense warm-up, then falling over ``density_warmup_steps`` to the
-        setting) and, with ``scale_sign_step``, the factor the last step took on the recipe's
-        rate (``sign_step_scale``, in (0, 1])."""
+        setting, or ``large_gradient_density`` while the gradient is large), with
+        ``large_gradient_density`` whether the last step counted the gradient as large
+        (``large_gradient``) and how many steps did (``large_gradient_steps``), and with
+        ``scale_sign_step`` the factor the last step took on the recipe's rate
+        (``sign_step_scale``, in (0, 1])."""
         stats = super().stats()
-        stats["density"] = self.density_at(max(self.step - 1, 0))
+        watch = self.large_gradient
+        stats["density"] = self.density_at(max(self.step - 1, 0),
+                                           watch is not None and watch.large_last_step)
+        if watch is not None:
+            stats["large_gradient"] = watch.large_last_step
+            stats["large_gradient_steps"] = watch.large_steps
         if self.step_scale is not None:
             stats["sign_step_scale"] = self.step_scale.applied
         return stats
 
     def state_dict(self) -> dict:
-        """:meth:`ErrorFeedbackState.state_dict` (a collective), plus the step scale's running
-        means (the same on every rank)."""
+        """:meth:`ErrorFeedbackState.state_dict` (a collective), plus the step scale's and the
+        gradient watch's running means (the same on every rank)."""
         saved = dict(step_scale=self.step_scale.state_dict()) if self.step_scale else {}
+        if self.large_gradient is not None:
+            saved["large_gradient"] = self.large_gradient.state_dict()
         return dict(super().state_dict(), **saved)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         if self.step_scale is not None and "step_scale" in state_dict:
             self.step_scale.load_state_dict(state_dict["step_scale"])
+        if self.large_gradient is not None:
+            self.large_gradient.load_state_dict(state_dict["large_gradient"])
 
     def agreed_constants(self) -> dict:
         """:meth:`HookState.agreed_constants`: how many values consecutive buckets gather
@@ -239,22 +274,24 @@ class SegmentSparseState(ErrorFeedbackState):
         last = bucket.is_last()
         if not self.pipelines_agreement(bucket.buffer()):
             try:
-                return super().run(bucket, self._sketched(send))
+                return super().run(bucket, self._sketched(self._watched(send)))
             finally:
                 if last:
                     self._end_step_scale(bucket.buffer().device)
                     self._warn_costly_buckets()
+                    self._warn_large_gradient()
         pipeline = self._pipeline
         if bucket.index() == 0 and pipeline.pending():  # DDP hands bucket 0 over first
             pipeline.discard()
         earlier = len(pipeline.issued)
         try:
-            return super().run(bucket, self._sketched(self._send_pipelined))
+            return super().run(bucket, self._sketched(self._watched(self._send_pipelined)))
         finally:  # the groups issued before this bucket; at the step's last bucket, all
             if last:
                 pipeline.end_step()
                 self._end_step_scale(bucket.buffer().device)
                 self._warn_costly_buckets()
+                self._warn_large_gradient()
             else:
                 pipeline.finish(earlier)
                 pipeline.deliver(wait=False)
@@ -274,10 +311,43 @@ class SegmentSparseState(ErrorFeedbackState):
 
         return sketched_send
 
+    def _watched(self, send):
+        """``send``, first noting each compressed bucket's gradient norm where
+        ``large_gradient_density`` is set."""
+        if self.large_gradient is None:
+            return send
+
+        def watched_send(state, plan_bucket: PlanBucket, grad: torch.Tensor, index: int):
+            self.large_gradient.observe(grad)
+            return send(state, plan_bucket, grad, index)
+
+        return watched_send
+
+    def _warn_large_gradient(self) -> None:
+        """Warn once when the gradient still counts as large
+        :data:`LARGE_GRADIENT_WARN_AFTER` steps past the density warm-up."""
+        watch = self.large_gradient
+        if (watch is None or not watch.large or self._warned_large_gradient
+                or self.step < self.warmup_steps + self.density_warmup_steps + LARGE_GRADIENT_WARN_AFTER):
+            return
+        self._warned_large_gradient = True
+        warnings.warn(f"hetero_comm: after {self.step} steps the gradient is still large (a "
+                      f"running mean of its squared norm above 1/{self.large_gradient_fall:g} of "
+                      f"its peak), so each step sends {self.large_gradient_density:.0%} of the "
+                      f"segments instead of {self.density:.0%} while it stays so: less "
+                      f"compression, kept where the smaller share fell behind dense training "
+                      f"(docs/design/one-call.md, 'A higher density while the gradient is "
+                      f"large'). stats() has 'large_gradient_steps' and the "
+                      f"'compression_ratio' reached; this warning is given once",
+                      UserWarning, stacklevel=2)
+
     def _end_step_scale(self, device: torch.device) -> None:
-        """After a step's last bucket: the step scale's sums (every rank in this order)."""
+        """After a step's last bucket: the step scale's and the gradient watch's sums (every
+        rank in this order)."""
         if self.step_scale is not None:
             self.step_scale.end_step(self.process_group, device)
+        if self.large_gradient is not None:
+            self.large_gradient.end_step(self.process_group)
 
     def count_exchange(self, index: int, numel: int, dense_bytes: int, sent_bytes: int,
                        step: Optional[int] = None) -> None:
@@ -356,7 +426,12 @@ class SegmentSparseState(ErrorFeedbackState):
         if self.output == "sign":
             return HandedSign(None if self.step_scale is None else self.step_scale.factor_for)
         if self.momentum:
-            return HandedMomentumCorrectedSum(self.momentum, self.density, self.nesterov)
+            density = self.density
+            if self.large_gradient is not None:  # the rate follows the larger density when sent
+                def density() -> float:
+                    large = self.large_gradient.large_last_step
+                    return max(self.density, self.large_gradient_density) if large else self.density
+            return HandedMomentumCorrectedSum(self.momentum, density, self.nesterov)
         return HandedSum()
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
@@ -425,8 +500,11 @@ class SegmentSparseState(ErrorFeedbackState):
                       f"those that can wait, and training can fall behind or diverge at large "
                       f"learning rates: {fix}", UserWarning, stacklevel=2)
 
-    def density_at(self, step: int) -> float:
-        """The density used at ``step`` (1 during the dense warm-up)."""
+    def density_at(self, step: int, large_gradient: bool = False) -> float:
+        """The density used at ``step`` (1 during the dense warm-up; at least
+        ``large_gradient_density`` where ``large_gradient``)."""
+        if large_gradient and self.large_gradient_density:
+            return max(self.density_at(step), self.large_gradient_density)
         ramp = step - self.warmup_steps
         if ramp < 0:
             return 1.0
@@ -436,7 +514,8 @@ class SegmentSparseState(ErrorFeedbackState):
 
     def segments_to_send(self, segments: int, step: int) -> int:
         """``k = ceil(density * S)`` at ``step`` (at least 1 for a non-empty bucket)."""
-        return min(segments, max(1, math.ceil(self.density_at(step) * segments - 1e-9)))
+        large = self.large_gradient is not None and self.large_gradient.large
+        return min(segments, max(1, math.ceil(self.density_at(step, large) * segments - 1e-9)))
 
 
 def segment_sparse_hook(state: SegmentSparseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
