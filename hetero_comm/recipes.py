@@ -39,7 +39,7 @@ SGD_DENSITY = 0.08
 SGD_MIN_SEGMENTS_PER_BUCKET = 150
 # The SGD recipe sends at least this share of the segments while the ranks' gradient is large
 # (docs/design/one-call.md, "A higher density while the gradient is large"); flat DDP only.
-SGD_LARGE_GRADIENT_DENSITY = 0.25
+SGD_LARGE_GRADIENT_DENSITY = 0.16
 # After the one dense step, both recipes start near dense and reach their density
 # geometrically over this many steps (DGC's warm-up; docs/design/one-call.md, "The density
 # warm-up").

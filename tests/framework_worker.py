@@ -37,7 +37,7 @@ ONE_CALL = {"compress_adamw": dict(density=0.10, segment_size=512, wire_dtype="i
                                    basis="dct", output="sign", density_warmup_steps=25),
             "compress_sgd": dict(density=0.08, segment_size=512, wire_dtype="int8", momentum=0.9,
                                  min_segments_per_bucket=150, density_warmup_steps=25,
-                                 large_gradient_density=0.25)}
+                                 large_gradient_density=0.16)}
 RECIPES = ("dct_sign", "dct_sign_int8", "sparse_mc", *ONE_CALL)
 
 

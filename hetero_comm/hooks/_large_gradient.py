@@ -2,10 +2,10 @@
 
 Error feedback delays what it does not send; a delay costs most while the gradient is large
 and the parameters still move far, and least once it has settled. On the quality matrix the
-SGD recipe at 8% fell 2-5 points behind dense on models whose gradient stays large through a
-short run (a ResNet with GroupNorm in 200 steps, a GRU), and held at 25% of the segments there;
-on the MLP and the CNN, whose gradient falls by an order of magnitude early, 8% held
-(docs/design/one-call.md, "A higher density while the gradient is large").
+SGD recipe at 8% fell 2-5 points behind dense on a ResNet with GroupNorm in 200 steps, whose
+gradient stays large through the run, and held at a higher density; on the MLP and the CNN,
+whose gradient falls by an order of magnitude early, 8% held (docs/design/one-call.md, "A
+higher density while the gradient is large").
 
 :class:`GradientEnergyWatch` measures the ranks' summed squared gradient norm at every step
 (one norm a bucket on each rank; the sum rides one allreduce of a single float issued at the

@@ -105,8 +105,9 @@ class SegmentSparseState(ErrorFeedbackState):
         large_gradient_density: while the ranks' summed gradient is large, send at least this
             share of the segments (:class:`~._large_gradient.GradientEnergyWatch`: large while
             a running mean of its squared norm stays above ``1 / large_gradient_fall`` of its
-            peak; one norm a bucket and one float summed a step). 0 (default): off. The SGD
-            recipe uses 0.25. Flat DDP only.
+            peak; one norm a bucket and one float summed a step). With ``momentum`` the rate's
+            factor stays that of ``density``, as in the density warm-up. 0 (default): off. The
+            SGD recipe uses 0.16. Flat DDP only.
         large_gradient_fall: how far (a factor on the squared norm, > 1) the gradient must fall
             from its peak to count as small; default 4.
         rank_weight, warmup_steps, min_compress_numel: see
@@ -426,12 +427,7 @@ class SegmentSparseState(ErrorFeedbackState):
         if self.output == "sign":
             return HandedSign(None if self.step_scale is None else self.step_scale.factor_for)
         if self.momentum:
-            density = self.density
-            if self.large_gradient is not None:  # the rate follows the larger density when sent
-                def density() -> float:
-                    large = self.large_gradient.large_last_step
-                    return max(self.density, self.large_gradient_density) if large else self.density
-            return HandedMomentumCorrectedSum(self.momentum, density, self.nesterov)
+            return HandedMomentumCorrectedSum(self.momentum, self.density, self.nesterov)
         return HandedSum()
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
