@@ -64,7 +64,15 @@ class GradientEnergyWatch:
         norms = torch.stack(self._norms)
         energy = torch.dot(norms, norms)
         self._norms = []
-        self._pending = (dist.all_reduce(energy, group=group, async_op=True), energy)
+        work = dist.all_reduce(energy, group=group, async_op=True)
+        if energy.is_cuda:  # copied to the host behind the sum on the stream, read a step later
+            work.wait()  # (the stream waits, not the host)
+            host = torch.empty((), dtype=energy.dtype, pin_memory=True)
+            host.copy_(energy, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record()
+            work, energy = arrived, host
+        self._pending = (work, energy)
 
     def _read(self) -> None:
         if self._pending is None:
@@ -103,5 +111,10 @@ class GradientEnergyWatch:
 
 
 def _wait(work, energy: torch.Tensor) -> float:
-    work.wait()
+    """The summed value once it has arrived (``work``: the allreduce, or on a GPU the event
+    after its copy to the host, waited for by the host without a device-wide synchronisation)."""
+    if isinstance(work, torch.cuda.Event):
+        work.synchronize()
+    else:
+        work.wait()
     return float(energy)  # (read on the host, a step after it was issued)
