@@ -285,6 +285,17 @@ def compress_with_this_ranks_ratio(rank, world_size, ratios, timeout_seconds=Non
     return "no error", "", _untouched(ddp, optimizer, groups_before)
 
 
+def linear_map_step(ddp, optimizer, rank, step, reachable) -> None:
+    """One step of fitting a 64 x 64 linear map: on a batch every rank shares, to a map it can
+    reach (``reachable``), or on this rank's own batch of noise targets."""
+    generator = torch.Generator().manual_seed(step if reachable else 1000 * step + rank + 1)
+    x = torch.randn(32, 64, generator=generator)
+    target = x @ torch.ones(64, 64) / 8 if reachable else torch.randn(32, 64, generator=generator)
+    optimizer.zero_grad()
+    nn.functional.mse_loss(ddp(x), target).backward()
+    optimizer.step()
+
+
 def with_step_scale(ddp, optimizer):
     """The AdamW recipe's state with ``scale_sign_step=True``, registered on ``ddp`` and
     fitting ``optimizer``, as ``compress`` registers the recipe."""
@@ -311,12 +322,7 @@ def step_scale_steps(rank, world_size, agreeing, steps=40, scheduled=False):
         state = with_step_scale(ddp, optimizer)
     factors = []
     for step in range(steps):
-        generator = torch.Generator().manual_seed(step if agreeing else 1000 * step + rank + 1)
-        x = torch.randn(32, 64, generator=generator)
-        target = x @ torch.ones(64, 64) / 8 if agreeing else torch.randn(32, 64, generator=generator)
-        optimizer.zero_grad()
-        nn.functional.mse_loss(ddp(x), target).backward()
-        optimizer.step()
+        linear_map_step(ddp, optimizer, rank, step, agreeing)
         if schedule is not None:
             schedule.step()
         factors.append(state.stats()["sign_step_scale"])
@@ -378,12 +384,7 @@ def large_gradient_steps(rank, world_size, falling, steps=140, ratio=None):
         state = hetero_comm.compress(ddp, optimizer, ratio=ratio)
         densities, large = [], []
         for step in range(steps):
-            generator = torch.Generator().manual_seed(step if falling else 1000 * step + rank + 1)
-            x = torch.randn(32, 64, generator=generator)
-            target = x @ torch.ones(64, 64) / 8 if falling else torch.randn(32, 64, generator=generator)
-            optimizer.zero_grad()
-            nn.functional.mse_loss(ddp(x), target).backward()
-            optimizer.step()
+            linear_map_step(ddp, optimizer, rank, step, falling)
             stats = state.stats()
             densities.append(stats["density"])
             large.append(stats.get("large_gradient"))
