@@ -32,16 +32,16 @@ def params():
           density_warmup_steps=25)),
     (lambda: torch.optim.SGD(params(), lr=0.1, momentum=0.9), "sgd",
      dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150,
-          density_warmup_steps=25, momentum=0.9)),
+          density_warmup_steps=25, large_gradient_density=0.16, momentum=0.9)),
     (lambda: torch.optim.SGD(params(), lr=0.1, momentum=0.5), "sgd",
      dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150,
-          density_warmup_steps=25, momentum=0.5)),
+          density_warmup_steps=25, large_gradient_density=0.16, momentum=0.5)),
     (lambda: torch.optim.SGD(params(), lr=0.1, momentum=0.9, nesterov=True), "sgd",
      dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150,
-          density_warmup_steps=25, momentum=0.9, nesterov=True)),
+          density_warmup_steps=25, large_gradient_density=0.16, momentum=0.9, nesterov=True)),
     (lambda: torch.optim.SGD(params(), lr=0.1), "sgd",
      dict(density=0.08, segment_size=512, wire_dtype="int8", min_segments_per_bucket=150,
-          density_warmup_steps=25)),
+          density_warmup_steps=25, large_gradient_density=0.16)),
 ])
 def test_recipe_for_each_supported_optimizer(make, name, expected):
     recipe = recipe_for(make())
