@@ -11,6 +11,8 @@ configurations take turns, ten rounds of a tenth of the steps each):
 - ``AdamW recipe``, ``SGD recipe`` (momentum 0.9): ``hetero_comm.compress(ddp, optimizer)``,
   each recipe's added time taken against the "no communication" step with its own optimizer
   (AdamW's step costs more than SGD's, and that is not the hook's).
+- ``SGD recipe, no watch``: the SGD recipe asked for its own density with ``ratio=``, which
+  leaves out its gradient watch (the cost of the watch: the difference to ``SGD recipe``).
 
 Two runs: world size 1 (NCCL on CUDA, gloo on the CPU), where the collective moves nothing
 and a recipe's added time (its step minus "no communication") is its kernels' cost; and 2 gloo
@@ -44,9 +46,11 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 import hetero_comm
+from hetero_comm.recipes import recipe_for
 from lab.launch import run_ranks
 
-CONFIGS = ("allreduce", "no communication", "no communication, AdamW", "AdamW recipe", "SGD recipe")
+CONFIGS = ("allreduce", "no communication", "no communication, AdamW", "AdamW recipe", "SGD recipe",
+           "SGD recipe, no watch")
 # the configuration each one's added time is measured against: the same optimizer, no hook work
 BASELINES = {config: "no communication, AdamW" if "AdamW" in config else "no communication"
              for config in CONFIGS}
@@ -77,6 +81,9 @@ def _build(config: str, device: torch.device, width: int, layers: int, group, bu
         ddp.register_comm_hook(calls, _return_bucket)
     elif config.endswith("recipe"):
         hetero_comm.compress(ddp, optimizer, process_group=group)
+    elif config.endswith("no watch"):  # the recipe's own density asked for: no gradient watch
+        hetero_comm.compress(ddp, optimizer, process_group=group,
+                             ratio=recipe_for(optimizer).nominal_ratio)
     return ddp, optimizer
 
 
@@ -207,7 +214,7 @@ def print_runtime_calls(profiles: dict, buckets: int) -> None:
     print(f"\n  runtime calls a bucket added by the recipe (one profiled step, {buckets} bucket(s))")
     print(f"  {'configuration':<23}" + "".join(f" {kind:>12}" for kind in RUNTIME_CALLS))
     for config, profiled in profiles.items():
-        if config.endswith("recipe"):
+        if "recipe" in config:
             baseline = profiles[BASELINES[config]]
             print(f"  {config:<23}" + "".join(f" {(profiled[kind] - baseline[kind]) / buckets:>12.1f}"
                                               for kind in RUNTIME_CALLS))
@@ -250,7 +257,7 @@ def main(argv=None) -> int:
     if args.profile:
         with open(args.profile, "w") as f:
             for config, profiled in profiles[alone].items():
-                if config.endswith("recipe"):
+                if "recipe" in config:
                     f.write(f"{config}, {alone}, one steady step ({where}):\n{profiled['table']}\n\n")
         print(f"saved {args.profile}")
         print_runtime_calls(profiles[alone], runs[alone]["buckets"])
