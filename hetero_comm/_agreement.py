@@ -1,14 +1,14 @@
-"""Settings that must be the same on every rank, compared across the ranks once at set-up,
-with a bounded wait: a disagreement raises on every rank naming the setting and each rank's
-value, and a rank that never arrives makes the others raise after
-:data:`SETUP_TIMEOUT_SECONDS` instead of waiting for the process group's timeout (30 minutes
-by default)."""
+"""Settings that must be the same on every rank, compared across the ranks once at set-up
+through the process group's key-value store, with a bounded wait: a disagreement raises on
+every rank naming the setting and each rank's value, and a rank that never arrives makes the
+others raise after :data:`SETUP_TIMEOUT_SECONDS` instead of waiting for the process group's
+timeout (30 minutes by default). No collective is left pending on the group, so a rank that
+ends on the error leaves at once."""
 
 import datetime
 import pickle
 from typing import List, Optional
 
-import torch
 import torch.distributed as dist
 
 __all__ = ["SETUP_TIMEOUT_SECONDS", "agree_across_ranks", "gathered_across_ranks"]
@@ -43,28 +43,24 @@ def _differences(values: List) -> str:
 
 def gathered_across_ranks(value, group: Optional[dist.ProcessGroup], timeout_seconds: float,
                           setting: str) -> List:
-    """Every rank's ``value``, in rank order, each collective waited for at most
-    ``timeout_seconds``."""
-    world_size = dist.get_world_size(group)
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend(group) == "nccl" else torch.device("cpu"))
-    payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
-    _wait(dist.all_gather(sizes, torch.tensor([payload.numel()], device=device), group=group,
-                          async_op=True), timeout_seconds, setting)
-    longest = max(int(size) for size in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[:payload.numel()] = payload
-    gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world_size)]
-    _wait(dist.all_gather(gathered, padded, group=group, async_op=True), timeout_seconds, setting)
-    return [pickle.loads(bytes(data[:int(size)].cpu().numpy()))
-            for data, size in zip(gathered, sizes)]
-
-
-def _wait(work, timeout_seconds: float, setting: str) -> None:
+    """Every rank's ``value``, in rank order, exchanged through the process group's key-value
+    store (no collective is left pending on the group when a rank never arrives, so the ranks
+    that raise can leave), waited for at most ``timeout_seconds``."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    prefix = f"hetero_comm/agreement/{'-'.join(map(str, ranks))}"
+    call = _calls.get(prefix, 0)  # every rank of the group makes the same calls in one order
+    _calls[prefix] = call + 1
+    keys = [f"{prefix}/{call}/{rank}" for rank in ranks]
+    store = dist.distributed_c10d._get_default_store()
+    store.set(keys[ranks.index(dist.get_rank())], pickle.dumps(value))
     try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout_seconds))
-    except RuntimeError as error:
+        store.wait(keys, datetime.timedelta(seconds=timeout_seconds))
+    except RuntimeError as error:  # (the store's timeout; DistStoreError subclasses it)
         raise RuntimeError(f"not every rank compared its {setting} within {timeout_seconds:g} s "
                            f"(hetero_comm._agreement.SETUP_TIMEOUT_SECONDS): every rank of the "
                            f"process group must make the same set-up call ({error})") from error
+    return [pickle.loads(store.get(key)) for key in keys]
+
+
+# how many agreements each group (by its ranks) has made: the calls' keys in the store
+_calls: dict = {}

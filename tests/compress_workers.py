@@ -391,3 +391,18 @@ def large_gradient_steps(rank, world_size, falling, steps=140, ratio=None):
     return dict(densities=densities, large=large, stats=state.stats(),
                 warnings=[str(w.message) for w in caught if "gradient is still large" in str(w.message)],
                 params=torch.cat([p.detach().flatten() for p in ddp.parameters()]).tolist())
+
+
+def leave_on_set_up_error(rank, port):
+    """A script's rank on 127.0.0.1:``port`` (2 ranks): rank 0 calls ``compress`` and lets its
+    error end the process as a script would; rank 1 never calls it and trains a step."""
+    from hetero_comm import _agreement
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    _agreement.SETUP_TIMEOUT_SECONDS = 3.0
+    ddp = make_ddp()
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    if rank == 0:
+        hetero_comm.compress(ddp, optimizer)
+    regression_steps(ddp, optimizer, rank, 0, 1)

@@ -312,3 +312,26 @@ def test_a_rank_that_never_calls_makes_the_others_raise_within_the_set_up_timeou
     assert kind == "RuntimeError" and untouched, message
     assert "not every rank compared its hetero_comm.compress settings within 3 s" in message
     assert results[1][0] == "skipped"
+
+
+@pytest.mark.misuse
+def test_after_the_set_up_timeout_every_rank_leaves():
+    """A rank that never makes the set-up call: the rank whose call times out ends on its
+    error, as a script does, and both processes leave within a bounded time (no collective is
+    left pending on the group to hold the process at exit for the group's 30-minute timeout)."""
+    import multiprocessing
+    from lab.launch import free_port
+
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    ranks = [context.Process(target=compress_workers.leave_on_set_up_error, args=(rank, port))
+             for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=90)
+    alive = [process.is_alive() for process in ranks]
+    for process in ranks:
+        process.kill()
+    assert alive == [False, False]
+    assert all(process.exitcode != 0 for process in ranks)  # both ended on errors
