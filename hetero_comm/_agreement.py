@@ -48,10 +48,12 @@ def gathered_across_ranks(value, group: Optional[dist.ProcessGroup], timeout_sec
     that raise can leave), waited for at most ``timeout_seconds``."""
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     prefix = f"hetero_comm/agreement/{'-'.join(map(str, ranks))}"
-    call = _calls.get(prefix, 0)  # every rank of the group makes the same calls in one order
-    _calls[prefix] = call + 1
-    keys = [f"{prefix}/{call}/{rank}" for rank in ranks]
     store = dist.distributed_c10d._get_default_store()
+    # every rank of the group makes the same calls in one order (counted afresh in a new
+    # default group, whose store is new)
+    call = _calls.get((id(store), prefix), 0)
+    _calls[(id(store), prefix)] = call + 1
+    keys = [f"{prefix}/{call}/{rank}" for rank in ranks]
     store.set(keys[ranks.index(dist.get_rank())], pickle.dumps(value))
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_seconds))
@@ -62,5 +64,5 @@ def gathered_across_ranks(value, group: Optional[dist.ProcessGroup], timeout_sec
     return [pickle.loads(store.get(key)) for key in keys]
 
 
-# how many agreements each group (by its ranks) has made: the calls' keys in the store
+# how many agreements each group (by its store and ranks) has made: the calls' keys
 _calls: dict = {}

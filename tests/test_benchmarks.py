@@ -136,7 +136,7 @@ def test_hook_cost_benchmark_reports_every_configuration(tmp_path):
     report = json.loads(saved.read_text())
     for run in report["runs"].values():
         assert set(run["summary"]) == {"allreduce", "no communication", "no communication, AdamW",
-                                       "AdamW recipe", "SGD recipe"}
+                                       "AdamW recipe", "SGD recipe", "SGD recipe, no watch"}
         assert run["summary"]["no communication"]["added_ms"] == 0
         # the AdamW recipe is measured against the step with AdamW and no communication
         times = run["times_ms"]
